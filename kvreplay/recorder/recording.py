@@ -1,0 +1,213 @@
+"""Record every call on a live allocator instance into a trace.
+
+``record(pool, path)`` swaps the instance's public methods (and those of its
+sub-allocators) for thin wrappers; the class is untouched, so other instances and
+the allocator's behaviour are unchanged. A call the pool makes on itself (SWA
+``free`` calling ``free_swa``) is not a new row; a call into a sub-allocator is a
+nested row whose ``parent`` is the calling row. Rows are handed to a background
+writer when their top-level call returns."""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import inspect
+import logging
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import kvreplay
+from kvreplay.recorder.trace_format import TraceMeta, snapshot
+from kvreplay.recorder.writer import Row, TraceWriter
+
+log = logging.getLogger("kvreplay.recorder")
+
+# State-changing calls and counter reads of the allocator API (DESIGN.md).
+RECORDED_METHODS = (
+    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail",
+    "free", "free_page_ids", "free_segment", "free_segments", "free_full",
+    "free_full_segment", "free_full_segments", "free_swa", "free_swa_segment",
+    "free_group_begin", "free_group_end", "merge_and_sort_free", "clear",
+    "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
+    "available_size", "full_available_size", "swa_available_size",
+)
+COUNTER_METHODS = frozenset({"available_size", "full_available_size", "swa_available_size"})
+SUB_POOLS = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"))
+
+_open: weakref.WeakSet[Recording] = weakref.WeakSet()
+
+
+def pool_class_name(pool: Any) -> str:
+    cls = type(pool)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _source_version(pool: Any) -> dict[str, str]:
+    out = {"kvreplay": kvreplay.__version__, "torch": torch.__version__}
+    top = type(pool).__module__.split(".")[0]
+    mod = __import__(top)
+    ver = getattr(mod, "__version__", None)
+    if ver and top != "kvreplay":
+        out[top] = str(ver)
+    return out
+
+
+class Recording:
+    """An active recording of one allocator instance; ``close()`` finishes the file."""
+
+    def __init__(
+        self,
+        pool: Any,
+        path: str | os.PathLike[str],
+        *,
+        rank: str = "",
+        extra: dict[str, Any] | None = None,
+        rows_per_group: int = 65536,
+    ) -> None:
+        from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
+
+        self.pool = pool
+        self.meta = TraceMeta(
+            pool_class=pool_class_name(pool),
+            family=family_of_pool(pool),
+            ctor_args=ctor_args_of_pool(pool),
+            source_version=_source_version(pool),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            rank=rank,
+            start_time=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+            extra=dict(extra or {}),
+        )
+        self._writer = TraceWriter(path, self.meta, rows_per_group=rows_per_group)
+        self._device = str(getattr(pool, "device", "cpu"))
+        self._stack: list[list[Any]] = []
+        self._next_seq = 0
+        self._active = True
+        self._patched: list[tuple[Any, str]] = []
+        self._counters = self._counter_readers(pool)
+        self._patch(pool, "root")
+        for target, attr in SUB_POOLS:
+            sub = getattr(pool, attr, None)
+            if sub is not None and sub is not pool:
+                self._patch(sub, target)
+        _open.add(self)
+
+    @property
+    def calls_recorded(self) -> int:
+        return self._next_seq
+
+    @staticmethod
+    def _counter_readers(pool: Any) -> tuple[Callable[[], int] | None, ...]:
+        # Bound before patching, so reading counters is never itself recorded.
+        return tuple(getattr(pool, n, None) for n in ("available_size", "full_available_size", "swa_available_size"))
+
+    def _patch(self, obj: Any, target: str) -> None:
+        for name in RECORDED_METHODS:
+            if target != "root" and name in COUNTER_METHODS:
+                continue  # a sub-pool's counters are already in the parent row's counters
+            fn = getattr(obj, name, None)
+            if fn is None or not callable(fn):
+                continue
+            try:
+                params = tuple(p for p in inspect.signature(fn).parameters if p not in ("args", "kwargs"))
+            except (TypeError, ValueError):
+                params = ()
+            setattr(obj, name, self._wrapper(target, name, fn, params))
+            self._patched.append((obj, name))
+
+    def _wrapper(self, target: str, method: str, fn: Callable[..., Any], params: tuple[str, ...]) -> Callable[..., Any]:
+        rec = self
+        stack = self._stack
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if not rec._active or (stack and stack[-1][1] == target):
+                return fn(*args, **kwargs)
+            seq = rec._next_seq
+            rec._next_seq = seq + 1
+            parent = stack[-1][0] if stack else -1
+            names = params[: len(args)] + tuple(kwargs)
+            values = tuple(map(snapshot, args)) + tuple(map(snapshot, kwargs.values()))
+            frame = [seq, target, []]
+            stack.append(frame)
+            t0 = time.time_ns()
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                stack.pop()
+                rec._finish(frame, parent, method, t0, names, values, None, exc)
+                raise
+            stack.pop()
+            rec._finish(frame, parent, method, t0, names, values, result, None)
+            return result
+
+        recorded.__wrapped__ = fn  # type: ignore[attr-defined]
+        recorded.__name__ = method
+        return recorded
+
+    def _finish(
+        self, frame: list[Any], parent: int, method: str, t0: int,
+        names: tuple[str, ...], values: tuple[Any, ...], result: Any, exc: BaseException | None,
+    ) -> None:
+        try:
+            t1 = time.time_ns()
+            seq, target, children = frame
+            depth = len(self._stack)
+            counters: tuple[int | None, ...] = (None, None, None)
+            if depth == 0:
+                # Counter methods call each other; none of that is the program's call.
+                self._active = False
+                try:
+                    counters = tuple(None if f is None else int(f()) for f in self._counters)
+                finally:
+                    self._active = True
+            row = Row(
+                seq, parent, depth, target, method, t0, t1, names, values, snapshot(result),
+                None if exc is None else type(exc).__name__, None if exc is None else str(exc)[:1000],
+                *counters, self._device,
+            )
+            if depth == 0:
+                self._writer.submit([row, *children])
+            else:
+                self._stack[-1][2].extend((row, *children))
+        except Exception:  # never break the recorded program
+            log.exception("kvreplay recorder failed; recording disabled")
+            self._active = False
+
+    def close(self) -> Path:
+        """Stop recording, restore the instance's methods, flush and finish the file."""
+        if self._active or self._patched:
+            self._active = False
+            for obj, name in self._patched:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+            self._patched = []
+        _open.discard(self)
+        return self._writer.close()
+
+    def __enter__(self) -> Recording:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def record(pool: Any, path: str | os.PathLike[str], **kwargs: Any) -> Recording:
+    """Start recording ``pool`` into the Parquet trace ``path``."""
+    return Recording(pool, path, **kwargs)
+
+
+@atexit.register
+def _close_all() -> None:
+    for rec in list(_open):
+        try:
+            rec.close()
+        except Exception:
+            log.exception("kvreplay: could not finish trace %s", rec._writer.path)

@@ -1,0 +1,294 @@
+"""The one place that defines a kvreplay trace on disk (docs/trace-format.md explains it).
+
+A trace is a Parquet file with one row per allocator call (top-level and nested), in
+call-start order. Argument and result values share one struct type, so a value of
+any kind (None, bool, int, float, str, integer/bool tensor, list of ints, list of
+``(tensor, start_pos)`` segments) round-trips losslessly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+SCHEMA_VERSION = 1
+META_PREFIX = "kvreplay."
+
+# Value kinds. Tensors keep dtype, shape and device; their elements go to ``data``.
+NONE, BOOL, INT, FLOAT, STR, TENSOR, INTS, SEGMENTS, OPAQUE = (
+    "none", "bool", "int", "float", "str", "tensor", "ints", "segments", "opaque",
+)
+
+_VALUE_FIELDS = [
+    pa.field("kind", pa.string(), nullable=False),
+    pa.field("i", pa.int64()),
+    pa.field("f", pa.float64()),
+    pa.field("s", pa.string()),
+    pa.field("dtype", pa.string()),
+    pa.field("device", pa.string()),
+    pa.field("shape", pa.list_(pa.int64())),
+    pa.field("data", pa.list_(pa.int64())),
+]
+VALUE_TYPE = pa.struct(_VALUE_FIELDS)
+ARG_TYPE = pa.struct([pa.field("name", pa.string(), nullable=False), *_VALUE_FIELDS])
+
+SCHEMA = pa.schema(
+    [
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("parent", pa.int64(), nullable=False),
+        pa.field("depth", pa.int8(), nullable=False),
+        pa.field("target", pa.string(), nullable=False),
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("t_start_ns", pa.int64(), nullable=False),
+        pa.field("t_end_ns", pa.int64(), nullable=False),
+        pa.field("args", pa.list_(ARG_TYPE), nullable=False),
+        pa.field("result", VALUE_TYPE),
+        pa.field("exc_type", pa.string()),
+        pa.field("exc_msg", pa.string()),
+        pa.field("available", pa.int64()),
+        pa.field("full_available", pa.int64()),
+        pa.field("swa_available", pa.int64()),
+    ]
+)
+
+# Columns that must be identical for two runs of the same seeded workload.
+CALL_COLUMNS = [f.name for f in SCHEMA if f.name not in ("t_start_ns", "t_end_ns")]
+COUNTERS = ("available", "full_available", "swa_available")
+
+# Parquet settings: delta-encode index data (runs of consecutive slots shrink to a
+# few bits) and dictionary-encode the small string columns.
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "compression_level": 3,
+    "use_dictionary": ["target", "method", "exc_type", "args.list.element.name",
+                       "args.list.element.kind", "args.list.element.dtype",
+                       "args.list.element.device", "result.kind", "result.dtype", "result.device"],
+    "column_encoding": {
+        "args.list.element.data.list.element": "DELTA_BINARY_PACKED",
+        "result.data.list.element": "DELTA_BINARY_PACKED",
+        "seq": "DELTA_BINARY_PACKED",
+        "t_start_ns": "DELTA_BINARY_PACKED",
+        "t_end_ns": "DELTA_BINARY_PACKED",
+    },
+    "write_statistics": False,
+}
+
+
+@dataclass
+class TraceMeta:
+    """File-level metadata: what pool was recorded, where and when."""
+
+    pool_class: str
+    family: str
+    ctor_args: dict[str, Any]
+    source_version: dict[str, str] = field(default_factory=dict)
+    host: str = ""
+    pid: int = 0
+    rank: str = ""
+    start_time: str = ""
+    initial_state: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_parquet_metadata(self) -> dict[bytes, bytes]:
+        plain = {
+            "schema_version": str(self.schema_version),
+            "pool_class": self.pool_class,
+            "family": self.family,
+            "host": self.host,
+            "pid": str(self.pid),
+            "rank": self.rank,
+            "start_time": self.start_time,
+        }
+        as_json = {
+            "ctor_args": self.ctor_args,
+            "source_version": self.source_version,
+            "extra": self.extra,
+        }
+        if self.initial_state is not None:
+            as_json["initial_state"] = self.initial_state
+        out = {(META_PREFIX + k).encode(): v.encode() for k, v in plain.items()}
+        out.update({(META_PREFIX + k).encode(): json.dumps(v, sort_keys=True).encode() for k, v in as_json.items()})
+        return out
+
+    @classmethod
+    def from_parquet_metadata(cls, md: dict[bytes, bytes]) -> TraceMeta:
+        """Parse footer metadata; KeyError/ValueError mean it is not a kvreplay trace."""
+        get = {k.decode()[len(META_PREFIX):]: v.decode() for k, v in md.items() if k.startswith(META_PREFIX.encode())}
+        return cls(
+            pool_class=get["pool_class"],
+            family=get["family"],
+            ctor_args=json.loads(get["ctor_args"]),
+            source_version=json.loads(get.get("source_version", "{}")),
+            host=get.get("host", ""),
+            pid=int(get.get("pid", "0") or 0),
+            rank=get.get("rank", ""),
+            start_time=get.get("start_time", ""),
+            initial_state=json.loads(get["initial_state"]) if "initial_state" in get else None,
+            extra=json.loads(get.get("extra", "{}")),
+            schema_version=int(get["schema_version"]),
+        )
+
+
+@dataclass
+class Call:
+    """One recorded allocator call, decoded."""
+
+    seq: int
+    parent: int
+    depth: int
+    target: str
+    method: str
+    args: dict[str, Any]
+    result: Any
+    exc_type: str | None
+    exc_msg: str | None
+    counters: dict[str, int | None]
+    t_start_ns: int
+    t_end_ns: int
+
+    @property
+    def top_level(self) -> bool:
+        return self.depth == 0
+
+
+# -- encoding ---------------------------------------------------------------------
+
+def snapshot(value: Any) -> Any:
+    """Freeze a value as it is at call time: tensors are copied to host memory so a
+    later in-place change by the caller cannot alter what was recorded."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)):
+        return [(snapshot(t), s) for t, s in value]
+    return value
+
+
+class ColumnBuilder:
+    """Accumulates encoded values column-wise; one instance per value column."""
+
+    def __init__(self) -> None:
+        self.kind: list[str] = []
+        self.i: list[int | None] = []
+        self.f: list[float | None] = []
+        self.s: list[str | None] = []
+        self.dtype: list[str | None] = []
+        self.device: list[str | None] = []
+        self.shape_len: list[int] = []
+        self.shape: list[int] = []
+        self.data_len: list[int] = []
+        self.data: list[np.ndarray] = []
+
+    def add(self, value: Any, device: str | None = None) -> None:
+        kind, i, f, s, dtype, shape, data = _encode(value)
+        self.kind.append(kind)
+        self.i.append(i)
+        self.f.append(f)
+        self.s.append(s)
+        self.dtype.append(dtype)
+        self.device.append(device if kind in (TENSOR, SEGMENTS) else None)
+        self.shape_len.append(len(shape))
+        self.shape.extend(shape)
+        self.data_len.append(0 if data is None else len(data))
+        if data is not None:
+            self.data.append(data)
+
+    def fields(self) -> list[pa.Array]:
+        shape = pa.ListArray.from_arrays(list_offsets(self.shape_len), pa.array(self.shape, pa.int64()))
+        flat = np.concatenate(self.data) if self.data else np.empty(0, dtype=np.int64)
+        data = pa.ListArray.from_arrays(list_offsets(self.data_len), pa.array(flat, pa.int64()))
+        return [
+            pa.array(self.kind, pa.string()),
+            pa.array(self.i, pa.int64()),
+            pa.array(self.f, pa.float64()),
+            pa.array(self.s, pa.string()),
+            pa.array(self.dtype, pa.string()),
+            pa.array(self.device, pa.string()),
+            shape,
+            data,
+        ]
+
+
+def list_offsets(lengths: Sequence[int]) -> pa.Array:
+    return pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
+
+
+def _encode(value: Any) -> tuple[str, Any, Any, Any, Any, list[int], np.ndarray | None]:
+    if value is None:
+        return NONE, None, None, None, None, [], None
+    if isinstance(value, bool):
+        return BOOL, int(value), None, None, None, [], None
+    if isinstance(value, int):
+        return INT, value, None, None, None, [], None
+    if isinstance(value, float):
+        return FLOAT, None, value, None, None, [], None
+    if isinstance(value, str):
+        return STR, None, None, value, None, [], None
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            return OPAQUE, None, None, f"float tensor {tuple(value.shape)}", str(value.dtype), [], None
+        return TENSOR, None, None, None, str(value.dtype), list(value.shape), _as_int64(value)
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return INTS, int(isinstance(value, tuple)), None, None, None, [len(value)], np.asarray(value, dtype=np.int64)
+        if all(isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], torch.Tensor) for v in value):
+            # (tensor, start_pos) pairs: shape holds n0, start0, n1, start1, ...
+            shape = [x for t, s in value for x in (t.numel(), int(s))]
+            parts = [_as_int64(t) for t, _ in value]
+            dtype = str(value[0][0].dtype) if value else "torch.int64"
+            return SEGMENTS, None, None, None, dtype, shape, np.concatenate(parts) if parts else np.empty(0, np.int64)
+    return OPAQUE, None, None, repr(value)[:200], None, [], None
+
+
+def _as_int64(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).to(torch.int64).numpy()
+
+
+# -- decoding ---------------------------------------------------------------------
+
+_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -> Any:
+    """Turn one value struct (as ``to_pylist`` gives it) back into a Python value."""
+    if v is None:
+        return None
+    kind = v["kind"]
+    if kind == NONE:
+        return None
+    if kind == BOOL:
+        return bool(v["i"])
+    if kind == INT:
+        return v["i"]
+    if kind == FLOAT:
+        return v["f"]
+    if kind == STR:
+        return v["s"]
+    if kind == TENSOR:
+        return _tensor(v["data"], v["dtype"], device).reshape(v["shape"])
+    if kind == INTS:
+        return tuple(v["data"]) if v["i"] else list(v["data"])
+    if kind == SEGMENTS:
+        out, pos, shape = [], 0, v["shape"]
+        for k in range(0, len(shape), 2):
+            n, start = shape[k], shape[k + 1]
+            out.append((_tensor(v["data"][pos:pos + n], v["dtype"], device), start))
+            pos += n
+        return out
+    return _Opaque(v["s"])
+
+
+def _tensor(data: list[int], dtype: str, device: str | torch.device) -> torch.Tensor:
+    return torch.tensor(data, dtype=torch.int64, device=device).to(_DTYPES.get(dtype, torch.int64))
+
+
+@dataclass(frozen=True)
+class _Opaque:
+    """A value kvreplay could not record losslessly; replay refuses to pass it on."""
+
+    text: str
