@@ -9,7 +9,7 @@ EXIT_CLEAN = 0
 EXIT_FOUND = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNLOADABLE = 125
-EXIT_CRASH = 130
+EXIT_CRASH = 134
 
 
 class KvreplayError(Exception):

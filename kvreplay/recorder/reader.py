@@ -30,7 +30,9 @@ class TraceReader:
         try:
             self.meta = TraceMeta.from_parquet_metadata(md)
         except (KeyError, ValueError, UnicodeDecodeError):
-            raise TraceFormatError(f"{self.path}: a Parquet file but not a kvreplay trace (no kvreplay metadata)") from None
+            raise TraceFormatError(
+                f"{self.path}: a Parquet file but not a kvreplay trace (no kvreplay metadata)"
+            ) from None
         if self.meta.schema_version > SCHEMA_VERSION:
             raise TraceFormatError(
                 f"{self.path}: trace schema version {self.meta.schema_version} is newer than this "

@@ -235,7 +235,8 @@ def _encode(value: Any) -> tuple[str, Any, Any, Any, Any, list[int], np.ndarray 
         return TENSOR, None, None, None, str(value.dtype), list(value.shape), _as_int64(value)
     if isinstance(value, (list, tuple)):
         if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return INTS, int(isinstance(value, tuple)), None, None, None, [len(value)], np.asarray(value, dtype=np.int64)
+            data = np.asarray(value, dtype=np.int64)
+            return INTS, int(isinstance(value, tuple)), None, None, None, [len(value)], data
         if all(isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], torch.Tensor) for v in value):
             # (tensor, start_pos) pairs: shape holds n0, start0, n1, start1, ...
             shape = [x for t, s in value for x in (t.numel(), int(s))]

@@ -1,0 +1,151 @@
+"""``kvreplay synth``: run a scenario of the decode-server model against a pool
+build under the recorder, producing a trace that looks like a production one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvreplay.errors import BadInput
+from kvreplay.recorder.recording import record
+from kvreplay.replayer import builds
+from kvreplay.replayer.workload.decode import DecodeServer
+from kvreplay.replayer.workload.disagg_mtp import DisaggMTPServer
+from kvreplay.replayer.workload.radix_swa import RadixSWAServer
+from kvreplay.replayer.workload.requests import load_requests
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    family: str
+    default_build: str
+    need_sort: bool
+    summary: str
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario("decode", "paged", "builtin:paged", False,
+                 "continuous batching on a paged pool: batched prefill, alloc_decode, retraction"),
+        Scenario("disagg-mtp", "swa", "builtin:swa", True,
+                 "disaggregated decode with MTP speculation on an SWA pool (need_sort on)"),
+        Scenario("radix-swa", "swa", "builtin:swa", False,
+                 "prefix cache over an SWA pool: hits, leaf eviction, SWA tombstones"),
+    ]
+}
+
+
+@dataclass
+class SynthConfig:
+    scenario: str
+    out: Path
+    requests: int = 200
+    seed: int = 0
+    workload: Path | None = None
+    build: str | None = None
+    page_size: int = 4
+    full_size: int = 2048
+    swa_size: int = 512
+    window: int = 32
+    k: int = 3
+    block_tokens: int = 16
+    max_running: int = 64
+    length_scale: float = 1.0
+    speedup: float = 1.0
+    device: str = "cpu"
+
+
+@dataclass
+class SynthResult:
+    path: Path
+    scenario: str
+    build: str
+    requests_done: int
+    steps: int
+    retractions: int
+    none_results: int
+    prefix_hit_tokens: int
+    evictions: int
+    calls: int
+    wall_s: float
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def validate(cfg: SynthConfig) -> Scenario:
+    if cfg.scenario not in SCENARIOS:
+        raise BadInput(f"unknown scenario {cfg.scenario!r}; choose one of: {', '.join(SCENARIOS)}")
+    sc = SCENARIOS[cfg.scenario]
+    if cfg.page_size < 2:
+        raise BadInput("--page-size must be at least 2 (the paged and SWA pools page in step)")
+    if cfg.full_size < cfg.page_size or cfg.swa_size < cfg.page_size:
+        raise BadInput("pool sizes must hold at least one page")
+    if cfg.block_tokens % cfg.page_size:
+        raise BadInput(f"--block-tokens {cfg.block_tokens} must be a multiple of --page-size {cfg.page_size}")
+    for name in ("window", "k", "max_running"):
+        if getattr(cfg, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')} must be positive")
+    if cfg.length_scale <= 0 or cfg.speedup <= 0:
+        raise BadInput("--length-scale and --speedup must be positive")
+    return sc
+
+
+def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
+    spec = cfg.build or sc.default_build
+    build = builds.resolve(spec)
+    family = build.family or builds.family_of_class(build.cls)
+    if family != sc.family:
+        raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {family} pool")
+    ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
+            "need_sort": sc.need_sort, "dtype": "torch.int64"}
+    return build.construct(ctor, device=cfg.device), spec
+
+
+def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
+              progress: Callable[[int, int], None] | None = None) -> Any:
+    """Drive ``pool`` (recorded or not) through the scenario; returns its stats."""
+    reqs = load_requests(cfg.workload, count=cfg.requests, seed=cfg.seed,
+                         block_tokens=cfg.block_tokens, length_scale=cfg.length_scale)
+    common: dict[str, Any] = {"seed": cfg.seed, "max_running": cfg.max_running, "speedup": cfg.speedup,
+                              "progress": progress}
+    if sc.name == "decode":
+        server: Any = DecodeServer(pool, reqs, **common)
+    elif sc.name == "disagg-mtp":
+        server = DisaggMTPServer(pool, reqs, window=cfg.window, k=cfg.k, **common)
+    else:
+        server = RadixSWAServer(pool, reqs, window=cfg.window, block_tokens=cfg.block_tokens, **common)
+    try:
+        return server.run()
+    except RuntimeError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = None,
+               command: str | None = None) -> SynthResult:
+    sc = validate(cfg)
+    pool, spec = make_pool(cfg, sc)
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise BadInput(f"{out} is a directory; give a file name for the trace")
+    extra = {"synth": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "out"}}
+    if command:
+        extra["command"] = command
+    t0 = time.perf_counter()
+    rec = record(pool, out, extra=extra)
+    try:
+        stats = run_model(pool, cfg, sc, progress)
+    except BaseException:
+        rec.close()
+        out.unlink(missing_ok=True)
+        raise
+    rec.close()
+    return SynthResult(
+        path=out, scenario=sc.name, build=spec, requests_done=stats.requests_done, steps=stats.steps,
+        retractions=stats.retractions, none_results=stats.none_results,
+        prefix_hit_tokens=stats.prefix_hit_tokens, evictions=stats.evictions,
+        calls=rec.calls_recorded, wall_s=time.perf_counter() - t0, extra=dict(stats.extra),
+    )
