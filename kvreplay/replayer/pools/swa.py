@@ -228,6 +228,14 @@ class SWAPool(PoolBase):
         if self.page_size > 1:
             swa_indices = swa_indices[swa_indices > 0]
         self.swa_attn_allocator.free(swa_indices)
+        self._assert_capacity(self.swa_attn_allocator)
+
+    @staticmethod
+    def _assert_capacity(sub: PoolBase) -> None:
+        # sglang's own guard: a double free shows up here, usually long after its cause.
+        assert sub.available_size() <= sub.size, (  # noqa: S101
+            f"available_size() {sub.available_size()} > size {sub.size}"
+        )
 
     def free_swa_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         if free_index.numel() == 0:
@@ -246,6 +254,7 @@ class SWAPool(PoolBase):
             self.swa_page_ids_group.append(swa_pages)
             return
         self.swa_attn_allocator.free_page_ids(swa_pages)
+        self._assert_capacity(self.swa_attn_allocator)
 
     def _mapped_pages(self, swa_tokens: torch.Tensor) -> torch.Tensor:
         """Hook (#38519): a page with no SWA peer reads as 0; skip it, never free page 0."""
@@ -255,6 +264,7 @@ class SWAPool(PoolBase):
         if free_index.numel() == 0:
             return
         self.full_attn_allocator.free(free_index)
+        self._assert_capacity(self.full_attn_allocator)
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         if free_index.numel() == 0:
@@ -282,6 +292,8 @@ class SWAPool(PoolBase):
             pending, self.swa_free_group = self.swa_free_group, []
             self._release_swa(self._resolve_swa_group(pending))
         self.full_attn_allocator.free_group_end()
+        self._assert_capacity(self.full_attn_allocator)
+        self._assert_capacity(self.swa_attn_allocator)
 
     def _resolve_swa_group(self, pending: list[torch.Tensor]) -> torch.Tensor:
         """Hook (#36081): grouped ``free_swa`` resolved its SWA peers at call time."""
