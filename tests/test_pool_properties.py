@@ -178,5 +178,5 @@ class SWAMachine(PagedMachine):
 TestToken = TokenMachine.TestCase
 TestPaged = PagedMachine.TestCase
 TestSWA = SWAMachine.TestCase
-for case in (TestToken, TestPaged, TestSWA):
-    case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestToken.settings = TestPaged.settings = TestSWA.settings = _SETTINGS

@@ -185,3 +185,13 @@ def test_every_builtin_constructs_from_recorded_ctor_args_on_cpu():
              "dtype": "torch.int64"}
         )
         assert pool.available_size() > 0
+
+
+def test_swa_alloc_decode_none_changes_nothing():
+    # sglang 0.5.23 takes a page from the sub-pool that has room before noticing the
+    # other has none, and leaks it; the correct pool must not.
+    p = swa(need_sort=False, size=40, size_swa=8)
+    a = p.alloc_extend(t(0), t(0), t(8), t(8), t(-1), 8)  # SWA pool now full
+    full_before = p.full_available_size()
+    assert p.alloc_decode(t(9), t(9), a[-1:]) is None
+    assert p.full_available_size() == full_before and p.swa_available_size() == 0

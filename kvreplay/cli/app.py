@@ -33,6 +33,8 @@ app = typer.Typer(
 )
 out = Console()
 err = Console(stderr=True)
+# The arguments of this invocation, so a trace can record the command that made it.
+_argv: list[str] = []
 
 
 def _emit_json(obj: Any) -> None:
@@ -86,7 +88,7 @@ def synth(
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, speedup=speedup,
         device=device,
     )
-    command = "kvreplay " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "kvreplay " + " ".join(shlex.quote(a) for a in _argv)
     if as_json or not err.is_terminal:
         result = synthesize(cfg, command=command)
     else:
@@ -162,6 +164,7 @@ def _fail(message: str, code: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: turns library errors into one line and an exit code."""
+    _argv[:] = sys.argv[1:] if argv is None else argv
     try:
         app(args=argv, standalone_mode=True)
     except KvreplayError as exc:

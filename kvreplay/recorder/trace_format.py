@@ -241,7 +241,9 @@ def _encode(value: Any) -> tuple[str, Any, Any, Any, Any, list[int], np.ndarray 
             # (tensor, start_pos) pairs: shape holds n0, start0, n1, start1, ...
             shape = [x for t, s in value for x in (t.numel(), int(s))]
             parts = [_as_int64(t) for t, _ in value]
-            dtype = str(value[0][0].dtype) if value else "torch.int64"
+            dtypes = [str(t.dtype) for t, _ in value]
+            # One dtype name when they agree (the usual case), else one per segment.
+            dtype = ",".join(dtypes) if len(set(dtypes)) > 1 else (dtypes[0] if dtypes else "torch.int64")
             return SEGMENTS, None, None, None, dtype, shape, np.concatenate(parts) if parts else np.empty(0, np.int64)
     return OPAQUE, None, None, repr(value)[:200], None, [], None
 
@@ -276,9 +278,11 @@ def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -
         return tuple(v["data"]) if v["i"] else list(v["data"])
     if kind == SEGMENTS:
         out, pos, shape = [], 0, v["shape"]
+        dtypes = v["dtype"].split(",")
         for k in range(0, len(shape), 2):
             n, start = shape[k], shape[k + 1]
-            out.append((_tensor(v["data"][pos:pos + n], v["dtype"], device), start))
+            dtype = dtypes[k // 2] if len(dtypes) > 1 else dtypes[0]
+            out.append((_tensor(v["data"][pos:pos + n], dtype, device), start))
             pos += n
         return out
     return _Opaque(v["s"])

@@ -36,7 +36,10 @@ BUILTINS: dict[str, BuiltinBuild] = {
     for b in [
         BuiltinBuild("token", "token", pools.TokenPool, "token pool (page_size 1), as sglang 0.5.23"),
         BuiltinBuild("paged", "paged", pools.PagedPool, "paged pool, as sglang 0.5.23"),
-        BuiltinBuild("swa", "swa", pools.SWAPool, "full + SWA pool, as sglang 0.5.23 with #38519 fixed"),
+        BuiltinBuild(
+            "swa", "swa", pools.SWAPool,
+            "full + SWA pool, as sglang 0.5.23 with #38519 and the alloc_decode None leak fixed",
+        ),
         BuiltinBuild(
             "swa@stale-tail", "swa", pools.StaleTailSWAPool,
             "sglang 0.5.12: no #25805, no #27779 (seed double-free bug)",

@@ -1,6 +1,8 @@
 """Hybrid full + sliding-window KV pool, behaving like sglang 0.5.23's
-``SWATokenToKVPoolAllocator`` with the #38519 fix (unmapped pages are skipped by
-``free_swa_segment`` instead of freeing SWA page 0).
+``SWATokenToKVPoolAllocator`` with two fixes: #38519 (unmapped pages are skipped by
+``free_swa_segment`` instead of freeing SWA page 0) and a None from ``alloc_decode``
+leaves both sub-pools as they were (0.5.23 leaks the pages of the sub-pool that
+succeeded). Both differ from 0.5.23 only on paths where 0.5.23 corrupts state.
 
 Two sub-pools page in step; ``full_to_swa_index_mapping[full_token]`` is the SWA
 peer of a full token (0: none). The trailing entry is -1 so that a ``last_loc`` of
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 from kvreplay.replayer.pools.base import PoolBase, expand_to_pages
-from kvreplay.replayer.pools.paged import PagedPool, new_pages_needed
+from kvreplay.replayer.pools.paged import PagedPool, decode_pages_needed, new_pages_needed
 from kvreplay.replayer.pools.token import TokenPool
 
 
@@ -188,6 +190,15 @@ class SWAPool(PoolBase):
     ) -> torch.Tensor | None:
         if self.page_size <= 1:
             raise AssertionError("alloc_decode needs page_size > 1")
+        n = decode_pages_needed(seq_lens_cpu, self.page_size)
+        if not self.new_pages_available(n, n):
+            # sglang 0.5.23 asks both sub-pools anyway and leaks the pages of the one
+            # that succeeds; here a None changes nothing but the staged-page merges
+            # 0.5.23 does on the way, so later indices still match it.
+            for sub in (self.full_attn_allocator, self.swa_attn_allocator):
+                if len(seq_lens) > len(sub.free_pages):
+                    sub.merge_and_sort_free()
+            return None
         swa_last_loc = self.translate_loc_from_full_to_swa(last_loc)
         full = self.full_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         swa = self.swa_attn_allocator.alloc_decode(seq_lens, seq_lens_cpu, swa_last_loc)

@@ -62,6 +62,7 @@ class DecodeServer(ServerModel):
         out = pool.alloc_decode(self.dev(seq), self.cpu(seq), self.dev([int(lv.row[-1]) for lv in self.running]))
         if out is None:
             self.stats.none_results += 1
+            self.outgrown()
             return
         for i, lv in enumerate(self.running):
             lv.row = torch.cat((lv.row, out[i:i + 1]))

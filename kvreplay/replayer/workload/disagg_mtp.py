@@ -97,6 +97,7 @@ class DisaggMTPServer(ServerModel):
         )
         if out is None:
             self.stats.none_results += 1
+            self.outgrown()
             self.retract_one()
             return False
         pos = 0

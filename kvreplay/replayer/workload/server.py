@@ -107,6 +107,14 @@ class ServerModel:
     def finished(self, live: Live) -> None:
         self.stats.requests_done += 1
 
+    def outgrown(self) -> None:
+        """An allocation failed; with one request left nothing can ever free room."""
+        if len(self.running) == 1:
+            lv = self.running[0]
+            raise RuntimeError(
+                f"request {lv.req.rid} ({lv.target} tokens) cannot fit an empty pool; enlarge the pool"
+            )
+
     def retract(self, live: Live) -> None:
         """Put a request back at the head of the queue, keeping its progress."""
         self.running.remove(live)

@@ -1,0 +1,122 @@
+"""The kvreplay command: synth, inspect, builds; deterministic traces; one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from kvreplay.cli.app import main
+from kvreplay.recorder.trace_format import CALL_COLUMNS
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+@pytest.mark.parametrize("scenario", ["decode", "disagg-mtp", "radix-swa"])
+def test_synth_same_seed_same_call_columns(tmp_path, capsys, scenario):
+    paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
+    for p in paths:
+        code, out, _ = run(capsys, "synth", scenario, "-n", "60", "--seed", "7", "-o", str(p), "--json")
+        assert code == 0 and json.loads(out)["requests_done"] == 60
+    a, b = (pq.read_table(p, columns=CALL_COLUMNS) for p in paths)
+    assert a.num_rows > 100 and a.equals(b)
+    code, out, _ = run(capsys, "synth", scenario, "-n", "60", "--seed", "8", "-o", str(paths[1]), "--json")
+    assert not a.equals(pq.read_table(paths[1], columns=CALL_COLUMNS))
+
+
+def test_inspect_describes_a_trace(tmp_path, capsys):
+    p = tmp_path / "t.parquet"
+    run(capsys, "synth", "disagg-mtp", "-n", "40", "-o", str(p))
+    code, out, _ = run(capsys, "inspect", str(p), "--json")
+    s = json.loads(out)
+    assert code == 0
+    assert s["meta"]["family"] == "swa" and s["meta"]["ctor_args"]["need_sort"] is True
+    assert s["calls_per_method"]["alloc_extend_swa_tail"] == 40
+    assert s["top_level_calls"] + s["nested_calls"] == s["rows"]
+    assert 0 < s["peak_used"]["full"] <= 2048 and 0 < s["peak_used"]["swa"] <= 512
+    assert s["time_span_s"] > 0 and s["file_bytes"] == p.stat().st_size
+    assert 0 < s["bytes_per_index"] < 3
+    assert "kvreplay synth disagg-mtp" in s["meta"]["extra"]["command"]
+    code, out, _ = run(capsys, "inspect", str(p))
+    assert code == 0 and "alloc_extend_swa_tail" in out and "bytes/index" in out
+
+
+def test_builds_lists_the_builtins_and_variants(capsys):
+    code, out, _ = run(capsys, "builds", "--json")
+    specs = {b["spec"] for b in json.loads(out)}
+    assert code == 0 and {"builtin:swa", "builtin:swa@stale-tail", "builtin:swa@deferred-lookup"} <= specs
+
+
+def test_workload_files_drive_the_model(tmp_path, capsys):
+    moon = tmp_path / "m.jsonl"
+    moon.write_text(
+        "\n".join(
+            json.dumps({"timestamp": i * 50, "input_length": 700 + 40 * i, "output_length": 30,
+                        "hash_ids": [1, 2] if i % 2 else [1, 3]})
+            for i in range(12)
+        )
+    )
+    azure = tmp_path / "a.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "\n".join(f"2023-11-16 18:17:0{i}.9799600,{300 + i},{20 + i}" for i in range(8))
+    )
+    for wl, scenario in ((moon, "radix-swa"), (azure, "disagg-mtp")):
+        out_path = tmp_path / f"{scenario}.parquet"
+        code, out, err = run(capsys, "synth", scenario, "--workload", str(wl), "--length-scale", "0.1", "-n", "50",
+                             "-o", str(out_path), "--json")
+        assert code == 0, err
+        done = json.loads(out)["requests_done"]
+        assert done == (12 if wl == moon else 8)
+    hits = json.loads(run(capsys, "synth", "radix-swa", "--workload", str(moon), "--length-scale", "0.1",
+                          "-o", str(tmp_path / "x.parquet"), "--json")[1])["prefix_hit_tokens"]
+    assert hits > 0  # Mooncake's shared hash_ids become prefix-cache hits
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "{tmp}/missing.parquet"], "no such file"),
+        (["inspect", "{tmp}/notparquet.parquet"], "not a readable Parquet file"),
+        (["inspect", "{tmp}/truncated.parquet"], "not a readable Parquet file"),
+        (["inspect", "{tmp}/newer.parquet"], "newer than this kvreplay reads"),
+        (["synth", "warp-drive", "-o", "{tmp}/x.parquet"], "unknown scenario"),
+        (["synth", "decode", "--build", "builtin:nope", "-o", "{tmp}/x.parquet"], "unknown build"),
+        (["synth", "decode", "--build", "builtin:swa", "-o", "{tmp}/x.parquet"], "needs a paged pool"),
+        (["synth", "decode", "--workload", "{tmp}/missing.jsonl", "-o", "{tmp}/x.parquet"], "no such file"),
+        (["synth", "decode", "--full-size", "8", "-o", "{tmp}/x.parquet"], "cannot fit an empty pool"),
+    ],
+)
+def test_bad_input_gives_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    (tmp_path / "notparquet.parquet").write_text("hello")
+    good = tmp_path / "good.parquet"
+    run(capsys, "synth", "decode", "-n", "20", "-o", str(good))
+    (tmp_path / "truncated.parquet").write_bytes(good.read_bytes()[:-100])
+    table = pq.read_table(good)
+    md = dict(table.schema.metadata)
+    md[b"kvreplay.schema_version"] = b"2"
+    pq.write_table(table.replace_schema_metadata(md), tmp_path / "newer.parquet")
+    code, out, err = run(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and err.startswith("kvreplay: error:")
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_console_script_exit_codes():
+    r = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "inspect", "/nonexistent.parquet"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "kvreplay: error: /nonexistent.parquet: no such file"
+    r = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2  # usage error

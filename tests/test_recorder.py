@@ -1,0 +1,115 @@
+"""Recorder: records every call with its nested calls, changes nothing, survives its own failures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvreplay.recorder.reader import TraceReader
+from kvreplay.recorder.recording import record
+from kvreplay.replayer.pools import SWAPool
+from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
+
+
+def t(*v: int) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def _state(pool: SWAPool) -> list[torch.Tensor]:
+    return [
+        pool.full_to_swa_index_mapping.clone(),
+        pool.full_attn_allocator.get_all_free_pages().clone(),
+        pool.swa_attn_allocator.get_all_free_pages().clone(),
+    ]
+
+
+def test_recording_never_changes_what_the_pool_does(tmp_path):
+    cfg = SynthConfig(scenario="disagg-mtp", out=tmp_path / "unused", requests=60, full_size=512, swa_size=256)
+    plain = SWAPool(512, 256, 4, need_sort=True)
+    stats_plain = run_model(plain, cfg, SCENARIOS["disagg-mtp"])
+    recorded = SWAPool(512, 256, 4, need_sort=True)
+    rec = record(recorded, tmp_path / "t.parquet")
+    stats_rec = run_model(recorded, cfg, SCENARIOS["disagg-mtp"])
+    rec.close()
+    assert stats_plain == stats_rec
+    for a, b in zip(_state(plain), _state(recorded), strict=True):
+        assert torch.equal(a, b)
+    assert "free" not in vars(recorded) and "alloc_extend" not in vars(recorded.full_attn_allocator)
+
+
+def test_nested_calls_are_recorded_under_their_parent(tmp_path):
+    pool = SWAPool(64, 32, 4, need_sort=False)
+    with record(pool, tmp_path / "t.parquet"):
+        row = pool.alloc_extend(t(0), t(0), t(6), t(6), t(-1), 6)
+        pool.free(row)
+    calls = list(TraceReader(tmp_path / "t.parquet").calls())
+    top = [c for c in calls if c.depth == 0]
+    assert [c.method for c in top] == ["alloc_extend", "free"]
+    nested = [c for c in calls if c.depth == 1]
+    assert {(c.target, c.method) for c in nested if c.parent == top[0].seq} == {
+        ("full", "alloc_extend"), ("swa", "alloc_extend")
+    }
+    assert {(c.target, c.method) for c in nested if c.parent == top[1].seq} == {("swa", "free"), ("full", "free")}
+    assert [c.seq for c in calls] == sorted(c.seq for c in calls)
+    assert torch.equal(top[0].result, row)
+    assert top[1].counters == {"available": 32, "full_available": 64, "swa_available": 32}
+
+
+def test_exceptions_are_reraised_unchanged_and_recorded(tmp_path):
+    pool = SWAPool(64, 32, 4, need_sort=False)
+    rec = record(pool, tmp_path / "t.parquet")
+    with pytest.raises(AssertionError) as e:
+        pool.alloc_extend_swa_tail(t(0), t(0), t(4), t(4), t(-1), 4, 9)
+    rec.close()
+    (call,) = TraceReader(tmp_path / "t.parquet").calls()
+    assert call.exc_type == "AssertionError" and call.exc_msg == str(e.value) and call.result is None
+
+
+def test_recorded_values_are_those_at_call_time(tmp_path):
+    pool = SWAPool(64, 32, 4, need_sort=False)
+    with record(pool, tmp_path / "t.parquet"):
+        row = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
+        arg = row.clone()
+        pool.free(arg)
+        arg.fill_(0)  # the caller scribbles over its tensor afterwards
+        row.fill_(0)
+    calls = [c for c in TraceReader(tmp_path / "t.parquet").calls() if c.depth == 0]
+    assert calls[0].result.tolist() == [4, 5, 6, 7]
+    assert calls[1].args["free_index"].tolist() == [4, 5, 6, 7]
+
+
+def test_a_failing_recorder_disables_itself_and_the_program_goes_on(tmp_path, caplog):
+    pool = SWAPool(64, 32, 4, need_sort=False)
+    rec = record(pool, tmp_path / "t.parquet")
+
+    def broken(rows):
+        raise OSError("disk full")
+
+    rec._writer.submit = broken
+    first = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
+    second = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
+    assert first.tolist() == [4, 5, 6, 7] and second.tolist() == [8, 9, 10, 11]
+    assert sum("recording disabled" in r.message for r in caplog.records) == 1
+    rec.close()
+
+
+def test_interpreter_exit_flushes_an_open_recording(tmp_path):
+    path = tmp_path / "t.parquet"
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from kvreplay.recorder.recording import record
+        from kvreplay.replayer.pools import PagedPool
+        pool = PagedPool(64, 4)
+        record(pool, {str(path)!r})
+        for _ in range(5):
+            pool.free(pool.alloc(8))
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    calls = list(TraceReader(path).calls(top_level_only=True))
+    assert [c.method for c in calls] == ["alloc", "free"] * 5
