@@ -1,0 +1,417 @@
+"""The invariant checker (DESIGN.md, "Invariants").
+
+A shadow ownership model is fed by the call stream: which pages the caller holds,
+which tokens it was handed, which full token owns each SWA slot. Per call it costs
+time in proportion to the call's indices, never the pool. The O(pool) checks (free
+lists, the whole SWA mapping) run every ``full_check_every`` calls and at the end.
+
+A violation names the call that created the bad state: a page released with its
+SWA mapping still set is reported at the free that released it, even when the free
+group it was in only ended later (``detected_seq``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvreplay.replayer.pool_view import PoolView, SubPoolView, to_np
+
+INVARIANTS = {
+    "capacity": "1 capacity: 0 <= available_size() <= size per sub-pool",
+    "free-list": "2 free list: no duplicate pages in free + staged, ids in 1..num_pages, page 0 never free",
+    "ownership": "3 ownership: no index handed out while live, no free of a non-live index, live + available == size",
+    "none-unchanged": "4 a call that returned None changed nothing",
+    "swa-mapping": "5 SWA mapping: injective over live full slots, peers live, released pages unmapped, sentinel -1",
+    "quiescence": "6 quiescence: at the end everything allocated is accounted for",
+}
+
+ALLOCS = frozenset({"alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail"})
+# Frees of the full side (and, on SWA pools, their SWA peers unless *_full*).
+FULL_AND_SWA_FREES = frozenset({"free", "free_segment", "free_segments", "free_page_ids"})
+FULL_ONLY_FREES = frozenset({"free_full", "free_full_segment", "free_full_segments"})
+SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
+MAX_INDICES = 8
+
+
+@dataclass
+class Violation:
+    seq: int
+    method: str
+    invariant: str
+    rule: str
+    sub_pool: str
+    indices: list[int]
+    message: str
+    detected_seq: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ViolationLog:
+    """Every violation counted; the first ``keep`` of each (invariant, rule) kept whole."""
+
+    keep: int = 20
+    kept: list[Violation] = field(default_factory=list)
+    counts: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, v: Violation) -> None:
+        key = (v.invariant, v.rule)
+        self.counts[key] += 1
+        if self.counts[key] <= self.keep:
+            self.kept.append(v)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def first(self) -> Violation | None:
+        return min(self.kept, key=lambda v: (v.seq, v.detected_seq)) if self.kept else None
+
+
+class Shadow:
+    """What the caller holds in one sub-pool, as the call stream says."""
+
+    def __init__(self, sub: SubPoolView) -> None:
+        self.sub = sub
+        self.ps = sub.page_size
+        self.num_pages = sub.num_pages
+        self.reset()
+
+    def reset(self) -> None:
+        self.owned = np.zeros(self.num_pages + 1, dtype=bool)
+        self.live_tok = np.zeros((self.num_pages + 1) * self.ps, dtype=bool)
+        self.owned_count = 0
+
+    def in_range(self, tokens: np.ndarray) -> np.ndarray:
+        return (tokens >= self.ps) & (tokens < (self.num_pages + 1) * self.ps)
+
+    def handout(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mark tokens handed out; returns (out-of-range or padding, already live)."""
+        ok = self.in_range(tokens)
+        bad_range = tokens[~ok]
+        tokens = tokens[ok]
+        already = tokens[self.live_tok[tokens]]
+        self.live_tok[tokens] = True
+        pages = np.unique(tokens // self.ps)
+        new = pages[~self.owned[pages]]
+        self.owned[new] = True
+        self.owned_count += len(new)
+        return bad_range, already
+
+    def release(self, pages: np.ndarray) -> np.ndarray:
+        """Mark pages released; returns the ones the caller did not hold."""
+        pages = np.unique(pages)
+        valid = (pages >= 1) & (pages <= self.num_pages)
+        not_held = np.concatenate([pages[~valid], pages[valid][~self.owned[pages[valid]]]])
+        held = pages[valid][self.owned[pages[valid]]]
+        self.owned[held] = False
+        self.owned_count -= len(held)
+        if len(held):
+            toks = (held[:, None] * self.ps + np.arange(self.ps)).reshape(-1)
+            self.live_tok[toks] = False
+        return not_held
+
+
+def _expand(pages: np.ndarray, ps: int) -> np.ndarray:
+    return (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+
+
+def _index_args(method: str, args: dict[str, Any], ps: int) -> np.ndarray:
+    """Full-pool pages a free call names."""
+    if "segments" in args:
+        parts = [to_np(t) for t, _ in args["segments"]]
+        toks = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        return np.unique(toks // ps)
+    if method == "free_page_ids":
+        return np.unique(to_np(args.get("page_ids", args.get("free_index"))))
+    toks = to_np(args["free_index"])
+    return np.unique(toks // ps)
+
+
+class InvariantChecker:
+    def __init__(self, view: PoolView, *, full_check_every: int = 1000, keep: int = 20) -> None:
+        self.view = view
+        self.swa = view.family == "swa"
+        self.shadows = {name: Shadow(sub) for name, sub in view.subs.items()}
+        self.main = self.shadows["full"] if self.swa else self.shadows["pool"]
+        self.ps = self.main.ps
+        self.full_check_every = full_check_every
+        self.log = ViolationLog(keep=keep)
+        self.in_group = False
+        self.calls = 0
+        self._since_full = 0
+        self._pending_released: list[tuple[int, str, np.ndarray]] = []
+        self._pending_touched: list[tuple[int, str, np.ndarray]] = []
+        if self.swa:
+            self.swa_owner = np.zeros(len(self.shadows["swa"].live_tok), dtype=np.int64)
+
+    # -- reporting -------------------------------------------------------------
+    def _flag(self, seq: int, method: str, invariant: str, rule: str, sub: str, idx: Any, msg: str,
+              detected: int | None = None) -> None:
+        indices = [int(x) for x in np.asarray(idx).reshape(-1)[:MAX_INDICES]]
+        self.log.add(Violation(seq, method, invariant, rule, sub, indices, msg,
+                               seq if detected is None else detected))
+
+    # -- per call --------------------------------------------------------------
+    def before(self, method: str, args: dict[str, Any]) -> Any:
+        """Cheap reads that must happen before the call mutates the pool."""
+        if method in ALLOCS:
+            return self.view.counters()
+        if self.swa and method in FULL_AND_SWA_FREES | SWA_ONLY_FREES:
+            pages = _index_args(method, args, self.ps)
+            mapping = self.view.mapping
+            peers = to_np(mapping[torch.as_tensor(_expand(pages, self.ps), device=mapping.device)])
+            return peers[peers > 0]
+        return None
+
+    def after(self, seq: int, method: str, args: dict[str, Any], result: Any, raised: bool, pre: Any) -> None:
+        self.calls += 1
+        if method == "free_group_begin" and not raised:
+            self.in_group = True
+        elif method == "clear" and not raised:
+            for s in self.shadows.values():
+                s.reset()
+            if self.swa:
+                self.swa_owner[:] = 0
+            self._pending_released.clear()
+            self._pending_touched.clear()
+        elif method in ALLOCS:
+            self._after_alloc(seq, method, args, result, raised, pre)
+        elif method in FULL_AND_SWA_FREES or method in FULL_ONLY_FREES or method in SWA_ONLY_FREES:
+            self._after_free(seq, method, args, pre)
+        elif method == "set_full_to_swa_mapping" and self.swa:
+            full = to_np(args["full_indices"])
+            swa = to_np(args["swa_indices"])
+            ok = self.shadows["swa"].in_range(swa)
+            self.swa_owner[swa[ok]] = full[ok]
+            self._pending_touched.append((seq, method, full))
+        if method == "free_group_end" and not raised:
+            self.in_group = False
+        if not self.in_group:
+            self._settle(seq, method)
+
+    def _after_alloc(self, seq: int, method: str, args: dict[str, Any], result: Any, raised: bool,
+                     pre: Any) -> None:
+        if result is None:
+            if not raised and pre is not None and self.view.counters() != pre:
+                self._flag(seq, method, "none-unchanged", "none-changed-state", "pool", [],
+                           f"{method} returned None but counters went from {pre} to {self.view.counters()}")
+            return
+        if not isinstance(result, torch.Tensor):
+            return
+        tokens = to_np(result)
+        sub = "full" if self.swa else "pool"
+        bad, again = self.main.handout(tokens)
+        if len(bad):
+            self._flag(seq, method, "ownership", "handout-out-of-range", sub, bad,
+                       f"{method} handed out slot(s) outside 1..num_pages or on padding page 0")
+        if len(again):
+            self._flag(seq, method, "ownership", "handout-while-live", sub, again,
+                       f"{method} handed out slot(s) the caller still holds")
+        if not self.swa:
+            return
+        mapped = tokens
+        if method == "alloc_extend_swa_tail":
+            tail = int(args.get("swa_tail_len", 0))
+            nontail = tokens[: len(tokens) - tail]
+            mapped = tokens[len(tokens) - tail:] if tail else tokens[:0]
+            self._check_nontail(seq, method, nontail)
+        mapping = self.view.mapping
+        peers = to_np(mapping[torch.as_tensor(mapped, device=mapping.device)])
+        if (peers <= 0).any():
+            self._flag(seq, method, "swa-mapping", "allocated-without-peer", "full", mapped[peers <= 0],
+                       f"{method} left allocated full slot(s) with no SWA peer")
+        peers_ok = peers > 0
+        self._check_shared(seq, method, mapped[peers_ok], peers[peers_ok])
+        bad, again = self.shadows["swa"].handout(peers[peers_ok])
+        if len(bad):
+            self._flag(seq, method, "ownership", "handout-out-of-range", "swa", bad,
+                       f"{method} mapped full slots to SWA slot(s) outside the SWA pool or on page 0")
+        if len(again):
+            self._flag(seq, method, "ownership", "handout-while-live", "swa", again,
+                       f"{method} gave out SWA slot(s) that are still live")
+        inr = self.shadows["swa"].in_range(peers)
+        self.swa_owner[peers[inr]] = mapped[inr]
+
+    def _check_nontail(self, seq: int, method: str, nontail: np.ndarray) -> None:
+        mapping = self.view.mapping
+        peers = to_np(mapping[torch.as_tensor(nontail, device=mapping.device)])
+        stale = peers != 0
+        if not stale.any():
+            return
+        self._flag(seq, method, "swa-mapping", "tail-prealloc-nontail-mapped", "full", nontail[stale],
+                   f"{method}: {int(stale.sum())} non-tail full slot(s) keep an old SWA peer "
+                   f"(first {int(nontail[stale][0])} -> SWA {int(peers[stale][0])})")
+        self._check_shared(seq, method, nontail[stale], peers[stale])
+        swa = self.shadows["swa"]
+        p = peers[stale]
+        dangling = ~swa.in_range(p) | ~swa.live_tok[np.clip(p, 0, len(swa.live_tok) - 1)]
+        if dangling.any():
+            self._flag(seq, method, "swa-mapping", "peer-not-live", "swa", p[dangling],
+                       f"{method}: non-tail full slot(s) map to SWA slot(s) that are free")
+
+    def _check_shared(self, seq: int, method: str, full: np.ndarray, peers: np.ndarray) -> None:
+        """Another live full slot still maps to one of these SWA slots."""
+        if not len(peers):
+            return
+        swa = self.shadows["swa"]
+        inr = swa.in_range(peers)
+        full, peers = full[inr], peers[inr]
+        prev = self.swa_owner[peers]
+        mapping = self.view.mapping
+        cand = (prev != 0) & (prev != full) & self.main.live_tok[np.clip(prev, 0, len(self.main.live_tok) - 1)]
+        if cand.any():
+            still = to_np(mapping[torch.as_tensor(prev[cand], device=mapping.device)]) == peers[cand]
+            if still.any():
+                s = peers[cand][still]
+                self._flag(seq, method, "swa-mapping", "shared-swa-slot", "swa", s,
+                           f"{method}: live full slots {int(prev[cand][still][0])} and {int(full[cand][still][0])} "
+                           f"both map to SWA slot {int(s[0])}")
+
+    def _after_free(self, seq: int, method: str, args: dict[str, Any], pre: Any) -> None:
+        sub = "full" if self.swa else "pool"
+        if method not in SWA_ONLY_FREES:
+            pages = _index_args(method, args, self.ps)
+            not_held = self.main.release(pages)
+            if len(not_held):
+                self._flag(seq, method, "ownership", "free-not-live", sub, not_held,
+                           f"{method} freed page(s) the caller does not hold (double or wild free)")
+            if self.swa:
+                self._pending_released.append((seq, method, pages))
+        if self.swa and method not in FULL_ONLY_FREES and pre is not None and len(pre):
+            swa_pages = np.unique(pre // self.ps)
+            not_held = self.shadows["swa"].release(swa_pages)
+            if len(not_held):
+                self._flag(seq, method, "ownership", "free-not-live", "swa", not_held,
+                           f"{method} released SWA page(s) that are not live (double free)")
+        if self.swa and method in SWA_ONLY_FREES:
+            self._pending_released.append((seq, method, _index_args(method, args, self.ps)))
+
+    # -- at the end of every call outside a free group ---------------------------
+    def _settle(self, seq: int, method: str) -> None:
+        if self.swa and (self._pending_released or self._pending_touched):
+            self._check_released_unmapped(seq)
+            self._check_touched(seq)
+        for name, shadow in self.shadows.items():
+            sub = shadow.sub
+            avail = sub.available()
+            if not 0 <= avail <= sub.size:
+                self._flag(seq, method, "capacity", "available-out-of-bounds", name, [],
+                           f"{name}: available_size() is {avail}, outside 0..{sub.size}")
+            if shadow.owned_count * shadow.ps + avail != sub.capacity:
+                self._flag(seq, method, "ownership", "live-plus-available", name, [],
+                           f"{name}: caller holds {shadow.owned_count * shadow.ps} slots and the pool says "
+                           f"{avail} are available; together {shadow.owned_count * shadow.ps + avail}, "
+                           f"not the pool's {sub.capacity}")
+        self._since_full += 1
+        if self.full_check_every and self._since_full >= self.full_check_every:
+            self.full_check(seq, method)
+
+    def _check_released_unmapped(self, seq: int) -> None:
+        mapping = self.view.mapping
+        for src_seq, src_method, pages in self._pending_released:
+            toks = _expand(pages, self.ps)
+            peers = to_np(mapping[torch.as_tensor(toks, device=mapping.device)])
+            keep = peers != 0
+            if src_method in SWA_ONLY_FREES:
+                # The full slots stay live: a later call in the group may give them a new peer.
+                repointed = [f for s, _, f in self._pending_touched if s > src_seq]
+                if repointed:
+                    keep &= ~np.isin(toks, np.concatenate(repointed))
+            if keep.any():
+                what = "released page" if src_method not in SWA_ONLY_FREES else "page whose SWA peer was freed"
+                self._flag(src_seq, src_method, "swa-mapping", "released-page-keeps-peer", "full", toks[keep],
+                           f"{src_method}: {int(keep.sum())} slot(s) of a {what} keep an SWA mapping "
+                           f"(first {int(toks[keep][0])} -> SWA {int(peers[keep][0])})", detected=seq)
+        self._pending_released.clear()
+
+    def _check_touched(self, seq: int) -> None:
+        mapping = self.view.mapping
+        swa = self.shadows["swa"]
+        for src_seq, src_method, full in self._pending_touched:
+            peers = to_np(mapping[torch.as_tensor(full, device=mapping.device)])
+            live = self.main.live_tok[full] & (peers > 0)
+            p = peers[live]
+            bad = ~swa.in_range(p) | ~swa.live_tok[np.clip(p, 0, len(swa.live_tok) - 1)]
+            if bad.any():
+                self._flag(src_seq, src_method, "swa-mapping", "peer-not-live", "swa", p[bad],
+                           f"{src_method}: live full slot(s) map to SWA slot(s) that are not live", detected=seq)
+        self._pending_touched.clear()
+
+    # -- O(pool) checks -------------------------------------------------------------
+    def full_check(self, seq: int, method: str, *, final: bool = False) -> None:
+        self._since_full = 0
+        free_by_sub = {}
+        for name, shadow in self.shadows.items():
+            free = shadow.sub.free_pages()
+            free_by_sub[name] = free
+            uniq, counts = np.unique(free, return_counts=True)
+            if (counts > 1).any():
+                self._flag(seq, method, "free-list", "duplicate-free-page", name, uniq[counts > 1],
+                           f"{name}: page(s) appear more than once in free + staged pages")
+            if (free == 0).any():
+                self._flag(seq, method, "free-list", "padding-page-free", name, [0],
+                           f"{name}: padding page 0 is on the free list")
+            out = (free < 0) | (free > shadow.num_pages)
+            if out.any():
+                self._flag(seq, method, "free-list", "page-out-of-range", name, free[out],
+                           f"{name}: free list holds page ids outside 1..{shadow.num_pages}")
+            inr = uniq[(uniq >= 1) & (uniq <= shadow.num_pages)]
+            live_free = inr[shadow.owned[inr]]
+            if len(live_free):
+                self._flag(seq, method, "ownership", "live-page-free", name, live_free,
+                           f"{name}: page(s) the caller holds are on the free list")
+            is_free = np.zeros(shadow.num_pages + 1, dtype=bool)
+            is_free[inr] = True
+            lost = np.flatnonzero(~is_free[1:] & ~shadow.owned[1:]) + 1
+            if len(lost):
+                self._flag(seq, method, "quiescence" if final else "ownership", "leaked-page", name, lost,
+                           f"{name}: {len(lost)} page(s) are neither held by the caller nor free (leaked)")
+        if self.swa:
+            self._full_mapping_check(seq, method, free_by_sub, final)
+
+    def _full_mapping_check(self, seq: int, method: str, free_by_sub: dict[str, np.ndarray], final: bool) -> None:
+        m = to_np(self.view.mapping)
+        full, swa = self.main, self.shadows["swa"]
+        if m[-1] != -1:
+            self._flag(seq, method, "swa-mapping", "sentinel-changed", "full", [len(m) - 1],
+                       f"the trailing mapping entry is {int(m[-1])}, not -1")
+        body = m[: len(full.live_tok)]
+        f_idx = np.flatnonzero(body != 0)
+        s = body[f_idx]
+        free_page = ~full.owned[f_idx // full.ps]
+        if free_page.any():
+            self._flag(seq, method, "swa-mapping", "released-page-keeps-peer", "full", f_idx[free_page],
+                       f"{int(free_page.sum())} slot(s) of free full pages keep an SWA mapping")
+        live = full.live_tok[f_idx] & (s > 0)
+        lf, ls = f_idx[live], s[live]
+        uniq, counts = np.unique(ls, return_counts=True)
+        if (counts > 1).any():
+            self._flag(seq, method, "swa-mapping", "shared-swa-slot", "swa", uniq[counts > 1],
+                       f"{int((counts > 1).sum())} SWA slot(s) are mapped from more than one live full slot")
+        swa_free = np.zeros(swa.num_pages + 1, dtype=bool)
+        fp = free_by_sub["swa"]
+        swa_free[fp[(fp >= 0) & (fp <= swa.num_pages)]] = True
+        inr = swa.in_range(ls)
+        dead = ~inr
+        dead[inr] = swa_free[ls[inr] // swa.ps] | ~swa.live_tok[ls[inr]]
+        if dead.any():
+            self._flag(seq, method, "swa-mapping", "peer-not-live", "swa", ls[dead],
+                       f"{int(dead.sum())} live full slot(s) map to SWA slot(s) that are free")
+        mapped = np.zeros(len(swa.live_tok), dtype=bool)
+        mapped[ls[inr]] = True
+        orphan = np.flatnonzero(swa.live_tok & ~mapped)
+        if len(orphan):
+            self._flag(seq, method, "quiescence" if final else "swa-mapping", "orphan-swa-slot", "swa", orphan,
+                       f"{len(orphan)} live SWA slot(s) are mapped from no live full slot")
+
+    def finish(self, seq: int) -> dict[str, Any]:
+        """End of trace: the O(pool) checks as quiescence, plus what is still held."""
+        self.full_check(seq, "end-of-trace", final=True)
+        return {name: s.owned_count * s.ps for name, s in self.shadows.items()}
