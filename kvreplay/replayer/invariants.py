@@ -390,7 +390,7 @@ class InvariantChecker:
             self._flag(seq, method, "swa-mapping", "released-page-keeps-peer", "full", f_idx[free_page],
                        f"{int(free_page.sum())} slot(s) of free full pages keep an SWA mapping")
         live = full.live_tok[f_idx] & (s > 0)
-        lf, ls = f_idx[live], s[live]
+        ls = s[live]
         uniq, counts = np.unique(ls, return_counts=True)
         if (counts > 1).any():
             self._flag(seq, method, "swa-mapping", "shared-swa-slot", "swa", uniq[counts > 1],
