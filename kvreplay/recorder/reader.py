@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import torch
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.recorder.trace_format import COUNTERS, SCHEMA, SCHEMA_VERSION, Call, TraceMeta, decode_value
+from kvreplay.recorder.trace_format import COUNTERS, OPAQUE, SCHEMA, SCHEMA_VERSION, Call, TraceMeta, decode_value
 
 
 class TraceReader:
@@ -67,6 +67,7 @@ class TraceReader:
                     seq=r["seq"], parent=r["parent"], depth=r["depth"], target=r["target"],
                     method=r["method"],
                     args={a["name"]: decode_value(a, device) for a in r["args"]},
+                    has_opaque=any(a["kind"] == OPAQUE for a in r["args"]),
                     result=decode_value(r["result"], device),
                     exc_type=r["exc_type"], exc_msg=r["exc_msg"],
                     counters={k: r[k] for k in COUNTERS},

@@ -151,6 +151,7 @@ class Call:
     counters: dict[str, int | None]
     t_start_ns: int
     t_end_ns: int
+    has_opaque: bool = False  # an argument could not be recorded losslessly
 
     @property
     def top_level(self) -> bool:
@@ -285,7 +286,7 @@ def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -
             out.append((_tensor(v["data"][pos:pos + n], dtype, device), start))
             pos += n
         return out
-    return _Opaque(v["s"])
+    return Opaque(v["s"])
 
 
 def _tensor(data: list[int], dtype: str, device: str | torch.device) -> torch.Tensor:
@@ -293,7 +294,7 @@ def _tensor(data: list[int], dtype: str, device: str | torch.device) -> torch.Te
 
 
 @dataclass(frozen=True)
-class _Opaque:
+class Opaque:
     """A value kvreplay could not record losslessly; replay refuses to pass it on."""
 
     text: str

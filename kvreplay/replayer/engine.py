@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import torch
 from kvreplay.errors import BadInput, BuildUnloadable
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.recording import COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
-from kvreplay.recorder.trace_format import Call
+from kvreplay.recorder.trace_format import Call, Opaque
 from kvreplay.replayer import builds
 from kvreplay.replayer.invariants import ALLOCS, InvariantChecker, Violation
 from kvreplay.replayer.pool_view import view_of
@@ -209,7 +209,7 @@ class Replayer:
             self._diverge(c.seq, c.method, "unsupported", "method", "missing",
                           f"build {self.build_spec} has no method {c.method}")
             return
-        opaque = [k for k, v in c.args.items() if type(v).__name__ == "_Opaque"]
+        opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
         if opaque:
             self._diverge(c.seq, c.method, "unsupported", "recordable arguments", ",".join(opaque),
                           f"argument(s) {', '.join(opaque)} were not recorded losslessly")
@@ -224,18 +224,27 @@ class Replayer:
             result = fn(**args)
         except Exception as exc:  # the build's own failure is a finding, not a crash
             raised = exc
-        self._compare(tc, result, raised)
+        if c.method in COUNTER_METHODS and raised is None:
+            # A pure read: nothing to check but what it returned.
+            if self.mode == "strict" and not _same(c.result, result) or self.mode == "remap" and c.result != result:
+                self._diverge(c.seq, c.method, "result", c.result, result, "counter read differs")
+            return
+        avail = self.view.sub_available()
+        self._compare(tc, result, raised, avail)
         if self.checker:
-            self.checker.after(c.seq, c.method, args, result, raised is not None, pre)
-        if self.capacity_seq is None and self._capacity_broken(raised):
+            self.checker.after(c.seq, c.method, args, result, raised is not None, pre, avail)
+        if self.capacity_seq is None and self._capacity_broken(raised, avail):
             self.capacity_seq = c.seq
 
-    def _capacity_broken(self, raised: BaseException | None) -> bool:
+    def _capacity_broken(self, raised: BaseException | None, avail: dict[str, int]) -> bool:
         if isinstance(raised, AssertionError) and "available_size" in str(raised):
             return True
-        return any(sub.available() > sub.size for sub in self.view.subs.values())
+        for name, sub in self.view.subs.items():
+            if avail[name] > sub.size:
+                return True
+        return False
 
-    def _compare(self, tc: TopCall, result: Any, raised: BaseException | None) -> None:
+    def _compare(self, tc: TopCall, result: Any, raised: BaseException | None, avail: dict[str, int]) -> None:
         c = tc.call
         got_exc = type(raised).__name__ if raised is not None else None
         if got_exc != c.exc_type:
@@ -249,7 +258,7 @@ class Replayer:
             if not _same(c.result, result):
                 self._diverge(c.seq, c.method, "result", c.result, result, "result differs from the recording")
             else:
-                self._compare_counters(c)
+                self._compare_counters(c, avail)
                 self._compare_nested(tc)
             return
         # remap: only what the caller could tell apart
@@ -262,8 +271,6 @@ class Replayer:
             elif self.remap is not None:
                 self.remap.full.learn(c.result, result)
                 self._learn_swa(tc, result)
-        elif c.method in COUNTER_METHODS and c.result != result:
-            self._diverge(c.seq, c.method, "result", c.result, result, "counter read differs")
 
     def _learn_swa(self, tc: TopCall, result: torch.Tensor) -> None:
         if self.remap is None or self.remap.swa is None or tc.call.method not in ALLOCS:
@@ -274,8 +281,8 @@ class Replayer:
         mapped = result[-rec[-1].numel():] if rec[-1].numel() else result[:0]
         self.remap.swa.learn(rec[-1], self.view.mapping[mapped])
 
-    def _compare_counters(self, c: Call) -> None:
-        got = self.view.counters()
+    def _compare_counters(self, c: Call, avail: dict[str, int]) -> None:
+        got = self.view.counters(avail)
         want = (c.counters.get("available"), c.counters.get("full_available"), c.counters.get("swa_available"))
         if any(w is not None and w != g for w, g in zip(want, got, strict=True)):
             self._diverge(c.seq, c.method, "counter", want, got, "pool counters after the call differ")
@@ -298,13 +305,15 @@ class Replayer:
     def found_something(self) -> bool:
         return bool(self.divergences) or bool(self.checker and self.checker.log.total)
 
-    def run(self, progress: Callable[[int, int], None] | None = None) -> ReplayReport:
+    def run(self, progress: Callable[[int, int], None] | None = None,
+            calls: Iterable[TopCall] | None = None) -> ReplayReport:
+        """Replay every call (or ``calls``, already decoded, e.g. for benchmarks)."""
         t0 = time.perf_counter()
         total = self.reader.num_rows
         last_seq = -1
         stopped = False
         rows = 0
-        for tc in top_calls(self.reader, device=self.device):
+        for tc in calls if calls is not None else top_calls(self.reader, device=self.device):
             self.step(tc)
             last_seq = tc.call.seq
             rows += 1 + len(tc.nested)

@@ -34,7 +34,10 @@ ALLOCS = frozenset({"alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_t
 FULL_AND_SWA_FREES = frozenset({"free", "free_segment", "free_segments", "free_page_ids"})
 FULL_ONLY_FREES = frozenset({"free_full", "free_full_segment", "free_full_segments"})
 SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
+FREES = FULL_AND_SWA_FREES | FULL_ONLY_FREES | SWA_ONLY_FREES
 MAX_INDICES = 8
+SMALL = 16  # below this many elements, Python lists are faster than numpy calls
+_EMPTY = np.empty(0, dtype=np.int64)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Shadow:
     def reset(self) -> None:
         self.owned = np.zeros(self.num_pages + 1, dtype=bool)
         self.live_tok = np.zeros((self.num_pages + 1) * self.ps, dtype=bool)
+        self.live_by_page = self.live_tok.reshape(self.num_pages + 1, self.ps)  # a view: one write clears a page
         self.owned_count = 0
 
     def in_range(self, tokens: np.ndarray) -> np.ndarray:
@@ -93,45 +97,75 @@ class Shadow:
 
     def handout(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mark tokens handed out; returns (out-of-range or padding, already live)."""
-        ok = self.in_range(tokens)
-        bad_range = tokens[~ok]
-        tokens = tokens[ok]
-        already = tokens[self.live_tok[tokens]]
-        self.live_tok[tokens] = True
-        pages = np.unique(tokens // self.ps)
-        new = pages[~self.owned[pages]]
-        self.owned[new] = True
-        self.owned_count += len(new)
-        return bad_range, already
+        bad = _EMPTY
+        if len(tokens) and (tokens.min() < self.ps or tokens.max() >= len(self.live_tok)):
+            ok = self.in_range(tokens)
+            bad, tokens = tokens[~ok], tokens[ok]
+        live = self.live_tok
+        hit = live[tokens]
+        again = tokens[hit] if hit.any() else _EMPTY
+        live[tokens] = True
+        pages = tokens // self.ps
+        fresh = pages[~self.owned[pages]]
+        if len(fresh):
+            fresh = np.unique(fresh)
+            self.owned[fresh] = True
+            self.owned_count += len(fresh)
+        return bad, again
 
-    def release(self, pages: np.ndarray) -> np.ndarray:
-        """Mark pages released; returns the ones the caller did not hold."""
-        pages = np.unique(pages)
+    def release(self, pages: np.ndarray | list[int]) -> np.ndarray:
+        """Mark distinct pages released; returns the ones the caller did not hold."""
+        if len(pages) <= SMALL:
+            # A few pages: plain Python beats numpy's per-call overhead several times over.
+            owned, live, n = self.owned, self.live_by_page, self.num_pages
+            bad = []
+            for p in pages.tolist() if isinstance(pages, np.ndarray) else pages:
+                if 1 <= p <= n and owned[p]:
+                    owned[p] = False
+                    live[p] = False
+                    self.owned_count -= 1
+                else:
+                    bad.append(p)
+            return np.array(bad, dtype=np.int64) if bad else _EMPTY
+        pages = np.asarray(pages, dtype=np.int64)
         valid = (pages >= 1) & (pages <= self.num_pages)
-        not_held = np.concatenate([pages[~valid], pages[valid][~self.owned[pages[valid]]]])
-        held = pages[valid][self.owned[pages[valid]]]
+        if not valid.all():
+            bad = pages[~valid]
+            return np.concatenate([bad, self.release(pages[valid])])
+        held_mask = self.owned[pages]
+        held = pages if held_mask.all() else pages[held_mask]
         self.owned[held] = False
         self.owned_count -= len(held)
-        if len(held):
-            toks = (held[:, None] * self.ps + np.arange(self.ps)).reshape(-1)
-            self.live_tok[toks] = False
-        return not_held
+        self.live_by_page[held] = False
+        return pages[~held_mask] if len(held) != len(pages) else _EMPTY
+
+
+_OFFSETS: dict[int, np.ndarray] = {}
 
 
 def _expand(pages: np.ndarray, ps: int) -> np.ndarray:
-    return (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+    off = _OFFSETS.get(ps)
+    if off is None:
+        off = _OFFSETS[ps] = np.arange(ps, dtype=np.int64)
+    return (pages[:, None] * ps + off).reshape(-1)
 
 
-def _index_args(method: str, args: dict[str, Any], ps: int) -> np.ndarray:
-    """Full-pool pages a free call names."""
+def _distinct(pages: np.ndarray) -> np.ndarray | list[int]:
+    """Sorted distinct pages: a Python list when few (cheaper to work on), else numpy."""
+    if len(pages) <= SMALL * 4:
+        return sorted(set(pages.tolist()))
+    return np.unique(pages)
+
+
+def _index_args(method: str, args: dict[str, Any], ps: int) -> np.ndarray | list[int]:
+    """The distinct full-pool pages a free call names."""
     if "segments" in args:
         parts = [to_np(t) for t, _ in args["segments"]]
-        toks = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        return np.unique(toks // ps)
+        toks = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else _EMPTY)
+        return _distinct(toks // ps)
     if method == "free_page_ids":
-        return np.unique(to_np(args.get("page_ids", args.get("free_index"))))
-    toks = to_np(args["free_index"])
-    return np.unique(toks // ps)
+        return _distinct(to_np(args.get("page_ids", args.get("free_index"))))
+    return _distinct(to_np(args["free_index"]) // ps)
 
 
 class InvariantChecker:
@@ -160,17 +194,25 @@ class InvariantChecker:
 
     # -- per call --------------------------------------------------------------
     def before(self, method: str, args: dict[str, Any]) -> Any:
-        """Cheap reads that must happen before the call mutates the pool."""
+        """Cheap reads that must happen before the call mutates the pool: counters
+        before an alloc; for a free, the pages it names and their SWA peers now."""
         if method in ALLOCS:
             return self.view.counters()
-        if self.swa and method in FULL_AND_SWA_FREES | SWA_ONLY_FREES:
+        if method in FREES:
             pages = _index_args(method, args, self.ps)
-            mapping = self.view.mapping
-            peers = to_np(mapping[torch.as_tensor(_expand(pages, self.ps), device=mapping.device)])
-            return peers[peers > 0]
+            if not (self.swa and method not in FULL_ONLY_FREES):
+                return pages, None
+            if isinstance(pages, list):
+                item, ps = self.view.peer_item(), self.ps
+                peers = [q for p in pages for o in range(ps) if (q := item(p * ps + o)) > 0]
+                return pages, peers
+            peers = self.view.peers(_expand(pages, self.ps))
+            return pages, peers[peers > 0] if len(peers) and peers.min() <= 0 else peers
         return None
 
-    def after(self, seq: int, method: str, args: dict[str, Any], result: Any, raised: bool, pre: Any) -> None:
+    def after(self, seq: int, method: str, args: dict[str, Any], result: Any, raised: bool, pre: Any,
+              avail: dict[str, int] | None = None) -> None:
+        """Feed one top-level call to the shadow model and check what it left."""
         self.calls += 1
         if method == "free_group_begin" and not raised:
             self.in_group = True
@@ -183,8 +225,8 @@ class InvariantChecker:
             self._pending_touched.clear()
         elif method in ALLOCS:
             self._after_alloc(seq, method, args, result, raised, pre)
-        elif method in FULL_AND_SWA_FREES or method in FULL_ONLY_FREES or method in SWA_ONLY_FREES:
-            self._after_free(seq, method, args, pre)
+        elif method in FREES and pre is not None:
+            self._after_free(seq, method, *pre)
         elif method == "set_full_to_swa_mapping" and self.swa:
             full = to_np(args["full_indices"])
             swa = to_np(args["swa_indices"])
@@ -194,7 +236,7 @@ class InvariantChecker:
         if method == "free_group_end" and not raised:
             self.in_group = False
         if not self.in_group:
-            self._settle(seq, method)
+            self._settle(seq, method, avail if avail is not None else self.view.sub_available())
 
     def _after_alloc(self, seq: int, method: str, args: dict[str, Any], result: Any, raised: bool,
                      pre: Any) -> None:
@@ -222,26 +264,26 @@ class InvariantChecker:
             nontail = tokens[: len(tokens) - tail]
             mapped = tokens[len(tokens) - tail:] if tail else tokens[:0]
             self._check_nontail(seq, method, nontail)
-        mapping = self.view.mapping
-        peers = to_np(mapping[torch.as_tensor(mapped, device=mapping.device)])
-        if (peers <= 0).any():
+        peers = self.view.peers(mapped)
+        if len(peers) and peers.min() <= 0:
             self._flag(seq, method, "swa-mapping", "allocated-without-peer", "full", mapped[peers <= 0],
                        f"{method} left allocated full slot(s) with no SWA peer")
-        peers_ok = peers > 0
-        self._check_shared(seq, method, mapped[peers_ok], peers[peers_ok])
-        bad, again = self.shadows["swa"].handout(peers[peers_ok])
+            mapped, peers = mapped[peers > 0], peers[peers > 0]
+        self._check_shared(seq, method, mapped, peers)
+        bad, again = self.shadows["swa"].handout(peers)
         if len(bad):
             self._flag(seq, method, "ownership", "handout-out-of-range", "swa", bad,
                        f"{method} mapped full slots to SWA slot(s) outside the SWA pool or on page 0")
         if len(again):
             self._flag(seq, method, "ownership", "handout-while-live", "swa", again,
                        f"{method} gave out SWA slot(s) that are still live")
-        inr = self.shadows["swa"].in_range(peers)
-        self.swa_owner[peers[inr]] = mapped[inr]
+        if len(bad):
+            inr = self.shadows["swa"].in_range(peers)
+            mapped, peers = mapped[inr], peers[inr]
+        self.swa_owner[peers] = mapped
 
     def _check_nontail(self, seq: int, method: str, nontail: np.ndarray) -> None:
-        mapping = self.view.mapping
-        peers = to_np(mapping[torch.as_tensor(nontail, device=mapping.device)])
+        peers = self.view.peers(nontail)
         stale = peers != 0
         if not stale.any():
             return
@@ -261,46 +303,46 @@ class InvariantChecker:
         if not len(peers):
             return
         swa = self.shadows["swa"]
-        inr = swa.in_range(peers)
-        full, peers = full[inr], peers[inr]
+        if peers.min() < swa.ps or peers.max() >= len(swa.live_tok):
+            inr = swa.in_range(peers)
+            full, peers = full[inr], peers[inr]
         prev = self.swa_owner[peers]
-        mapping = self.view.mapping
-        cand = (prev != 0) & (prev != full) & self.main.live_tok[np.clip(prev, 0, len(self.main.live_tok) - 1)]
+        cand = prev != full
+        cand &= self.main.live_tok[prev]  # owner 0 is padding, never live
         if cand.any():
-            still = to_np(mapping[torch.as_tensor(prev[cand], device=mapping.device)]) == peers[cand]
+            still = self.view.peers(prev[cand]) == peers[cand]
             if still.any():
                 s = peers[cand][still]
                 self._flag(seq, method, "swa-mapping", "shared-swa-slot", "swa", s,
                            f"{method}: live full slots {int(prev[cand][still][0])} and {int(full[cand][still][0])} "
                            f"both map to SWA slot {int(s[0])}")
 
-    def _after_free(self, seq: int, method: str, args: dict[str, Any], pre: Any) -> None:
+    def _after_free(self, seq: int, method: str, pages: np.ndarray, swa_peers: np.ndarray | None) -> None:
         sub = "full" if self.swa else "pool"
         if method not in SWA_ONLY_FREES:
-            pages = _index_args(method, args, self.ps)
             not_held = self.main.release(pages)
             if len(not_held):
                 self._flag(seq, method, "ownership", "free-not-live", sub, not_held,
                            f"{method} freed page(s) the caller does not hold (double or wild free)")
-            if self.swa:
-                self._pending_released.append((seq, method, pages))
-        if self.swa and method not in FULL_ONLY_FREES and pre is not None and len(pre):
-            swa_pages = np.unique(pre // self.ps)
-            not_held = self.shadows["swa"].release(swa_pages)
-            if len(not_held):
-                self._flag(seq, method, "ownership", "free-not-live", "swa", not_held,
-                           f"{method} released SWA page(s) that are not live (double free)")
-        if self.swa and method in SWA_ONLY_FREES:
-            self._pending_released.append((seq, method, _index_args(method, args, self.ps)))
+        if self.swa:
+            self._pending_released.append((seq, method, pages))
+            if swa_peers is not None and len(swa_peers):
+                ps = self.ps
+                swa_pages = (sorted({q // ps for q in swa_peers}) if isinstance(swa_peers, list)
+                             else _distinct(swa_peers // ps))
+                not_held = self.shadows["swa"].release(swa_pages)
+                if len(not_held):
+                    self._flag(seq, method, "ownership", "free-not-live", "swa", not_held,
+                               f"{method} released SWA page(s) that are not live (double free)")
 
     # -- at the end of every call outside a free group ---------------------------
-    def _settle(self, seq: int, method: str) -> None:
+    def _settle(self, seq: int, method: str, available: dict[str, int]) -> None:
         if self.swa and (self._pending_released or self._pending_touched):
             self._check_released_unmapped(seq)
             self._check_touched(seq)
         for name, shadow in self.shadows.items():
             sub = shadow.sub
-            avail = sub.available()
+            avail = available[name]
             if not 0 <= avail <= sub.size:
                 self._flag(seq, method, "capacity", "available-out-of-bounds", name, [],
                            f"{name}: available_size() is {avail}, outside 0..{sub.size}")
@@ -314,10 +356,16 @@ class InvariantChecker:
             self.full_check(seq, method)
 
     def _check_released_unmapped(self, seq: int) -> None:
-        mapping = self.view.mapping
-        for src_seq, src_method, pages in self._pending_released:
-            toks = _expand(pages, self.ps)
-            peers = to_np(mapping[torch.as_tensor(toks, device=mapping.device)])
+        pending, self._pending_released = self._pending_released, []
+        if not pending:
+            return
+        # One lookup for the whole group; per-call attribution only when something is wrong.
+        allpages = np.concatenate([np.asarray(p, dtype=np.int64) for _, _, p in pending])
+        if not len(allpages) or not self.view.peers(_expand(allpages, self.ps)).any():
+            return
+        for src_seq, src_method, pages in pending:
+            toks = _expand(np.asarray(pages, dtype=np.int64), self.ps)
+            peers = self.view.peers(toks)
             keep = peers != 0
             if src_method in SWA_ONLY_FREES:
                 # The full slots stay live: a later call in the group may give them a new peer.
@@ -329,13 +377,11 @@ class InvariantChecker:
                 self._flag(src_seq, src_method, "swa-mapping", "released-page-keeps-peer", "full", toks[keep],
                            f"{src_method}: {int(keep.sum())} slot(s) of a {what} keep an SWA mapping "
                            f"(first {int(toks[keep][0])} -> SWA {int(peers[keep][0])})", detected=seq)
-        self._pending_released.clear()
 
     def _check_touched(self, seq: int) -> None:
-        mapping = self.view.mapping
         swa = self.shadows["swa"]
         for src_seq, src_method, full in self._pending_touched:
-            peers = to_np(mapping[torch.as_tensor(full, device=mapping.device)])
+            peers = self.view.peers(full)
             live = self.main.live_tok[full] & (peers > 0)
             p = peers[live]
             bad = ~swa.in_range(p) | ~swa.live_tok[np.clip(p, 0, len(swa.live_tok) - 1)]

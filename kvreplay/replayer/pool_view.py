@@ -15,8 +15,10 @@ import torch
 
 
 def to_np(t: Any) -> np.ndarray:
-    """Host copy of an index tensor as int64 numpy (free for CPU tensors)."""
+    """Host copy of an index tensor as int64 numpy (free for CPU int64 tensors)."""
     if isinstance(t, torch.Tensor):
+        if t.dtype == torch.int64 and t.device.type == "cpu" and not t.requires_grad:
+            return t.numpy().reshape(-1)
         return t.detach().reshape(-1).to(torch.int64).cpu().numpy()
     return np.asarray(t, dtype=np.int64).reshape(-1)
 
@@ -64,16 +66,48 @@ class PoolView:
     family: str
     subs: dict[str, SubPoolView]
     pool: Any
+    _np_of: Any = None
+    _np: Any = None
 
     @property
     def mapping(self) -> torch.Tensor | None:
         return getattr(self.pool, "full_to_swa_index_mapping", None)
 
-    def counters(self) -> tuple[int | None, int | None, int | None]:
+    def peers(self, full_tokens: np.ndarray) -> np.ndarray:
+        """``full_to_swa_index_mapping[full_tokens]`` as numpy."""
+        m = self.mapping
+        if m.device.type == "cpu":
+            # A CPU tensor's numpy view shares its memory: no copy, no torch dispatch.
+            if self._np_of is not m:
+                self._np_of, self._np = m, m.numpy()
+            return self._np[full_tokens]
+        return to_np(m[torch.as_tensor(full_tokens, device=m.device)])
+
+    def peer_item(self) -> Any:
+        """A function full_token -> SWA peer (int), cheapest for a handful of lookups."""
+        m = self.mapping
+        if m.device.type == "cpu":
+            if self._np_of is not m:
+                self._np_of, self._np = m, m.numpy()
+            return self._np.item
+        return lambda i: int(m[i])
+
+    def sub_available(self) -> dict[str, int]:
+        return {name: sub.available() for name, sub in self.subs.items()}
+
+    def counters(self, avail: dict[str, int] | None = None) -> tuple[int | None, int | None, int | None]:
+        """The counters a trace records: available_size() and, on SWA pools, those of
+        the full and SWA sub-pools (``avail`` reuses sub-pool reads already made)."""
         p = self.pool
+        if avail is None:
+            if self.family == "swa":
+                return int(p.available_size()), int(p.full_available_size()), int(p.swa_available_size())
+            return int(p.available_size()), None, None
         if self.family == "swa":
-            return int(p.available_size()), int(p.full_available_size()), int(p.swa_available_size())
-        return int(p.available_size()), None, None
+            # The recorder read these through the pool's methods; for the SWA pools
+            # that exist they are the sub-pools' sizes and their minimum.
+            return min(avail["full"], avail["swa"]), avail["full"], avail["swa"]
+        return avail["pool"], None, None
 
 
 def _sub(name: str, obj: Any) -> SubPoolView:

@@ -1,0 +1,79 @@
+"""Replay with every check against bare build calls, on the same decoded calls, in
+one run: prints the ratio and calls/s (issue target: ratio <= 1.5).
+
+    python bench/replay_overhead.py [TRACE] [--build builtin:swa] [--repeat 3]
+
+Bare: the recorded top-level calls issued to a fresh pool, nothing else.
+Checked: the same calls through the replayer in strict mode (results, counters and
+nested calls compared, every invariant checked, O(pool) checks every 1000 calls
+and at the end) and in remap mode. Runs are interleaved and repeated; the median
+of each is reported, so a noisy neighbour hits both sides alike. Decoding the
+Parquet file is done once, before timing, and reported separately."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvreplay.recorder.reader import TraceReader
+from kvreplay.replayer.engine import Replayer, top_calls
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "traces" / "disagg-mtp-2000.parquet"
+
+
+def bare(trace: Path, build: str, calls: list) -> float:
+    pool = Replayer(trace, build, mode="remap", check=False).pool
+    t0 = time.perf_counter()
+    for tc in calls:
+        getattr(pool, tc.call.method)(**tc.call.args)
+    return time.perf_counter() - t0
+
+
+def checked(trace: Path, build: str, calls: list, mode: str) -> tuple[float, str]:
+    r = Replayer(trace, build, mode=mode)
+    t0 = time.perf_counter()
+    report = r.run(calls=calls)
+    return time.perf_counter() - t0, report.status
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", nargs="?", type=Path, default=DEFAULT)
+    ap.add_argument("--build", default="builtin:swa")
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    trace = a.trace
+    if not trace.exists():
+        trace = Path(tempfile.mkdtemp()) / "t.parquet"
+        subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth", "disagg-mtp", "--requests", "2000",
+                        "-o", str(trace)], check=True)
+    t0 = time.perf_counter()
+    calls = list(top_calls(TraceReader(trace)))
+    decode_s = time.perf_counter() - t0
+    gc.freeze()  # the decoded calls live through every run; keep GC from rescanning them
+    times: dict[str, list[float]] = {"bare": [], "strict": [], "remap": []}
+    status = {}
+    for _ in range(a.repeat):
+        times["bare"].append(bare(trace, a.build, calls))
+        for mode in ("strict", "remap"):
+            t, status[mode] = checked(trace, a.build, calls, mode)
+            times[mode].append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n = len(calls)
+    print(f"trace {trace.name}: {n} top-level calls, decoded in {decode_s:.2f} s ({n / decode_s:,.0f} calls/s)")
+    print(f"bare build calls        {med['bare']:.3f} s  {n / med['bare']:>9,.0f} calls/s")
+    for mode in ("strict", "remap"):
+        print(f"replay {mode:6s} + checks  {med[mode]:.3f} s  {n / med[mode]:>9,.0f} calls/s  "
+              f"ratio {med[mode] / med['bare']:.2f}  ({status[mode]})")
+    print(f"median of {a.repeat} interleaved runs; target ratio <= 1.5")
+
+
+if __name__ == "__main__":
+    main()
