@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvreplay import __version__
@@ -155,6 +156,245 @@ def list_builds(as_json: bool = typer.Option(False, "--json", help="Print as JSO
         table.add_row(r["spec"], r["family"], r["summary"])
     out.print(table)
     out.print("Also: py:MODULE:CLASS for any importable allocator class (e.g. an installed sglang's).")
+
+
+DB_HELP = (
+    "Results database: SQLAlchemy URL or SQLite file "
+    "(default: $KVREPLAY_DB, else ~/.local/share/kvreplay/kvreplay.db)."
+)
+
+
+def _progress_bar(label: str, enabled: bool):  # noqa: ANN202 - a context manager and a callback
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not enabled or not err.is_terminal:
+        return nullcontext(None)
+    return Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
+                    TimeRemainingColumn(), console=err, transient=True)
+
+
+def _print_violation(v: Any) -> None:
+    where = f"call #{v.seq} {v.method}"
+    if v.detected_seq != v.seq:
+        where += f" (seen at #{v.detected_seq})"
+    idx = f" indices {v.indices}" if v.indices else ""
+    out.print(f"  [red]{v.invariant}[/red]/{v.rule} at {where} " + escape(f"[{v.sub_pool}]{idx}: {v.message}"),
+              highlight=False)
+
+
+def render_report(r: Any) -> None:
+    color = {"clean": "green", "violation": "red", "divergence": "yellow"}[r.status]
+    out.print(f"[bold]{r.trace}[/bold] on [bold]{r.build}[/bold] ({r.mode}, {r.device}): "
+              f"[{color}]{r.status}[/{color}]  {r.calls_replayed} calls in {r.wall_s:.2f} s "
+              f"({r.calls_per_s:,.0f} calls/s)", highlight=False)
+    if r.violation_counts:
+        t = Table("invariant/rule", "count", "first at call")
+        firsts: dict[str, int] = {}
+        for v in r.violations:
+            firsts.setdefault(f"{v.invariant}/{v.rule}", v.seq)
+        for k, n in sorted(r.violation_counts.items(), key=lambda kv: firsts.get(kv[0], 0)):
+            t.add_row(k, str(n), str(firsts.get(k, "")))
+        out.print(t)
+    if r.first_violation:
+        out.print("first violation:")
+        _print_violation(r.first_violation)
+        if r.capacity_assert_after_calls is not None:
+            out.print(f"the build's own capacity assertion fires at call #{r.capacity_assert_seq}, "
+                      f"{r.capacity_assert_after_calls} calls later")
+        else:
+            out.print("the build's own capacity assertion never fires on this trace")
+    if r.divergence_counts:
+        out.print("divergences: " + ", ".join(f"{k} {n}" for k, n in r.divergence_counts.items()))
+        d = r.first_divergence
+        out.print(f"  first at call #{d.seq} {d.method} ({d.kind}): expected {d.expected}, got {d.actual}",
+                  highlight=False)
+    if any(r.held_at_end.values()):
+        held = ", ".join(f"{k} {v} slots" for k, v in r.held_at_end.items())
+        out.print(f"still held by the caller at the end: {held}")
+
+
+@app.command()
+def replay(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet)."),
+    build: str = typer.Option(..., "--build", "-b", help="Build to replay on: builtin:NAME or py:MODULE:CLASS."),
+    mode: str = typer.Option("strict", help="strict: any difference counts; remap: translate indices, "
+                             "only None/length/exception differences count."),
+    device: str = typer.Option("auto", help="auto (cuda when available), cpu or cuda[:N]."),
+    full_check_every: int = typer.Option(1000, help="Run the O(pool) checks every N calls (0: only at the end)."),
+    stop_first: bool = typer.Option(False, "--stop-first/--go-on", help="Stop at the first violation or divergence."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    no_store: bool = typer.Option(False, "--no-store", help="Do not write the run to the database."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Replay a trace on a build, check every invariant, store the run.
+
+    Exit 0 when clean, 1 on a violation or divergence (git bisect run friendly).
+    """
+    from kvreplay.workflows import replay_and_store
+
+    with _progress_bar(f"replay {trace.name}", not as_json) as bar:
+        task = bar.add_task("", total=1) if bar else None
+        cb = (lambda done, total: bar.update(task, completed=done, total=total)) if bar else None
+        res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
+                               full_check_every=full_check_every, stop_at_first=stop_first)
+    r = res.report
+    if as_json:
+        d = r.to_dict()
+        d["run_id"] = res.run_id
+        _emit_json(d)
+    else:
+        render_report(r)
+        if res.run_id is not None:
+            out.print(f"stored as run {res.run_id} (kvreplay show {res.run_id})")
+    raise typer.Exit(r.exit_code)
+
+
+@app.command()
+def diff(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet)."),
+    base: str = typer.Option(..., "--base", help="Reference build."),
+    candidate: str = typer.Option(..., "--candidate", help="Build under test."),
+    mode: str = typer.Option("strict", help="strict or remap (see replay)."),
+    context: int = typer.Option(5, help="Calls to show before the first divergence."),
+    device: str = typer.Option("cpu", help="Torch device."),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Replay a trace on two builds in lockstep and show where they part.
+
+    Exit 0 when they agree on every call, 1 otherwise.
+    """
+    from kvreplay.replayer.diff import diff_builds
+
+    d = diff_builds(trace, base, candidate, mode=mode, context=context, device=device)
+    if as_json:
+        _emit_json(d.to_dict())
+        raise typer.Exit(d.exit_code)
+    if d.first is None:
+        out.print(f"{base} and {candidate} agree on all {d.calls} calls ({mode})")
+        raise typer.Exit(0)
+    out.print(f"{d.differing_calls} of {d.calls} calls differ ({mode}); first at call #{d.first.seq} "
+              f"{d.first.method} ({d.first_kind})", highlight=False)
+    t = Table("call", "method", "arguments", base, candidate)
+    for c in [*d.context, d.first]:
+        style = "bold red" if c is d.first else None
+        t.add_row(f"#{c.seq}", c.method, ", ".join(f"{k}={v}" for k, v in c.args.items()), c.base, c.candidate,
+                  style=style)
+    out.print(t)
+    t = Table("method", "differing calls")
+    for m, n in d.per_method.items():
+        t.add_row(m, str(n))
+    out.print(t)
+    raise typer.Exit(1)
+
+
+@app.command()
+def runs(
+    trace: str | None = typer.Option(None, help="Only runs of traces whose path contains this (or hash prefix)."),
+    build: str | None = typer.Option(None, help="Only runs on this build spec."),
+    status: str | None = typer.Option(None, help="clean, violation or divergence."),
+    limit: int = typer.Option(50, help="Most runs to list (newest first)."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """List stored replay runs, newest first."""
+    from kvreplay.store.db import open_store
+    from kvreplay.store.runs import list_runs, run_to_dict
+
+    st = open_store(db)
+    try:
+        rows = [run_to_dict(r) for r in list_runs(st, trace=trace, build=build, status=status, limit=limit)]
+    finally:
+        st.close()
+    if as_json:
+        _emit_json(rows)
+        return
+    t = Table("run", "trace", "build", "mode", "status", "calls", "violations", "first violation", "when")
+    for r in rows:
+        fv = r["first_violation"]
+        t.add_row(str(r["id"]), Path(r["trace"]).name, r["build"], r["mode"], r["status"], str(r["calls_replayed"]),
+                  str(r["violation_total"]), f"#{fv['seq']} {fv['invariant']}" if fv else "-",
+                  (r["started_at"] or "")[:19])
+    out.print(t)
+
+
+@app.command()
+def show(
+    run_id: int = typer.Argument(..., help="Run id (see kvreplay runs)."),
+    show_all: bool = typer.Option(False, "--all", help="Every kept violation, not the first of each rule."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Show one stored run: its violations and divergences."""
+    from kvreplay.store.db import open_store
+    from kvreplay.store.runs import get_run, run_to_dict
+
+    st = open_store(db)
+    try:
+        d = run_to_dict(get_run(st, run_id), details=True)
+    finally:
+        st.close()
+    if as_json:
+        _emit_json(d)
+        return
+    _render_stored(d, show_all=show_all)
+
+
+def _render_stored(d: dict[str, Any], *, show_all: bool = False) -> None:
+    out.print(f"run {d['id']}: {d['trace']} on {d['build']} ({d['mode']}, {d['device']}) -> {d['status']}, "
+              f"{d['calls_replayed']} calls, {d['violation_total']} violations, "
+              f"{d['divergence_total']} divergences", highlight=False)
+    if d["capacity_assert_seq"] is not None:
+        out.print(f"capacity assertion fires at call #{d['capacity_assert_seq']}"
+                  + (f", {d['capacity_assert_after_calls']} calls after the first violation"
+                     if d["capacity_assert_after_calls"] is not None else ""))
+    elif d["violation_total"]:
+        out.print("the build's own capacity assertion never fires on this trace")
+    seen: set[str] = set()
+    shown = 0
+    for v in d["violations"]:
+        key = f"{v['invariant']}/{v['rule']}"
+        if not show_all and key in seen:
+            continue
+        seen.add(key)
+        shown += 1
+        where = f"#{v['seq']} {v['method']}" + (f" (seen at #{v['detected_seq']})"
+                                                 if v["detected_seq"] != v["seq"] else "")
+        out.print(f"  [red]{key}[/red] at {where} " + escape(f"[{v['sub_pool']}] indices {v['indices']}: "
+                                                            f"{v['message']}"), highlight=False)
+    if d["violations"]:
+        out.print("counts: " + ", ".join(f"{k} {n}" for k, n in d["violation_counts"].items()))
+        if not show_all and d["violation_total"] > shown:
+            out.print(f"(first of each rule shown; kvreplay show {d['id']} --all for the {len(d['violations'])} kept)")
+    for x in d["divergences"] if show_all else d["divergences"][:5]:
+        out.print(f"  [yellow]{x['kind']}[/yellow] at #{x['seq']} {x['method']}: expected {x['expected']}, "
+                  f"got {x['actual']}", highlight=False)
+
+
+@app.command()
+def demo(
+    requests: int = typer.Option(2000, "--requests", "-n", help="Requests in the synthesized trace."),
+    out_dir: Path | None = typer.Option(None, "--out", help="Where to write the trace (default: a temp dir)."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """The main job end to end: synth a disagg-mtp trace, replay it on builtin:swa
+    (clean) and builtin:swa@stale-tail (caught at the source call), show the stored run."""
+    from kvreplay.workflows import demo as run_demo
+
+    res = run_demo(db=db, out_dir=out_dir, requests=requests,
+                   progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/dim]")))
+    if as_json:
+        _emit_json({"trace": str(res.trace.path), "clean": res.clean.report.to_dict(),
+                    "buggy": res.buggy.report.to_dict(), "stored": res.stored, "ok": res.ok})
+        raise typer.Exit(0 if res.ok else 1)
+    out.print(f"trace: {res.trace.path} ({res.trace.calls} calls, {res.trace.requests_done} requests)")
+    render_report(res.clean.report)
+    render_report(res.buggy.report)
+    out.print("[bold]stored result[/bold] (kvreplay show " + str(res.buggy.run_id) + "):")
+    _render_stored(res.stored)
+    raise typer.Exit(0 if res.ok else 1)
 
 
 def _fail(message: str, code: int) -> NoReturn:

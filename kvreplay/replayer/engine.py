@@ -29,6 +29,13 @@ from kvreplay.replayer.remap import PageTable, Remapper
 MODES = ("strict", "remap")
 
 
+class Unsupported(Exception):
+    """Stands for a call the build could not be asked to make."""
+
+
+UNSUPPORTED = Unsupported()
+
+
 @dataclass
 class TopCall:
     """A recorded top-level call with the sub-allocator calls it made."""
@@ -200,7 +207,8 @@ class Replayer:
         if self.div_counts[kind] <= self.keep:
             self.divergences.append(Divergence(seq, method, kind, _short(expected), _short(actual), message))
 
-    def step(self, tc: TopCall) -> None:
+    def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
+        """Issue one recorded call; returns what the build returned or raised."""
         c = tc.call
         self.calls += 1
         self._ordinal[c.seq] = self.calls
@@ -208,12 +216,12 @@ class Replayer:
         if fn is None or not callable(fn):
             self._diverge(c.seq, c.method, "unsupported", "method", "missing",
                           f"build {self.build_spec} has no method {c.method}")
-            return
+            return None, UNSUPPORTED
         opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
         if opaque:
             self._diverge(c.seq, c.method, "unsupported", "recordable arguments", ",".join(opaque),
                           f"argument(s) {', '.join(opaque)} were not recorded losslessly")
-            return
+            return None, UNSUPPORTED
         args = self.remap.args(c.args) if self.remap else c.args
         pre = self.checker.before(c.method, args) if self.checker else None
         if self.capture:
@@ -228,13 +236,14 @@ class Replayer:
             # A pure read: nothing to check but what it returned.
             if self.mode == "strict" and not _same(c.result, result) or self.mode == "remap" and c.result != result:
                 self._diverge(c.seq, c.method, "result", c.result, result, "counter read differs")
-            return
+            return result, None
         avail = self.view.sub_available()
         self._compare(tc, result, raised, avail)
         if self.checker:
             self.checker.after(c.seq, c.method, args, result, raised is not None, pre, avail)
         if self.capacity_seq is None and self._capacity_broken(raised, avail):
             self.capacity_seq = c.seq
+        return result, raised
 
     def _capacity_broken(self, raised: BaseException | None, avail: dict[str, int]) -> bool:
         if isinstance(raised, AssertionError) and "available_size" in str(raised):
