@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -160,18 +160,55 @@ class Call:
 
 # -- encoding ---------------------------------------------------------------------
 
+class TensorSnap(NamedTuple):
+    """A tensor as it was at call time: flat host copy of its elements."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    device: str
+
+
+class OpaqueSnap(NamedTuple):
+    """A value kvreplay does not store, only describes (e.g. a float tensor)."""
+
+    text: str
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _tensor_snap(t: torch.Tensor) -> TensorSnap | OpaqueSnap:
+    dtype = t.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        return OpaqueSnap(f"{name} tensor {tuple(t.shape)}")
+    dev = t.device
+    dname = _DEVICE_NAMES.get(dev)
+    if dname is None:
+        dname = _DEVICE_NAMES[dev] = str(dev)
+    flat = t.detach().reshape(-1)
+    # A host copy: later in-place changes by the caller cannot reach the record.
+    data = flat.numpy().copy() if dev.type == "cpu" else flat.cpu().numpy()
+    return TensorSnap(name, tuple(t.shape), data, dname)
+
+
 def snapshot(value: Any) -> Any:
-    """Freeze a value as it is at call time: tensors are copied to host memory so a
-    later in-place change by the caller cannot alter what was recorded."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)):
+    """Freeze a value as it is at call time (tensors become TensorSnap)."""
+    tp = type(value)
+    if tp is torch.Tensor or isinstance(value, torch.Tensor):
+        return _tensor_snap(value)
+    if (tp is list or tp is tuple) and value and isinstance(value[0], (list, tuple)):
         return [(snapshot(t), s) for t, s in value]
     return value
 
 
 class ColumnBuilder:
-    """Accumulates encoded values column-wise; one instance per value column."""
+    """Accumulates values column-wise; one instance per value column. Takes plain
+    values, torch tensors and TensorSnaps (what the recorder hands over)."""
 
     def __init__(self) -> None:
         self.kind: list[str] = []
@@ -185,23 +222,73 @@ class ColumnBuilder:
         self.data_len: list[int] = []
         self.data: list[np.ndarray] = []
 
-    def add(self, value: Any, device: str | None = None) -> None:
-        kind, i, f, s, dtype, shape, data = _encode(value)
+    def _row(self, kind: str, i: Any = None, f: Any = None, s: Any = None, dtype: Any = None,
+             device: Any = None) -> None:
         self.kind.append(kind)
         self.i.append(i)
         self.f.append(f)
         self.s.append(s)
         self.dtype.append(dtype)
-        self.device.append(device if kind in (TENSOR, SEGMENTS) else None)
-        self.shape_len.append(len(shape))
-        self.shape.extend(shape)
-        self.data_len.append(0 if data is None else len(data))
-        if data is not None:
-            self.data.append(data)
+        self.device.append(device)
+
+    def add(self, value: Any) -> None:
+        tp = type(value)
+        if tp is TensorSnap:
+            self._row(TENSOR, dtype=value.dtype, device=value.device)
+            self.shape_len.append(len(value.shape))
+            self.shape.extend(value.shape)
+            self.data_len.append(len(value.data))
+            self.data.append(value.data)
+            return
+        if value is None:
+            self._row(NONE)
+        elif tp is OpaqueSnap:
+            self._row(OPAQUE, s=value.text)
+        elif tp is bool:
+            self._row(BOOL, i=int(value))
+        elif tp is int:
+            self._row(INT, i=value)
+        elif tp is float:
+            self._row(FLOAT, f=value)
+        elif tp is str:
+            self._row(STR, s=value)
+        elif isinstance(value, torch.Tensor):
+            self.add(snapshot(value))
+            return
+        elif tp in (list, tuple) and all(type(v) is int for v in value):
+            self._row(INTS, i=int(tp is tuple))
+            self.shape_len.append(1)
+            self.shape.append(len(value))
+            self.data_len.append(len(value))
+            self.data.append(np.asarray(value, dtype=np.int64))
+            return
+        elif tp in (list, tuple) and value and all(
+            isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], (torch.Tensor, TensorSnap))
+            for v in value
+        ):
+            self._add_segments(value)
+            return
+        else:
+            self._row(OPAQUE, s=repr(value)[:200])
+        self.shape_len.append(0)
+        self.data_len.append(0)
+
+    def _add_segments(self, value: Any) -> None:
+        # (tensor, start_pos) pairs: shape holds n0, start0, n1, start1, ...
+        snaps = [(t if type(t) is TensorSnap else snapshot(t), int(s)) for t, s in value]
+        dtypes = [t.dtype for t, _ in snaps]
+        # One dtype name when they agree (the usual case), else one per segment.
+        dtype = ",".join(dtypes) if len(set(dtypes)) > 1 else dtypes[0]
+        self._row(SEGMENTS, dtype=dtype, device=snaps[0][0].device)
+        self.shape_len.append(2 * len(snaps))
+        for t, start in snaps:
+            self.shape.extend((len(t.data), start))
+            self.data.append(t.data)
+        self.data_len.append(sum(len(t.data) for t, _ in snaps))
 
     def fields(self) -> list[pa.Array]:
         shape = pa.ListArray.from_arrays(list_offsets(self.shape_len), pa.array(self.shape, pa.int64()))
-        flat = np.concatenate(self.data) if self.data else np.empty(0, dtype=np.int64)
+        flat = np.concatenate(self.data, dtype=np.int64) if self.data else np.empty(0, dtype=np.int64)
         data = pa.ListArray.from_arrays(list_offsets(self.data_len), pa.array(flat, pa.int64()))
         return [
             pa.array(self.kind, pa.string()),
@@ -217,40 +304,6 @@ class ColumnBuilder:
 
 def list_offsets(lengths: Sequence[int]) -> pa.Array:
     return pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
-
-
-def _encode(value: Any) -> tuple[str, Any, Any, Any, Any, list[int], np.ndarray | None]:
-    if value is None:
-        return NONE, None, None, None, None, [], None
-    if isinstance(value, bool):
-        return BOOL, int(value), None, None, None, [], None
-    if isinstance(value, int):
-        return INT, value, None, None, None, [], None
-    if isinstance(value, float):
-        return FLOAT, None, value, None, None, [], None
-    if isinstance(value, str):
-        return STR, None, None, value, None, [], None
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex():
-            return OPAQUE, None, None, f"float tensor {tuple(value.shape)}", str(value.dtype), [], None
-        return TENSOR, None, None, None, str(value.dtype), list(value.shape), _as_int64(value)
-    if isinstance(value, (list, tuple)):
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            data = np.asarray(value, dtype=np.int64)
-            return INTS, int(isinstance(value, tuple)), None, None, None, [len(value)], data
-        if all(isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], torch.Tensor) for v in value):
-            # (tensor, start_pos) pairs: shape holds n0, start0, n1, start1, ...
-            shape = [x for t, s in value for x in (t.numel(), int(s))]
-            parts = [_as_int64(t) for t, _ in value]
-            dtypes = [str(t.dtype) for t, _ in value]
-            # One dtype name when they agree (the usual case), else one per segment.
-            dtype = ",".join(dtypes) if len(set(dtypes)) > 1 else (dtypes[0] if dtypes else "torch.int64")
-            return SEGMENTS, None, None, None, dtype, shape, np.concatenate(parts) if parts else np.empty(0, np.int64)
-    return OPAQUE, None, None, repr(value)[:200], None, [], None
-
-
-def _as_int64(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).to(torch.int64).numpy()
 
 
 # -- decoding ---------------------------------------------------------------------

@@ -55,8 +55,8 @@ def rows_to_table(rows: list[Row], meta: TraceMeta | None = None) -> pa.Table:
         arg_counts.append(len(r.arg_names))
         names.extend(r.arg_names)
         for v in r.arg_values:
-            args.add(v, r.device)
-        result.add(r.result, r.device)
+            args.add(v)
+        result.add(r.result)
     arg_struct = pa.StructArray.from_arrays([pa.array(names, pa.string()), *args.fields()], fields=list(ARG_TYPE))
     columns = {
         "seq": pa.array([r.seq for r in rows], pa.int64()),
