@@ -82,14 +82,16 @@ def test_recorded_values_are_those_at_call_time(tmp_path):
     assert calls[1].args["free_index"].tolist() == [4, 5, 6, 7]
 
 
-def test_a_failing_recorder_disables_itself_and_the_program_goes_on(tmp_path, caplog):
+def test_a_failing_recorder_disables_itself_and_the_program_goes_on(tmp_path, caplog, monkeypatch):
+    from kvreplay.recorder.writer import RowBatch
+
     pool = SWAPool(64, 32, 4, need_sort=False)
     rec = record(pool, tmp_path / "t.parquet")
 
-    def broken(rows):
+    def broken(*a, **k):
         raise OSError("disk full")
 
-    rec._writer.submit = broken
+    monkeypatch.setattr(RowBatch, "add", broken)
     first = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
     second = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
     assert first.tolist() == [4, 5, 6, 7] and second.tolist() == [8, 9, 10, 11]

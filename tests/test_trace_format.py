@@ -12,7 +12,7 @@ import torch
 from kvreplay.errors import TraceFormatError
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.trace_format import SCHEMA, TraceMeta
-from kvreplay.recorder.writer import Row, TraceWriter
+from kvreplay.recorder.writer import RowBatch, TraceWriter
 
 META = TraceMeta(pool_class="x:Pool", family="paged", ctor_args={"size": 64, "page_size": 4})
 
@@ -36,9 +36,16 @@ VALUES = [
 ]
 
 
-def _row(seq: int, values: tuple, result) -> Row:
-    names = tuple(f"a{i}" for i in range(len(values)))
-    return Row(seq, -1, 0, "root", "m", seq, seq + 1, names, values, result, None, None, 1, None, None, "cpu")
+def _batch(rows: list[tuple[int, tuple, object]]) -> RowBatch:
+    """Rows (seq, argument values, result) appended the way the recorder does."""
+    b = RowBatch()
+    for seq, values, result in rows:
+        b.arg_count.append(len(values))
+        b.arg_name.extend(f"a{i}" for i in range(len(values)))
+        for v in values:
+            b.args.put(v)
+        b.add(seq, -1, 0, "root", "m", seq, seq + 1, result, None, (1, None, None))
+    return b
 
 
 def _same(a, b) -> bool:
@@ -52,7 +59,7 @@ def _same(a, b) -> bool:
 def test_every_value_kind_round_trips_losslessly(tmp_path):
     path = tmp_path / "t.parquet"
     w = TraceWriter(path, META)
-    w.submit([_row(0, tuple(VALUES), VALUES[8]), *[_row(i + 1, (v,), v) for i, v in enumerate(VALUES)]])
+    w.submit(_batch([(0, tuple(VALUES), VALUES[8]), *[(i + 1, (v,), v) for i, v in enumerate(VALUES)]]))
     w.close()
     calls = list(TraceReader(path).calls())
     assert len(calls) == len(VALUES) + 1
@@ -65,7 +72,7 @@ def test_reader_streams_in_batches_and_never_reads_the_whole_file(tmp_path):
     path = tmp_path / "big.parquet"
     w = TraceWriter(path, META, rows_per_group=1000)
     for start in range(0, 10_000, 500):
-        w.submit([_row(s, (torch.arange(8),), None) for s in range(start, start + 500)])
+        w.submit(_batch([(s, (torch.arange(8),), None) for s in range(start, start + 500)]))
     w.close()
     r = TraceReader(path)
     assert r.num_rows == 10_000
@@ -80,7 +87,7 @@ def test_reader_streams_in_batches_and_never_reads_the_whole_file(tmp_path):
 def test_trace_reads_with_pandas_and_duckdb_without_kvreplay(tmp_path):
     path = tmp_path / "t.parquet"
     w = TraceWriter(path, META)
-    w.submit([_row(0, (torch.tensor([4, 5, 6]),), torch.tensor([9]))])
+    w.submit(_batch([(0, (torch.tensor([4, 5, 6]),), torch.tensor([9]))]))
     w.close()
     import duckdb
     import pandas as pd
@@ -98,7 +105,7 @@ def test_trace_reads_with_pandas_and_duckdb_without_kvreplay(tmp_path):
 def test_writer_publishes_the_file_only_when_closed(tmp_path):
     path = tmp_path / "t.parquet"
     w = TraceWriter(path, META)
-    w.submit([_row(0, (), None)])
+    w.submit(_batch([(0, (), None)]))
     assert not path.exists()
     w.close()
     assert path.exists() and not (tmp_path / "t.parquet.tmp").exists()
@@ -123,7 +130,7 @@ def test_bad_files_give_one_line_errors(tmp_path, make, message):
 def test_truncated_and_newer_traces_are_refused(tmp_path):
     good = tmp_path / "good.parquet"
     w = TraceWriter(good, META)
-    w.submit([_row(i, (torch.arange(100),), None) for i in range(100)])
+    w.submit(_batch([(i, (torch.arange(100),), None) for i in range(100)]))
     w.close()
     cut = tmp_path / "cut.parquet"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])

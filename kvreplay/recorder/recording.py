@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import kvreplay
-from kvreplay.recorder.trace_format import TraceMeta, snapshot
-from kvreplay.recorder.writer import Row, TraceWriter
+from kvreplay.recorder.trace_format import TraceMeta
+from kvreplay.recorder.writer import RowBatch, TraceWriter
 
 log = logging.getLogger("kvreplay.recorder")
 
@@ -40,6 +40,8 @@ RECORDED_METHODS = (
 )
 COUNTER_METHODS = frozenset({"available_size", "full_available_size", "swa_available_size"})
 SUB_POOLS = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"))
+_GROUP_TOGGLES = frozenset({"free_group_begin", "free_group_end"})
+_NO_COUNTERS = (None, None, None)
 
 _open: weakref.WeakSet[Recording] = weakref.WeakSet()
 
@@ -70,6 +72,7 @@ class Recording:
         rank: str = "",
         extra: dict[str, Any] | None = None,
         rows_per_group: int = 65536,
+        rows_per_batch: int = 4096,
     ) -> None:
         from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
 
@@ -86,9 +89,12 @@ class Recording:
             extra=dict(extra or {}),
         )
         self._writer = TraceWriter(path, self.meta, rows_per_group=rows_per_group)
-        self._device = str(getattr(pool, "device", "cpu"))
-        self._stack: list[list[Any]] = []
+        self._rows_per_batch = rows_per_batch
+        self._batch = RowBatch()
+        self._targets: list[str] = []  # targets of the calls in progress, innermost last
+        self._seqs: list[int] = []
         self._next_seq = 0
+        self._in_group = False
         self._active = True
         self._patched: list[tuple[Any, str]] = []
         self._counters = self._counter_readers(pool)
@@ -124,65 +130,89 @@ class Recording:
 
     def _wrapper(self, target: str, method: str, fn: Callable[..., Any], params: tuple[str, ...]) -> Callable[..., Any]:
         rec = self
-        stack = self._stack
+        targets, seqs = self._targets, self._seqs
+        time_ns = time.time_ns
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            if not rec._active or (stack and stack[-1][1] == target):
+            if not rec._active or (targets and targets[-1] == target):
                 return fn(*args, **kwargs)
             seq = rec._next_seq
             rec._next_seq = seq + 1
-            parent = stack[-1][0] if stack else -1
-            names = params[: len(args)] + tuple(kwargs)
-            values = tuple(map(snapshot, args)) + tuple(map(snapshot, kwargs.values()))
-            frame = [seq, target, []]
-            stack.append(frame)
-            t0 = time.time_ns()
+            parent = seqs[-1] if seqs else -1
+            try:
+                rec._args(params, args, kwargs)
+            except Exception:
+                rec._fail()
+                return fn(*args, **kwargs)
+            targets.append(target)
+            seqs.append(seq)
+            t0 = time_ns()
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
-                stack.pop()
-                rec._finish(frame, parent, method, t0, names, values, None, exc)
+                targets.pop()
+                seqs.pop()
+                rec._finish(seq, parent, target, method, t0, None, exc)
                 raise
-            stack.pop()
-            rec._finish(frame, parent, method, t0, names, values, result, None)
+            targets.pop()
+            seqs.pop()
+            rec._finish(seq, parent, target, method, t0, result, None)
             return result
 
         recorded.__wrapped__ = fn  # type: ignore[attr-defined]
         recorded.__name__ = method
         return recorded
 
-    def _finish(
-        self, frame: list[Any], parent: int, method: str, t0: int,
-        names: tuple[str, ...], values: tuple[Any, ...], result: Any, exc: BaseException | None,
-    ) -> None:
+    def _args(self, params: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Copy the arguments into the batch now: their values as of the call."""
+        b = self._batch
+        n = len(args)
+        b.arg_count.append(n + len(kwargs))
+        if n:
+            names = params[:n] if n <= len(params) else (*params, *(f"arg{i}" for i in range(len(params), n)))
+            b.arg_name.extend(names)
+            put = b.args.put
+            for a in args:
+                put(a)
+        if kwargs:
+            b.arg_name.extend(kwargs)
+            for v in kwargs.values():
+                b.args.put(v)
+
+    def _finish(self, seq: int, parent: int, target: str, method: str, t0: int, result: Any,
+                exc: BaseException | None) -> None:
+        if not self._active:
+            return  # disabled while this call was in progress
         try:
             t1 = time.time_ns()
-            seq, target, children = frame
-            depth = len(self._stack)
-            counters: tuple[int | None, ...] = (None, None, None)
-            if depth == 0:
+            counters: tuple[int | None, ...] = _NO_COUNTERS
+            top = not self._seqs
+            if top and method in _GROUP_TOGGLES:
+                self._in_group = method == "free_group_begin" and exc is None
+            if top and not self._in_group and method not in COUNTER_METHODS:
                 # Counter methods call each other; none of that is the program's call.
                 self._active = False
                 try:
                     counters = tuple(None if f is None else int(f()) for f in self._counters)
                 finally:
                     self._active = True
-            row = Row(
-                seq, parent, depth, target, method, t0, t1, names, values, snapshot(result),
-                None if exc is None else type(exc).__name__, None if exc is None else str(exc)[:1000],
-                *counters, self._device,
-            )
-            if depth == 0:
-                self._writer.submit([row, *children])
-            else:
-                self._stack[-1][2].extend((row, *children))
+            b = self._batch
+            b.add(seq, parent, len(self._seqs), target, method, t0, t1, result, exc, counters)  # type: ignore[arg-type]
+            if top and len(b) >= self._rows_per_batch:
+                self._writer.submit(b)
+                self._batch = RowBatch()
         except Exception:  # never break the recorded program
+            self._fail()
+
+    def _fail(self) -> None:
+        if self._active:  # log once
             log.exception("kvreplay recorder failed; recording disabled")
-            self._active = False
+        self._active = False
+        self._batch = RowBatch()  # a half-appended row would misalign the columns
 
     def close(self) -> Path:
         """Stop recording, restore the instance's methods, flush and finish the file."""
-        if self._active or self._patched:
+        if self._patched:
             self._active = False
             for obj, name in self._patched:
                 try:
@@ -191,6 +221,9 @@ class Recording:
                     pass
             self._patched = []
         _open.discard(self)
+        if len(self._batch):
+            self._writer.submit(self._batch)
+            self._batch = RowBatch()
         return self._writer.close()
 
     def __enter__(self) -> Recording:

@@ -1,8 +1,10 @@
-"""Background Parquet writer: the recording thread only appends tuples to a queue;
-this thread encodes them into Arrow columns and writes row groups.
+"""Rows as the recorder captures them, and the background thread that writes them.
 
-The file is written under a temporary name and renamed on ``close()``, so a
-reader never sees a half-written trace under the final name."""
+The recording thread appends each call straight into per-column Python lists (a
+``RowBatch``); nothing is encoded per value. Whole batches go to a writer thread
+that turns every column into an Arrow array in C and writes Parquet row groups.
+The file is written under a temporary name and renamed on ``close()``, so a reader
+never sees a half-written trace under the final name."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -20,69 +23,83 @@ from kvreplay.recorder.trace_format import (
     PARQUET_OPTIONS,
     SCHEMA,
     VALUE_TYPE,
-    ColumnBuilder,
     TraceMeta,
+    ValueColumns,
     list_offsets,
 )
 
 
-class Row(NamedTuple):
-    seq: int
-    parent: int
-    depth: int
-    target: str
-    method: str
-    t_start_ns: int
-    t_end_ns: int
-    arg_names: tuple[str, ...]
-    arg_values: tuple[Any, ...]
-    result: Any
-    exc_type: str | None
-    exc_msg: str | None
-    available: int | None
-    full_available: int | None
-    swa_available: int | None
-    device: str | None
+class RowBatch:
+    """Complete top-level calls (with their nested calls), column by column.
 
+    Arguments are appended when a call starts, which is ``seq`` order; the rest of
+    a row when it returns, which puts nested rows before their parent. ``to_table``
+    sorts the returned-order columns back into ``seq`` order."""
 
-def rows_to_table(rows: list[Row], meta: TraceMeta | None = None) -> pa.Table:
-    """Encode rows column-wise into a table of SCHEMA."""
-    args = ColumnBuilder()
-    names: list[str] = []
-    arg_counts: list[int] = []
-    result = ColumnBuilder()
-    for r in rows:
-        arg_counts.append(len(r.arg_names))
-        names.extend(r.arg_names)
-        for v in r.arg_values:
-            args.add(v)
-        result.add(r.result)
-    arg_struct = pa.StructArray.from_arrays([pa.array(names, pa.string()), *args.fields()], fields=list(ARG_TYPE))
-    columns = {
-        "seq": pa.array([r.seq for r in rows], pa.int64()),
-        "parent": pa.array([r.parent for r in rows], pa.int64()),
-        "depth": pa.array([r.depth for r in rows], pa.int8()),
-        "target": pa.array([r.target for r in rows], pa.string()),
-        "method": pa.array([r.method for r in rows], pa.string()),
-        "t_start_ns": pa.array([r.t_start_ns for r in rows], pa.int64()),
-        "t_end_ns": pa.array([r.t_end_ns for r in rows], pa.int64()),
-        "args": pa.ListArray.from_arrays(list_offsets(arg_counts), arg_struct),
-        "result": pa.StructArray.from_arrays(result.fields(), fields=list(VALUE_TYPE)),
-        "exc_type": pa.array([r.exc_type for r in rows], pa.string()),
-        "exc_msg": pa.array([r.exc_msg for r in rows], pa.string()),
-        "available": pa.array([r.available for r in rows], pa.int64()),
-        "full_available": pa.array([r.full_available for r in rows], pa.int64()),
-        "swa_available": pa.array([r.swa_available for r in rows], pa.int64()),
-    }
-    schema = SCHEMA.with_metadata(meta.to_parquet_metadata()) if meta else SCHEMA
-    return pa.Table.from_arrays([columns[f.name] for f in SCHEMA], schema=schema)
+    __slots__ = ("seq", "parent", "depth", "target", "method", "t_start_ns", "t_end_ns", "arg_count", "arg_name",
+                 "args", "result", "exc_type", "exc_msg", "available", "full_available", "swa_available")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, [])
+        self.args = ValueColumns()
+        self.result = ValueColumns()
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def add(self, seq: int, parent: int, depth: int, target: str, method: str, t0: int, t1: int, result: Any,
+            exc: BaseException | None, counters: tuple[int | None, int | None, int | None]) -> None:
+        """Append the returned-order part of a row (its arguments are already in)."""
+        self.seq.append(seq)
+        self.parent.append(parent)
+        self.depth.append(depth)
+        self.target.append(target)
+        self.method.append(method)
+        self.t_start_ns.append(t0)
+        self.t_end_ns.append(t1)
+        self.result.put(result)
+        if exc is None:
+            self.exc_type.append(None)
+            self.exc_msg.append(None)
+        else:
+            self.exc_type.append(type(exc).__name__)
+            self.exc_msg.append(str(exc)[:1000])
+        self.available.append(counters[0])
+        self.full_available.append(counters[1])
+        self.swa_available.append(counters[2])
+
+    def to_table(self) -> pa.Table:
+        order = np.argsort(np.asarray(self.seq, dtype=np.int64), kind="stable")
+        cols = {
+            "seq": pa.array(self.seq, pa.int64()),
+            "parent": pa.array(self.parent, pa.int64()),
+            "depth": pa.array(self.depth, pa.int8()),
+            "target": pa.array(self.target, pa.string()),
+            "method": pa.array(self.method, pa.string()),
+            "t_start_ns": pa.array(self.t_start_ns, pa.int64()),
+            "t_end_ns": pa.array(self.t_end_ns, pa.int64()),
+            "result": pa.StructArray.from_arrays(self.result.fields(), fields=list(VALUE_TYPE)),
+            "exc_type": pa.array(self.exc_type, pa.string()),
+            "exc_msg": pa.array(self.exc_msg, pa.string()),
+            "available": pa.array(self.available, pa.int64()),
+            "full_available": pa.array(self.full_available, pa.int64()),
+            "swa_available": pa.array(self.swa_available, pa.int64()),
+        }
+        take = pa.array(order)
+        cols = {k: v.take(take) for k, v in cols.items()}
+        arg_struct = pa.StructArray.from_arrays([pa.array(self.arg_name, pa.string()), *self.args.fields()],
+                                                fields=list(ARG_TYPE))
+        cols["args"] = pa.ListArray.from_arrays(list_offsets(self.arg_count), arg_struct)
+        return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
 
 
 _STOP = object()
 
 
 class TraceWriter:
-    """Writes rows to ``path`` from a daemon thread, ``rows_per_group`` at a time."""
+    """Writes submitted batches to ``path`` from a daemon thread, a row group per
+    ``rows_per_group`` rows."""
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 65536) -> None:
         self.path = Path(path)
@@ -100,29 +117,35 @@ class TraceWriter:
         self._thread = threading.Thread(target=self._run, name="kvreplay-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, rows: list[Row]) -> None:
-        self._queue.put(rows)
+    def submit(self, batch: RowBatch) -> None:
+        self._queue.put(batch)
 
     def _run(self) -> None:
-        pending: list[Row] = []
+        pending: list[pa.Table] = []
+        rows = 0
         while True:
             item = self._queue.get()
             stop = item is _STOP
-            if not stop:
-                pending.extend(item)
-            if pending and (stop or len(pending) >= self.rows_per_group):
-                self._write(pending)
-                pending = []
+            if not stop and self.error is None:
+                try:
+                    table = item.to_table()
+                    pending.append(table)
+                    rows += table.num_rows
+                except BaseException as exc:  # keep the recorded program alive; close() reports it
+                    self.error = exc
+            if pending and (stop or rows >= self.rows_per_group):
+                self._write(pa.concat_tables(pending))
+                pending, rows = [], 0
             if stop:
                 return
 
-    def _write(self, rows: list[Row]) -> None:
+    def _write(self, table: pa.Table) -> None:
         if self.error is not None:
             return
         try:
-            self._writer.write_table(rows_to_table(rows), row_group_size=len(rows))
-            self.rows_written += len(rows)
-        except BaseException as exc:  # keep the recorded program alive; close() reports it
+            self._writer.write_table(table, row_group_size=table.num_rows)
+            self.rows_written += table.num_rows
+        except BaseException as exc:
             self.error = exc
 
     def close(self) -> Path:
