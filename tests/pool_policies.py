@@ -1,0 +1,35 @@
+"""Pool builds with other behaviours, loaded by tests as py:pool_policies:CLASS."""
+
+from __future__ import annotations
+
+import torch
+
+from kvreplay.replayer.pools import PagedPool, SWAPool
+
+
+class HighPagesFirstPagedPool(PagedPool):
+    """A correct paged pool with another free-slot policy: highest pages first."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.free_pages = torch.flip(self.free_pages, (0,))
+
+
+class NoSegmentFreePagedPool(PagedPool):
+    """An older API: no free_segments."""
+
+    free_segments = None  # type: ignore[assignment]
+
+
+class BrokenImportPool:  # pragma: no cover - never constructed
+    def __init__(self, *a, **k) -> None:
+        raise RuntimeError("this build cannot be constructed")
+
+
+class HighPagesFirstSWAPool(SWAPool):
+    """A correct SWA pool whose sub-pools hand out their highest pages first."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        for sub in (self.full_attn_allocator, self.swa_attn_allocator):
+            sub.free_pages = torch.flip(sub.free_pages, (0,))

@@ -1,0 +1,138 @@
+"""Replay engine: modes, divergences, the checker's findings, exit codes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreplay.errors import BadInput, BuildUnloadable
+from kvreplay.replayer.engine import replay
+from kvreplay.replayer.expectations import Expectation, ExpectedViolation, check_report
+from kvreplay.replayer.workload.synth import SynthConfig, synthesize
+
+
+@pytest.fixture(scope="module")
+def decode_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("t") / "decode.parquet"
+    synthesize(SynthConfig(scenario="decode", out=out, requests=120, full_size=512))
+    return out
+
+
+@pytest.fixture(scope="module")
+def disagg_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("t") / "disagg.parquet"
+    synthesize(SynthConfig(scenario="disagg-mtp", out=out, requests=300))
+    return out
+
+
+def test_correct_pool_replays_clean_in_both_modes(decode_trace):
+    for mode in ("strict", "remap"):
+        r = replay(decode_trace, "builtin:paged", mode=mode, device="cpu")
+        assert r.status == "clean" and r.exit_code == 0
+        assert r.calls_replayed > 500 and r.held_at_end == {"pool": 0}
+
+
+def test_other_free_policy_diverges_in_strict_and_replays_clean_in_remap(decode_trace):
+    strict = replay(decode_trace, "py:pool_policies:HighPagesFirstPagedPool", mode="strict", device="cpu")
+    # strict: the first allocation differs, and later recorded frees then name pages
+    # the build never handed out, which the checker also reports
+    assert strict.exit_code == 1 and strict.first_divergence.kind == "result"
+    assert strict.first_divergence.method == "alloc_extend" and strict.first_divergence.seq <= 1
+    remap = replay(decode_trace, "py:pool_policies:HighPagesFirstPagedPool", mode="remap", device="cpu")
+    assert remap.status == "clean", (remap.violation_counts, remap.divergence_counts)
+
+
+def test_missing_method_is_an_unsupported_divergence_not_a_crash(decode_trace):
+    r = replay(decode_trace, "py:pool_policies:NoSegmentFreePagedPool", mode="remap", device="cpu")
+    assert r.divergence_counts.get("unsupported", 0) > 0
+    assert r.first_divergence.kind == "unsupported" and r.first_divergence.method == "free_segments"
+    assert r.exit_code == 1
+
+
+def test_stale_tail_is_flagged_at_the_source_calls(disagg_trace):
+    r = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu")
+    assert r.status == "violation"
+    first = r.first_violation
+    assert (first.invariant, first.rule, first.method) == ("swa-mapping", "released-page-keeps-peer", "free_segments")
+    assert first.detected_seq >= first.seq  # found at its group's end, reported at the free
+    rules = {(v.rule, v.method) for v in r.violations}
+    assert ("tail-prealloc-nontail-mapped", "alloc_extend_swa_tail") in rules
+    assert ("shared-swa-slot", "alloc_extend_swa_tail") in rules
+
+
+def test_stop_first_stops_at_the_first_finding(disagg_trace):
+    full = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu")
+    first = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu", stop_at_first=True)
+    assert first.stopped_early and first.calls_replayed < full.calls_replayed
+    assert first.first_violation.seq == full.first_violation.seq
+
+
+def test_go_on_keeps_every_rule_and_counts_repeats(disagg_trace):
+    r = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu", keep=2)
+    kept = {}
+    for v in r.violations:
+        kept[(v.invariant, v.rule)] = kept.get((v.invariant, v.rule), 0) + 1
+    assert all(n <= 2 for n in kept.values())
+    assert sum(r.violation_counts.values()) > len(r.violations)
+
+
+def test_a_build_that_raises_where_the_recording_did_not_is_an_exception_divergence(tmp_path):
+    # builtin:swa@stale-tail raises sglang's capacity assertion once SWA pages are double freed
+    out = tmp_path / "walk.parquet"
+    import torch
+
+    from kvreplay.recorder.recording import record
+    from kvreplay.replayer.pools import SWAPool
+
+    def t(*v):
+        return torch.tensor(v, dtype=torch.int64)
+
+    pool = SWAPool(20, 12, 4, need_sort=True)
+    with record(pool, out):
+        a = pool.alloc_extend(t(0), t(0), t(6), t(6), t(-1), 6)
+        over = pool.alloc_extend(t(6), t(6), t(12), t(12), a[-1:], 6)
+        row = torch.cat([a, over])
+        pool.free_group_begin()
+        pool.free_segment(row[:7], start_pos=0)
+        pool.free(row[8:12])
+        pool.free_group_end()
+        b = pool.alloc_extend_swa_tail(t(0), t(0), t(12), t(12), t(-1), 12, 4)
+        c = pool.alloc_extend(t(0), t(0), t(8), t(8), t(-1), 8)
+        pool.free(b)
+        pool.free(c)
+    r = replay(out, "builtin:swa@stale-tail", device="cpu")
+    # DESIGN.md: flagged at A's free (slot 11 keeps SWA slot 11) ...
+    fv = r.first_violation
+    assert (fv.method, fv.rule, fv.indices) == ("free_segment", "released-page-keeps-peer", [11])
+    # ... and again at B's tail preallocation, long before sglang's own assertion
+    at_b = [v for v in r.violations if v.method == "alloc_extend_swa_tail"]
+    assert {v.rule for v in at_b} >= {"tail-prealloc-nontail-mapped"}
+    assert any(v.rule == "shared-swa-slot" and v.method == "alloc_extend" for v in r.violations)  # C takes slot 11
+    assert r.divergence_counts.get("exception") == 1
+    assert r.capacity_assert_seq is not None and r.capacity_assert_after_calls > 0
+    clean = replay(out, "builtin:swa", device="cpu")
+    assert clean.status == "clean"
+
+
+def test_bad_builds_and_mismatched_families(decode_trace):
+    with pytest.raises(BadInput, match="unknown build"):
+        replay(decode_trace, "builtin:nope")
+    with pytest.raises(BadInput, match="records a paged pool but builtin:swa is a swa pool"):
+        replay(decode_trace, "builtin:swa")
+    with pytest.raises(BuildUnloadable):
+        replay(decode_trace, "py:no_such_module_here:Pool")
+    with pytest.raises(BadInput, match="unknown mode"):
+        replay(decode_trace, "builtin:paged", mode="fuzzy")
+
+
+def test_expectations_catch_a_checker_that_lost_its_teeth(disagg_trace):
+    r = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu")
+    good = Expectation("builtin:swa@stale-tail", "violation",
+                       violations=[ExpectedViolation("swa-mapping", "released-page-keeps-peer", "free_segments",
+                                                     r.first_violation.seq)])
+    assert check_report(r, good) == []
+    late = Expectation("x", "violation", violations=[ExpectedViolation("swa-mapping", "released-page-keeps-peer",
+                                                                       seq=r.first_violation.seq + 1)])
+    assert check_report(r, late) and "first reported at" in check_report(r, late)[0]
+    clean = replay(disagg_trace, "builtin:swa", device="cpu")
+    assert check_report(clean, good) == ["expected violations, got none: the checker missed the bug"]
+    assert check_report(r, Expectation("x", "clean")) != []

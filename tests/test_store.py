@@ -1,0 +1,172 @@
+"""The results store: migrations, atomic runs, concurrent writers, bad databases, CLI."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from sqlalchemy import func, select
+
+from kvreplay.cli.app import main
+from kvreplay.errors import BadInput
+from kvreplay.replayer.workload.synth import SynthConfig, synthesize
+from kvreplay.store.db import open_store, tables
+from kvreplay.store.models import Run, ViolationRow
+from kvreplay.store.runs import list_runs
+from kvreplay.workflows import replay_and_store
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("t") / "disagg.parquet"
+    synthesize(SynthConfig(scenario="disagg-mtp", out=out, requests=150))
+    return out
+
+
+def run_cli(capsys, *argv):
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def counts(db):
+    st = open_store(db)
+    with st.session() as s:
+        n = s.scalar(select(func.count()).select_from(Run)), s.scalar(select(func.count()).select_from(ViolationRow))
+    st.close()
+    return n
+
+
+def test_opening_creates_the_schema_through_alembic(tmp_path):
+    st = open_store(str(tmp_path / "r.db"))
+    assert {"alembic_version", "traces", "builds", "runs", "violations", "divergences"} <= set(tables(st.engine))
+    st.close()
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        assert con.execute("pragma journal_mode").fetchone()[0] == "wal"
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0001"
+
+
+def test_a_run_is_stored_whole(tmp_path, trace, capsys):
+    db = str(tmp_path / "r.db")
+    code, out, _ = run_cli(capsys, "replay", str(trace), "--build", "builtin:swa@stale-tail", "--db", db, "--json")
+    rep = json.loads(out)
+    assert code == 1 and rep["status"] == "violation" and rep["run_id"] == 1
+    code, out, _ = run_cli(capsys, "show", "1", "--db", db, "--json")
+    shown = json.loads(out)
+    assert shown["build"] == "builtin:swa@stale-tail" and shown["status"] == "violation"
+    assert shown["first_violation"]["seq"] == rep["first_violation"]["seq"]
+    assert len(shown["violations"]) == len(rep["violations"])
+    assert shown["violation_total"] == sum(rep["violation_counts"].values())
+    code, out, _ = run_cli(capsys, "runs", "--db", db, "--json", "--status", "violation")
+    assert [r["id"] for r in json.loads(out)] == [1]
+    code, out, _ = run_cli(capsys, "runs", "--db", db, "--json", "--build", "builtin:swa")
+    assert json.loads(out) == []
+
+
+def test_a_failure_while_storing_leaves_nothing(tmp_path, trace, monkeypatch):
+    db = str(tmp_path / "r.db")
+    replay_and_store(trace, "builtin:swa", db=db)
+    import kvreplay.store.runs as runs_mod
+
+    class Boom(runs_mod.ViolationRow):
+        def __init__(self, **kw):
+            raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(runs_mod, "ViolationRow", Boom)
+    with pytest.raises(RuntimeError):
+        replay_and_store(trace, "builtin:swa@stale-tail", db=db)
+    assert counts(db) == (1, 0)  # the first run only, no half of the second
+
+
+def test_four_replays_writing_at_once_lose_nothing(tmp_path, trace):
+    db = str(tmp_path / "r.db")
+    open_store(db).close()
+    builds = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@page-partial-clear", "builtin:swa@deferred-lookup"]
+    procs = [subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "replay", str(trace), "--build", b,
+                               "--db", db, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for b in builds]
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode in (0, 1), err
+        reports.append(json.loads(out))
+    st = open_store(db)
+    stored = list_runs(st)
+    st.close()
+    assert sorted(r.build.spec for r in stored) == sorted(builds)
+    expected_violations = sum(len(r["violations"]) for r in reports)
+    assert counts(db) == (4, expected_violations)
+
+
+@pytest.mark.parametrize("make_db, message", [
+    (lambda p: str(p / "missing-dir" / "r.db"), "cannot open database"),
+    (lambda p: (p / "junk.db").write_text("this is not sqlite " * 100) and str(p / "junk.db"), "cannot open database"),
+    (lambda p: "nosuchdialect://x/y", "cannot open database"),
+    (lambda p: str(p), "is a directory"),
+])
+def test_a_database_that_cannot_be_opened_is_bad_input(tmp_path, trace, capsys, make_db, message):
+    db = make_db(tmp_path)
+    with pytest.raises(BadInput, match=message):
+        open_store(db)
+    code, out, err = run_cli(capsys, "replay", str(trace), "--build", "builtin:swa", "--db", db)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--build", "builtin:nope"], "unknown build"),
+    (["--build", "builtin:paged"], "records a swa pool"),
+    (["--build", "builtin:swa", "--mode", "fuzzy"], "unknown mode"),
+    (["--build", "py:no_such_module_xyz:Pool"], "could not be loaded"),
+])
+def test_bad_replay_input_exits_2_or_125_and_stores_nothing(tmp_path, trace, capsys, argv, message):
+    db = str(tmp_path / "r.db")
+    code, out, err = run_cli(capsys, "replay", str(trace), *argv, "--db", db)
+    assert code == (125 if "loaded" in message else 2)
+    assert message in err and err.count("\n") == 1
+    assert counts(db) == (0, 0)
+
+
+def test_corrupt_or_truncated_trace_is_bad_input_and_stores_nothing(tmp_path, trace, capsys):
+    db = str(tmp_path / "r.db")
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(trace.read_bytes()[: trace.stat().st_size // 3])
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"PAR1" + b"\0" * 5000)
+    for bad in (cut, junk):
+        code, _, err = run_cli(capsys, "replay", str(bad), "--build", "builtin:swa", "--db", db)
+        assert code == 2 and err.startswith("kvreplay: error:") and err.count("\n") == 1
+    assert counts(db) == (0, 0)
+    code, _, err = run_cli(capsys, "show", "7", "--db", db)
+    assert code == 2 and "no run 7" in err
+
+
+def test_diff_shows_where_two_builds_part(trace, capsys):
+    code, out, _ = run_cli(capsys, "diff", str(trace), "--base", "builtin:swa", "--candidate", "builtin:swa", "--json")
+    assert code == 0 and json.loads(out)["differing_calls"] == 0
+    code, out, _ = run_cli(capsys, "diff", str(trace), "--base", "builtin:paged", "--candidate", "builtin:swa")
+    assert code == 2
+    from kvreplay.replayer.diff import diff_builds
+
+    d = diff_builds(trace, "builtin:swa", "py:pool_policies:HighPagesFirstSWAPool", context=3)
+    assert d.first is not None and d.first.method == "alloc_extend_swa_tail" and d.first_kind == "result"
+    assert len(d.context) <= 3 and d.per_method["alloc_extend_swa_tail"] >= 1
+    code, out, _ = run_cli(capsys, "diff", str(trace), "--base", "builtin:swa",
+                           "--candidate", "py:pool_policies:HighPagesFirstSWAPool")
+    assert code == 1 and "first at call" in out and "alloc_extend_swa_tail" in out
+
+
+def test_demo_runs_the_main_job_end_to_end(tmp_path, capsys):
+    db = str(tmp_path / "r.db")
+    code, out, err = run_cli(capsys, "demo", "-n", "300", "--db", db, "--out", str(tmp_path / "d"), "--json")
+    d = json.loads(out)
+    assert code == 0 and d["ok"]
+    assert d["clean"]["status"] == "clean" and d["buggy"]["status"] == "violation"
+    assert d["stored"]["first_violation"]["invariant"] == "swa-mapping"
+    assert counts(db)[0] == 2
