@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from kvreplay.replayer.workload.server import Live, ServerModel, ceil_page
 
 
@@ -55,18 +53,10 @@ class DecodeServer(ServerModel):
             new_pages = sum(1 for lv in self.running if (lv.committed + 1) % ps == 1)
             if new_pages * ps <= pool.available_size() or len(self.running) == 1:
                 break
-            victim = min(self.running, key=lambda lv: (lv.committed - lv.req.input_len, -lv.req.input_len))
+            victim = self.victim()
             pool.free(victim.row)
             self.retract(victim)
-        seq = [lv.committed + 1 for lv in self.running]
-        out = pool.alloc_decode(self.dev(seq), self.cpu(seq), self.dev([int(lv.row[-1]) for lv in self.running]))
-        if out is None:
-            self.stats.none_results += 1
-            self.outgrown()
-            return
-        for i, lv in enumerate(self.running):
-            lv.row = torch.cat((lv.row, out[i:i + 1]))
-            lv.committed += 1
+        self.decode_one_token()
 
     def finish(self) -> None:
         done = [lv for lv in self.running if lv.committed >= lv.target]

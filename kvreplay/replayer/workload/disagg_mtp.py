@@ -134,8 +134,7 @@ class DisaggMTPServer(ServerModel):
             pool.free(lv.row[over:])
 
     def retract_one(self) -> None:
-        # SGLang retracts the request with the fewest output tokens (longest prompt first).
-        victim = min(self.running, key=lambda lv: (lv.committed - lv.req.input_len, -lv.req.input_len))
+        victim = self.victim()
         self.pool.free_group_begin()
         self.release(victim)
         self.pool.free_group_end()

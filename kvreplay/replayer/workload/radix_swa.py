@@ -155,22 +155,14 @@ class RadixSWAServer(ServerModel):
             self.evict_for(pages * ps, pages * ps)
             if pages * ps <= min(pool.full_available_size(), pool.swa_available_size()) or len(self.running) == 1:
                 break
-            victim = min(self.running, key=lambda lv: (lv.committed - lv.req.input_len, -lv.req.input_len))
+            victim = self.victim()
             pool.free_group_begin()
             self.release_rest(victim, victim.prefix_len)
             pool.free_group_end()
             for n in victim.nodes:
                 n.lock -= 1
             self.retract(victim)
-        seq = [lv.committed + 1 for lv in self.running]
-        out = pool.alloc_decode(self.dev(seq), self.cpu(seq), self.dev([int(lv.row[-1]) for lv in self.running]))
-        if out is None:
-            self.stats.none_results += 1
-            self.outgrown()
-            return
-        for i, lv in enumerate(self.running):
-            lv.row = torch.cat((lv.row, out[i:i + 1]))
-            lv.committed += 1
+        self.decode_one_token()
 
     def finish(self) -> None:
         done = [lv for lv in self.running if lv.committed >= lv.target]

@@ -107,6 +107,22 @@ class ServerModel:
     def finished(self, live: Live) -> None:
         self.stats.requests_done += 1
 
+    def victim(self) -> Live:
+        """The request SGLang retracts first: fewest output tokens, then longest prompt."""
+        return min(self.running, key=lambda lv: (lv.committed - lv.req.input_len, -lv.req.input_len))
+
+    def decode_one_token(self) -> None:
+        """One batched ``alloc_decode``: a slot for the next token of every running request."""
+        seq = [lv.committed + 1 for lv in self.running]
+        out = self.pool.alloc_decode(self.dev(seq), self.cpu(seq), self.dev([int(lv.row[-1]) for lv in self.running]))
+        if out is None:
+            self.stats.none_results += 1
+            self.outgrown()
+            return
+        for i, lv in enumerate(self.running):
+            lv.row = torch.cat((lv.row, out[i:i + 1]))
+            lv.committed += 1
+
     def outgrown(self) -> None:
         """An allocation failed; with one request left nothing can ever free room."""
         if len(self.running) == 1:
