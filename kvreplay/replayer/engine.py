@@ -112,10 +112,13 @@ def _short(v: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
+    ta, tb = type(a) is torch.Tensor, type(b) is torch.Tensor
+    if ta and tb:
+        if a.dtype == b.dtype and a.device == b.device:
+            return bool(torch.equal(a, b))  # also compares shapes
         return a.shape == b.shape and bool(torch.equal(a.to(torch.int64).cpu(), b.to(torch.int64).cpu()))
+    if ta or tb or isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
     return a == b
 
 

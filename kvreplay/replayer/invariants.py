@@ -108,9 +108,10 @@ class Shadow:
         pages = tokens // self.ps
         fresh = pages[~self.owned[pages]]
         if len(fresh):
-            fresh = np.unique(fresh)
             self.owned[fresh] = True
-            self.owned_count += len(fresh)
+            # Count distinct pages: sort in place and count the steps (np.unique costs more).
+            fresh.sort()
+            self.owned_count += 1 + int(np.count_nonzero(fresh[1:] != fresh[:-1]))
         return bad, again
 
     def release(self, pages: np.ndarray | list[int]) -> np.ndarray:
@@ -157,15 +158,24 @@ def _distinct(pages: np.ndarray) -> np.ndarray | list[int]:
     return np.unique(pages)
 
 
+def _pages_of(tokens: Any, ps: int) -> np.ndarray | list[int]:
+    """Sorted distinct pages of an index tensor (a Python list when few)."""
+    if type(tokens) is torch.Tensor and tokens.device.type == "cpu" and tokens.numel() <= SMALL * 4:
+        return sorted({x // ps for x in tokens.reshape(-1).tolist()})
+    return _distinct(to_np(tokens) // ps)
+
+
 def _index_args(method: str, args: dict[str, Any], ps: int) -> np.ndarray | list[int]:
     """The distinct full-pool pages a free call names."""
     if "segments" in args:
-        parts = [to_np(t) for t, _ in args["segments"]]
-        toks = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else _EMPTY)
-        return _distinct(toks // ps)
+        segs = args["segments"]
+        if len(segs) == 1:
+            return _pages_of(segs[0][0], ps)
+        parts = [to_np(t) for t, _ in segs]
+        return _distinct(np.concatenate(parts) // ps) if parts else []
     if method == "free_page_ids":
-        return _distinct(to_np(args.get("page_ids", args.get("free_index"))))
-    return _distinct(to_np(args["free_index"]) // ps)
+        return _pages_of(args.get("page_ids", args.get("free_index")), 1)
+    return _pages_of(args["free_index"], ps)
 
 
 class InvariantChecker:
