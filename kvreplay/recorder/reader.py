@@ -78,7 +78,3 @@ class TraceReader:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
-
-
-def open_trace(path: str | os.PathLike[str]) -> TraceReader:
-    return TraceReader(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -159,12 +159,6 @@ class Call:
 
 
 # -- encoding ---------------------------------------------------------------------
-
-class OpaqueSnap(NamedTuple):
-    """A value kvreplay does not store, only describes (e.g. a float tensor)."""
-
-    text: str
-
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _DEVICE_NAMES: dict[torch.device, str] = {}

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND
 from kvreplay.replayer.engine import Replayer, _short, top_calls
 
 
@@ -38,7 +39,7 @@ class DiffReport:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.differing_calls else 0
+        return EXIT_FOUND if self.differing_calls else EXIT_CLEAN
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.errors import BadInput, BuildUnloadable
+from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, BadInput, BuildUnloadable
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.recording import COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
 from kvreplay.recorder.trace_format import Call, Opaque
@@ -93,7 +93,7 @@ class ReplayReport:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.status == "clean" else 1
+        return EXIT_CLEAN if self.status == "clean" else EXIT_FOUND
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -364,10 +364,6 @@ def replay(trace: str | Path, build: str, **kwargs: Any) -> ReplayReport:
     """Replay ``trace`` against ``build``; see Replayer for the options."""
     progress = kwargs.pop("progress", None)
     return Replayer(trace, build, **kwargs).run(progress=progress)
-
-
-def held_summary(held: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in held.items() if v) or "nothing"
 
 
 __all__ = ["MODES", "Divergence", "ReplayReport", "Replayer", "TopCall", "replay", "top_calls"]

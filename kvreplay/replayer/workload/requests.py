@@ -13,8 +13,6 @@ from pathlib import Path
 
 from kvreplay.errors import BadInput
 
-MOONCAKE_BLOCK_TOKENS = 512
-
 
 @dataclass(frozen=True)
 class Request:
