@@ -36,8 +36,8 @@ def bare(trace: Path, build: str, calls: list) -> float:
     return time.perf_counter() - t0
 
 
-def checked(trace: Path, build: str, calls: list, mode: str) -> tuple[float, str]:
-    r = Replayer(trace, build, mode=mode)
+def checked(trace: Path, build: str, calls: list, mode: str, check: bool = True) -> tuple[float, str]:
+    r = Replayer(trace, build, mode=mode, check=check)
     t0 = time.perf_counter()
     report = r.run(calls=calls)
     return time.perf_counter() - t0, report.status
@@ -58,13 +58,14 @@ def main() -> None:
     calls = list(top_calls(TraceReader(trace)))
     decode_s = time.perf_counter() - t0
     gc.freeze()  # the decoded calls live through every run; keep GC from rescanning them
-    times: dict[str, list[float]] = {"bare": [], "strict": [], "remap": []}
+    times: dict[str, list[float]] = {"bare": [], "strict": [], "remap": [], "strict-unchecked": []}
     status = {}
     for _ in range(a.repeat):
         times["bare"].append(bare(trace, a.build, calls))
         for mode in ("strict", "remap"):
             t, status[mode] = checked(trace, a.build, calls, mode)
             times[mode].append(t)
+        times["strict-unchecked"].append(checked(trace, a.build, calls, "strict", check=False)[0])
     med = {k: statistics.median(v) for k, v in times.items()}
     n = len(calls)
     print(f"trace {trace.name}: {n} top-level calls, decoded in {decode_s:.2f} s ({n / decode_s:,.0f} calls/s)")
@@ -72,6 +73,9 @@ def main() -> None:
     for mode in ("strict", "remap"):
         print(f"replay {mode:6s} + checks  {med[mode]:.3f} s  {n / med[mode]:>9,.0f} calls/s  "
               f"ratio {med[mode] / med['bare']:.2f}  ({status[mode]})")
+    u = med["strict-unchecked"]
+    print(f"(breakdown: strict comparison alone {u / med['bare']:.2f}x bare; "
+          f"the invariant checker {med['strict'] / u:.2f}x on top of it)")
     print(f"median of {a.repeat} interleaved runs; target ratio <= 1.5")
 
 
