@@ -59,13 +59,4 @@ class DecodeServer(ServerModel):
         self.decode_one_token()
 
     def finish(self) -> None:
-        done = [lv for lv in self.running if lv.committed >= lv.target]
-        if not done:
-            return
-        self.pool.free_group_begin()
-        for lv in done:
-            self.pool.free_segments([(lv.row, 0)])
-        self.pool.free_group_end()
-        for lv in done:
-            self.running.remove(lv)
-            self.finished(lv)
+        self.finish_done(lambda lv: self.pool.free_segments([(lv.row, 0)]))

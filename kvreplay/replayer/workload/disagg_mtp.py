@@ -108,21 +108,10 @@ class DisaggMTPServer(ServerModel):
         return True
 
     def verify_and_finish(self) -> None:
-        done = []
         for lv in self.running:
             accepted = self.rng.randint(1, self.k + 1)  # accepted drafts plus the bonus token
             lv.committed = min(lv.committed + accepted, lv.target)
-            if lv.committed >= lv.target:
-                done.append(lv)
-        if not done:
-            return
-        self.pool.free_group_begin()
-        for lv in done:
-            self.release(lv)
-        self.pool.free_group_end()
-        for lv in done:
-            self.running.remove(lv)
-            self.finished(lv)
+        self.finish_done(self.release)
 
     def release(self, lv: Live) -> None:
         pool, L, ev = self.pool, lv.committed, lv.evicted

@@ -165,18 +165,12 @@ class RadixSWAServer(ServerModel):
         self.decode_one_token()
 
     def finish(self) -> None:
-        done = [lv for lv in self.running if lv.committed >= lv.target]
-        if not done:
-            return
-        self.pool.free_group_begin()
-        for lv in done:
+        def release(lv: Live) -> None:
             for n in lv.nodes:
                 n.lock -= 1
             self.insert(lv)
-        self.pool.free_group_end()
-        for lv in done:
-            self.running.remove(lv)
-            self.finished(lv)
+
+        self.finish_done(release)
 
     def insert(self, lv: Live) -> None:
         """Cache the request's full prompt blocks; free what the tree does not keep."""

@@ -123,6 +123,19 @@ class ServerModel:
             lv.row = torch.cat((lv.row, out[i:i + 1]))
             lv.committed += 1
 
+    def finish_done(self, release: Callable[[Live], None]) -> None:
+        """Finished requests leave in one free group, as at the end of an SGLang step."""
+        done = [lv for lv in self.running if lv.committed >= lv.target]
+        if not done:
+            return
+        self.pool.free_group_begin()
+        for lv in done:
+            release(lv)
+        self.pool.free_group_end()
+        for lv in done:
+            self.running.remove(lv)
+            self.finished(lv)
+
     def outgrown(self) -> None:
         """An allocation failed; with one request left nothing can ever free room."""
         if len(self.running) == 1:
