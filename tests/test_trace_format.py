@@ -151,3 +151,4 @@ def test_schema_is_the_documented_one():
         assert f"`{field.name}`" in text, f"column {field.name} is not documented"
     for key in META.to_parquet_metadata():
         assert f"`{key.decode()}`" in text, f"metadata key {key.decode()} is not documented"
+
