@@ -136,3 +136,16 @@ def test_expectations_catch_a_checker_that_lost_its_teeth(disagg_trace):
     clean = replay(disagg_trace, "builtin:swa", device="cpu")
     assert check_report(clean, good) == ["expected violations, got none: the checker missed the bug"]
     assert check_report(r, Expectation("x", "clean")) != []
+
+
+def test_remap_translates_swa_slots_for_an_swa_build_with_another_policy():
+    # radix-swa re-points mappings with set_full_to_swa_mapping(full, swa): remap must
+    # translate the recorded SWA slots too (learned from the nested SWA allocations)
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parents[1] / "traces" / "radix-swa-800.parquet"
+    build = "py:pool_policies:HighPagesFirstSWAPool"
+    remap = replay(trace, build, mode="remap", device="cpu")
+    assert remap.status == "clean", (remap.first_violation, remap.first_divergence)
+    strict = replay(trace, build, mode="strict", device="cpu", stop_at_first=True)
+    assert strict.exit_code == 1 and strict.first_divergence.kind == "result"
