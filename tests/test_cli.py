@@ -96,6 +96,7 @@ def test_workload_files_drive_the_model(tmp_path, capsys):
         (["synth", "decode", "--build", "builtin:swa", "-o", "{tmp}/x.parquet"], "needs a paged pool"),
         (["synth", "decode", "--workload", "{tmp}/missing.jsonl", "-o", "{tmp}/x.parquet"], "no such file"),
         (["synth", "decode", "--full-size", "8", "-o", "{tmp}/x.parquet"], "cannot fit an empty pool"),
+        (["synth", "decode", "--device", "cuda:7", "-o", "{tmp}/x.parquet"], "no CUDA device"),
     ],
 )
 def test_bad_input_gives_one_line_and_exit_2(tmp_path, capsys, argv, message):

@@ -5,7 +5,10 @@ sub-allocators) for thin wrappers; the class is untouched, so other instances an
 the allocator's behaviour are unchanged. A call the pool makes on itself (SWA
 ``free`` calling ``free_swa``) is not a new row; a call into a sub-allocator is a
 nested row whose ``parent`` is the calling row. Rows are handed to a background
-writer when their top-level call returns."""
+writer when their top-level call returns.
+
+A recorded pool is driven by one thread at a time, as SGLang's scheduler drives its
+allocator; concurrent callers would interleave their nesting."""
 
 from __future__ import annotations
 

@@ -157,8 +157,14 @@ class NestedCapture:
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput(f"--device {device}: no CUDA device is available here")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {device}: no CUDA device is available here")
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise BadInput(f"--device {device}: no such CUDA device (this machine has {torch.cuda.device_count()})")
+    elif device != "cpu":
+        raise BadInput(f"--device {device}: use auto, cpu, cuda or cuda:N")
     return device
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from kvreplay.errors import BadInput
 from kvreplay.recorder.recording import record
 from kvreplay.replayer import builds
+from kvreplay.replayer.engine import resolve_device
 from kvreplay.replayer.workload.decode import DecodeServer
 from kvreplay.replayer.workload.disagg_mtp import DisaggMTPServer
 from kvreplay.replayer.workload.radix_swa import RadixSWAServer
@@ -91,6 +92,7 @@ def validate(cfg: SynthConfig) -> Scenario:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
     if cfg.length_scale <= 0 or cfg.speedup <= 0:
         raise BadInput("--length-scale and --speedup must be positive")
+    cfg.device = resolve_device(cfg.device)
     return sc
 
 
