@@ -17,10 +17,10 @@ from kvreplay.store.db import Store, open_store
 from kvreplay.store.runs import TraceInfo, file_hash, get_run, record_run, run_to_dict
 
 
-def trace_info(reader: TraceReader) -> TraceInfo:
+def trace_info(reader: TraceReader, calls: int | None = None) -> TraceInfo:
     return TraceInfo(path=str(reader.path.resolve()), content_hash=file_hash(reader.path),
                      pool_class=reader.meta.pool_class, family=reader.meta.family, meta=asdict(reader.meta),
-                     rows=reader.num_rows)
+                     rows=reader.num_rows, calls=calls)
 
 
 def build_version(replayer: Replayer) -> str:
@@ -48,8 +48,8 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
     try:
         replayer = Replayer(trace, build, **options)
         report = replayer.run(progress=progress)
-        run_id = record_run(st, report, trace_info(replayer.reader), build_version=build_version(replayer)) \
-            if st is not None else None
+        info = trace_info(replayer.reader, calls=None if report.stopped_early else report.calls_replayed)
+        run_id = record_run(st, report, info, build_version=build_version(replayer)) if st is not None else None
         return StoredReplay(report, run_id)
     finally:
         if st is not None:

@@ -50,7 +50,7 @@ def test_opening_creates_the_schema_through_alembic(tmp_path):
     st.close()
     with sqlite3.connect(tmp_path / "r.db") as con:
         assert con.execute("pragma journal_mode").fetchone()[0] == "wal"
-        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0001"
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0002"
 
 
 def test_a_run_is_stored_whole(tmp_path, trace, capsys):
@@ -61,6 +61,7 @@ def test_a_run_is_stored_whole(tmp_path, trace, capsys):
     code, out, _ = run_cli(capsys, "show", "1", "--db", db, "--json")
     shown = json.loads(out)
     assert shown["build"] == "builtin:swa@stale-tail" and shown["status"] == "violation"
+    assert shown["trace_calls"] == rep["calls_replayed"] > 0
     assert shown["first_violation"]["seq"] == rep["first_violation"]["seq"]
     assert len(shown["violations"]) == len(rep["violations"])
     assert shown["violation_total"] == sum(rep["violation_counts"].values())
@@ -170,3 +171,24 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path, capsys):
     assert d["clean"]["status"] == "clean" and d["buggy"]["status"] == "violation"
     assert d["stored"]["first_violation"]["invariant"] == "swa-mapping"
     assert counts(db)[0] == 2
+
+
+def test_a_database_at_the_first_revision_is_upgraded_on_open(tmp_path):
+    from alembic import command
+    from sqlalchemy import create_engine, inspect
+
+    from kvreplay.store.db import alembic_config
+
+    path = tmp_path / "old.db"
+    eng = create_engine(f"sqlite:///{path}")
+    cfg = alembic_config()
+    with eng.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+    assert "calls" not in {c["name"] for c in inspect(eng).get_columns("traces")}
+    eng.dispose()
+    st = open_store(str(path))
+    assert "calls" in {c["name"] for c in inspect(st.engine).get_columns("traces")}
+    st.close()
+    with sqlite3.connect(path) as con:
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0002"

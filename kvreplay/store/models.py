@@ -28,6 +28,7 @@ class Trace(Base):
     family: Mapped[str] = mapped_column(String(16))
     meta: Mapped[dict] = mapped_column(JSON)
     rows: Mapped[int] = mapped_column(Integer)
+    calls: Mapped[int | None] = mapped_column(Integer, nullable=True)  # top-level calls (0002)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -36,13 +36,14 @@ class TraceInfo:
     family: str
     meta: dict[str, Any]
     rows: int
+    calls: int | None = None
 
 
 def _get_or_create_trace(s: Session, info: TraceInfo) -> Trace:
     t = s.scalar(select(Trace).where(Trace.content_hash == info.content_hash))
     if t is None:
         t = Trace(content_hash=info.content_hash, path=info.path, pool_class=info.pool_class, family=info.family,
-                  meta=info.meta, rows=info.rows)
+                  meta=info.meta, rows=info.rows, calls=info.calls)
         s.add(t)
         s.flush()
     elif t.path != info.path:
@@ -125,7 +126,8 @@ def get_run(store: Store, run_id: int) -> Run:
 
 def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
     d = {
-        "id": run.id, "trace": run.trace.path, "trace_hash": run.trace.content_hash[:12], "build": run.build.spec,
+        "id": run.id, "trace": run.trace.path, "trace_hash": run.trace.content_hash[:12],
+        "trace_calls": run.trace.calls, "build": run.build.spec,
         "mode": run.mode, "device": run.device, "status": run.status, "exit_code": run.exit_code,
         "calls_replayed": run.calls_replayed, "wall_s": round(run.wall_s, 3), "calls_per_s": round(run.calls_per_s),
         "violation_total": run.violation_total, "divergence_total": run.divergence_total,
