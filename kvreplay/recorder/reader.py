@@ -6,13 +6,27 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.recorder.trace_format import COUNTERS, OPAQUE, SCHEMA, SCHEMA_VERSION, Call, TraceMeta, decode_value
+from kvreplay.recorder.trace_format import (
+    COUNTERS,
+    INT,
+    NONE,
+    OPAQUE,
+    SCHEMA,
+    SCHEMA_VERSION,
+    TENSOR,
+    Call,
+    TraceMeta,
+    decode_value,
+    tensor_dtype,
+)
 
 
 class TraceReader:
@@ -60,19 +74,91 @@ class TraceReader:
               batch_size: int = 4096) -> Iterator[Call]:
         """Decoded calls in recorded order (nested rows follow their parent)."""
         for batch in self.iter_batches(batch_size=batch_size):
-            for r in batch.to_pylist():
-                if top_level_only and r["depth"] != 0:
-                    continue
-                yield Call(
-                    seq=r["seq"], parent=r["parent"], depth=r["depth"], target=r["target"],
-                    method=r["method"],
-                    args={a["name"]: decode_value(a, device) for a in r["args"]},
-                    has_opaque=any(a["kind"] == OPAQUE for a in r["args"]),
-                    result=decode_value(r["result"], device),
-                    exc_type=r["exc_type"], exc_msg=r["exc_msg"],
-                    counters={k: r[k] for k in COUNTERS},
-                    t_start_ns=r["t_start_ns"], t_end_ns=r["t_end_ns"],
-                )
+            try:
+                yield from _decode_batch(batch, top_level_only, device)
+            except (pa.ArrowException, ValueError, IndexError, KeyError) as exc:
+                raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
+
+
+class _Values:
+    """One struct column of values (``args`` elements or ``result``), decoded column-wise:
+    a tensor value is a slice of a single per-batch tensor, not a new allocation."""
+
+    def __init__(self, arr: pa.Array, device: str | torch.device) -> None:
+        fields = dict(zip([f.name for f in arr.type], arr.flatten(), strict=True))
+        self.kind = fields["kind"].to_pylist()
+        self.i = fields["i"].to_pylist()
+        self.f = fields["f"].to_pylist()
+        self.s = fields["s"].to_pylist()
+        self.dtype = fields["dtype"].to_pylist()
+        self.shape_off, self.shape = _list_parts(fields["shape"])
+        self.shape = self.shape.tolist()
+        self.data_off, data = _list_parts(fields["data"])
+        self.data = torch.from_numpy(data).to(device)
+        self.device = device
+
+    def get(self, j: int) -> Any:
+        kind = self.kind[j]
+        if kind == TENSOR:
+            t = self.data[self.data_off[j]:self.data_off[j + 1]]
+            shape = self.shape[self.shape_off[j]:self.shape_off[j + 1]]
+            dtype = self.dtype[j]
+            if dtype != "torch.int64":
+                t = t.to(tensor_dtype(dtype))
+            return t if len(shape) == 1 else t.reshape(shape)
+        if kind == NONE:
+            return None
+        if kind == INT:
+            return self.i[j]
+        # The rarer kinds take the general decoder.
+        return decode_value({
+            "kind": kind, "i": self.i[j], "f": self.f[j], "s": self.s[j], "dtype": self.dtype[j],
+            "shape": self.shape[self.shape_off[j]:self.shape_off[j + 1]],
+            "data": self.data[self.data_off[j]:self.data_off[j + 1]].tolist(),
+        }, self.device)
+
+
+def _list_parts(arr: pa.Array) -> tuple[list[int], np.ndarray]:
+    """Offsets (from 0) and flat int64 values of a list<int64> array."""
+    off = arr.offsets.to_numpy()
+    # A writable copy: replayed tensors are views into it, and a build may write to its arguments.
+    values = np.array(arr.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
+    return (off - off[0]).tolist(), values
+
+
+def _decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torch.device) -> Iterator[Call]:
+    col = batch.column
+    names = batch.schema.names
+    seq = col(names.index("seq")).to_pylist()
+    depth = col(names.index("depth")).to_pylist()
+    parent = col(names.index("parent")).to_pylist()
+    target = col(names.index("target")).to_pylist()
+    method = col(names.index("method")).to_pylist()
+    t0 = col(names.index("t_start_ns")).to_pylist()
+    t1 = col(names.index("t_end_ns")).to_pylist()
+    exc_type = col(names.index("exc_type")).to_pylist()
+    exc_msg = col(names.index("exc_msg")).to_pylist()
+    counters = {k: col(names.index(k)).to_pylist() for k in COUNTERS}
+    args = col(names.index("args"))
+    arg_off = args.offsets.to_numpy()
+    arg_off = (arg_off - arg_off[0]).tolist()
+    flat_args = args.flatten()
+    arg_names = flat_args.flatten()[flat_args.type.get_field_index("name")].to_pylist()
+    av = _Values(flat_args, device)
+    rv = _Values(col(names.index("result")), device)
+    for r in range(batch.num_rows):
+        if top_level_only and depth[r] != 0:
+            continue
+        lo, hi = arg_off[r], arg_off[r + 1]
+        yield Call(
+            seq=seq[r], parent=parent[r], depth=depth[r], target=target[r], method=method[r],
+            args={arg_names[j]: av.get(j) for j in range(lo, hi)},
+            has_opaque=OPAQUE in av.kind[lo:hi],
+            result=rv.get(r),
+            exc_type=exc_type[r], exc_msg=exc_msg[r],
+            counters={k: v[r] for k, v in counters.items()},
+            t_start_ns=t0[r], t_end_ns=t1[r],
+        )
 
 
 def _first_line(exc: BaseException) -> str:

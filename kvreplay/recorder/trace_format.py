@@ -366,8 +366,12 @@ def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -
     return Opaque(v["s"])
 
 
+def tensor_dtype(name: str) -> torch.dtype:
+    return _DTYPES.get(name, torch.int64)
+
+
 def _tensor(data: list[int], dtype: str, device: str | torch.device) -> torch.Tensor:
-    return torch.tensor(data, dtype=torch.int64, device=device).to(_DTYPES.get(dtype, torch.int64))
+    return torch.tensor(data, dtype=torch.int64, device=device).to(tensor_dtype(dtype))
 
 
 @dataclass(frozen=True)
