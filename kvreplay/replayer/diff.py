@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND
-from kvreplay.replayer.engine import Replayer, _short, top_calls
+from kvreplay.replayer.engine import Replayer, short_repr, top_calls
 
 
 @dataclass
@@ -88,8 +88,8 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
         n += 1
         oa = _outcome(*a.step(tc))
         ob = _outcome(*b.step(tc))
-        summary = CallSummary(tc.call.seq, tc.call.method, {k: _short(v) for k, v in tc.call.args.items()},
-                              _short(oa[1]), _short(ob[1]))
+        summary = CallSummary(tc.call.seq, tc.call.method, {k: short_repr(v) for k, v in tc.call.args.items()},
+                              short_repr(oa[1]), short_repr(ob[1]))
         kind = _differs(oa, ob, mode)
         if kind:
             per_method[tc.call.method] += 1

@@ -101,7 +101,7 @@ class ReplayReport:
         return d
 
 
-def _short(v: Any) -> str:
+def short_repr(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         vals = v.reshape(-1)[:8].tolist()
         more = "..." if v.numel() > 8 else ""
@@ -214,7 +214,7 @@ class Replayer:
     def _diverge(self, seq: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
         self.div_counts[kind] += 1
         if self.div_counts[kind] <= self.keep:
-            self.divergences.append(Divergence(seq, method, kind, _short(expected), _short(actual), message))
+            self.divergences.append(Divergence(seq, method, kind, short_repr(expected), short_repr(actual), message))
 
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
         """Issue one recorded call; returns what the build returned or raised."""
