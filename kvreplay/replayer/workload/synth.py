@@ -63,6 +63,8 @@ class SynthConfig:
 
 @dataclass
 class SynthResult:
+    """What a synth run wrote, with the model's SynthStats fields alongside."""
+
     path: Path
     scenario: str
     build: str
@@ -145,9 +147,5 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
         out.unlink(missing_ok=True)
         raise
     rec.close()
-    return SynthResult(
-        path=out, scenario=sc.name, build=spec, requests_done=stats.requests_done, steps=stats.steps,
-        retractions=stats.retractions, none_results=stats.none_results,
-        prefix_hit_tokens=stats.prefix_hit_tokens, evictions=stats.evictions,
-        calls=rec.calls_recorded, wall_s=time.perf_counter() - t0, extra=dict(stats.extra),
-    )
+    return SynthResult(path=out, scenario=sc.name, build=spec, calls=rec.calls_recorded,
+                       wall_s=time.perf_counter() - t0, **asdict(stats))
