@@ -83,7 +83,7 @@ def test_recorded_values_are_those_at_call_time(tmp_path):
 
 
 def test_a_failing_recorder_disables_itself_and_the_program_goes_on(tmp_path, caplog, monkeypatch):
-    from kvreplay.recorder.writer import RowBatch
+    from kvreplay.recorder.row_batch import RowBatch
 
     pool = SWAPool(64, 32, 4, need_sort=False)
     rec = record(pool, tmp_path / "t.parquet")

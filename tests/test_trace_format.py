@@ -11,8 +11,9 @@ import torch
 
 from kvreplay.errors import TraceFormatError
 from kvreplay.recorder.reader import TraceReader
+from kvreplay.recorder.row_batch import NULL, RowBatch
 from kvreplay.recorder.trace_format import SCHEMA, TraceMeta
-from kvreplay.recorder.writer import RowBatch, TraceWriter
+from kvreplay.recorder.writer import TraceWriter
 
 META = TraceMeta(pool_class="x:Pool", family="paged", ctor_args={"size": 64, "page_size": 4})
 
@@ -39,12 +40,10 @@ VALUES = [
 def _batch(rows: list[tuple[int, tuple, object]]) -> RowBatch:
     """Rows (seq, argument values, result) appended the way the recorder does."""
     b = RowBatch()
+    root, m = b.names.id("root"), b.names.id("m")
     for seq, values, result in rows:
-        b.arg_count.append(len(values))
-        b.arg_name.extend(f"a{i}" for i in range(len(values)))
-        for v in values:
-            b.args.put(v)
-        b.add(seq, -1, 0, "root", "m", seq, seq + 1, result, None, (1, None, None))
+        b.begin(values, tuple(b.names.id(f"a{i}") for i in range(len(values))))
+        b.add(seq, -1, 0, root, m, seq, seq + 1, result, None, (1, NULL, NULL))
     return b
 
 

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 import kvreplay
+from kvreplay.recorder.row_batch import NULL, ROW_WIDTH, Names, RowBatch
 from kvreplay.recorder.trace_format import TraceMeta
-from kvreplay.recorder.writer import RowBatch, TraceWriter
+from kvreplay.recorder.writer import TraceWriter
 
 log = logging.getLogger("kvreplay.recorder")
 
@@ -44,7 +45,7 @@ RECORDED_METHODS = (
 COUNTER_METHODS = frozenset({"available_size", "full_available_size", "swa_available_size"})
 SUB_POOLS = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"))
 _GROUP_TOGGLES = frozenset({"free_group_begin", "free_group_end"})
-_NO_COUNTERS = (None, None, None)
+_NO_COUNTERS = (NULL, NULL, NULL)
 
 _open: weakref.WeakSet[Recording] = weakref.WeakSet()
 
@@ -92,15 +93,17 @@ class Recording:
             extra=dict(extra or {}),
         )
         self._writer = TraceWriter(path, self.meta, rows_per_group=rows_per_group)
-        self._rows_per_batch = rows_per_batch
-        self._batch = RowBatch()
+        self._flush_at = rows_per_batch * ROW_WIDTH
+        self._names = Names()
+        self._begin_id = self._names.id("free_group_begin")
+        self._batch = RowBatch(self._names)
         self._targets: list[str] = []  # targets of the calls in progress, innermost last
         self._seqs: list[int] = []
         self._next_seq = 0
         self._in_group = False
         self._active = True
         self._patched: list[tuple[Any, str]] = []
-        self._counters = self._counter_readers(pool)
+        self._read_counters = self._counter_reader(pool)
         self._patch(pool, "root")
         for target, attr in SUB_POOLS:
             sub = getattr(pool, attr, None)
@@ -113,9 +116,14 @@ class Recording:
         return self._next_seq
 
     @staticmethod
-    def _counter_readers(pool: Any) -> tuple[Callable[[], int] | None, ...]:
+    def _counter_reader(pool: Any) -> Callable[[], tuple[int, int, int]]:
         # Bound before patching, so reading counters is never itself recorded.
-        return tuple(getattr(pool, n, None) for n in ("available_size", "full_available_size", "swa_available_size"))
+        a, f, s = (getattr(pool, n, None) for n in ("available_size", "full_available_size", "swa_available_size"))
+        if a is not None and f is not None and s is not None:
+            return lambda: (a(), f(), s())
+        if a is not None and f is None and s is None:
+            return lambda: (a(), NULL, NULL)
+        return lambda: tuple(NULL if g is None else g() for g in (a, f, s))  # type: ignore[return-value]
 
     def _patch(self, obj: Any, target: str) -> None:
         for name in RECORDED_METHODS:
@@ -135,6 +143,11 @@ class Recording:
         rec = self
         targets, seqs = self._targets, self._seqs
         time_ns = time.time_ns
+        names = self._names
+        tid, mid = names.id(target), names.id(method)
+        pids = tuple(names.id(p) for p in params)
+        finish = self._finish_group_toggle if method in _GROUP_TOGGLES else (
+            self._finish_read if method in COUNTER_METHODS else self._finish)
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if not rec._active or (targets and targets[-1] == target):
@@ -143,7 +156,7 @@ class Recording:
             rec._next_seq = seq + 1
             parent = seqs[-1] if seqs else -1
             try:
-                rec._args(params, args, kwargs)
+                rec._batch.begin(args, pids if len(args) <= len(pids) else rec._arg_ids(pids, len(args)), kwargs)
             except Exception:
                 rec._fail()
                 return fn(*args, **kwargs)
@@ -155,63 +168,66 @@ class Recording:
             except BaseException as exc:
                 targets.pop()
                 seqs.pop()
-                rec._finish(seq, parent, target, method, t0, None, exc)
+                finish(seq, parent, tid, mid, t0, None, exc)
                 raise
             targets.pop()
             seqs.pop()
-            rec._finish(seq, parent, target, method, t0, result, None)
+            finish(seq, parent, tid, mid, t0, result, None)
             return result
 
         recorded.__wrapped__ = fn  # type: ignore[attr-defined]
         recorded.__name__ = method
         return recorded
 
-    def _args(self, params: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Copy the arguments into the batch now: their values as of the call."""
-        b = self._batch
-        n = len(args)
-        b.arg_count.append(n + len(kwargs))
-        if n:
-            names = params[:n] if n <= len(params) else (*params, *(f"arg{i}" for i in range(len(params), n)))
-            b.arg_name.extend(names)
-            put = b.args.put
-            for a in args:
-                put(a)
-        if kwargs:
-            b.arg_name.extend(kwargs)
-            for v in kwargs.values():
-                b.args.put(v)
+    def _arg_ids(self, pids: tuple[int, ...], n: int) -> tuple[int, ...]:
+        return pids + tuple(self._names.id(f"arg{i}") for i in range(len(pids), n))
 
-    def _finish(self, seq: int, parent: int, target: str, method: str, t0: int, result: Any,
+    def _finish(self, seq: int, parent: int, target: int, method: int, t0: int, result: Any,
                 exc: BaseException | None) -> None:
+        """End a state-changing call's row; a top-level one outside a free group gets counters."""
         if not self._active:
             return  # disabled while this call was in progress
         try:
             t1 = time.time_ns()
-            counters: tuple[int | None, ...] = _NO_COUNTERS
-            top = not self._seqs
-            if top and method in _GROUP_TOGGLES:
-                self._in_group = method == "free_group_begin" and exc is None
-            if top and not self._in_group and method not in COUNTER_METHODS:
+            counters = _NO_COUNTERS
+            depth = len(self._seqs)
+            if not depth and not self._in_group:
                 # Counter methods call each other; none of that is the program's call.
                 self._active = False
                 try:
-                    counters = tuple(None if f is None else int(f()) for f in self._counters)
+                    counters = self._read_counters()
                 finally:
                     self._active = True
             b = self._batch
-            b.add(seq, parent, len(self._seqs), target, method, t0, t1, result, exc, counters)  # type: ignore[arg-type]
-            if top and len(b) >= self._rows_per_batch:
+            b.add(seq, parent, depth, target, method, t0, t1, result, exc, counters)
+            if not depth and len(b.rows) >= self._flush_at:
                 self._writer.submit(b)
-                self._batch = RowBatch()
+                self._batch = RowBatch(self._names)
         except Exception:  # never break the recorded program
             self._fail()
+
+    def _finish_read(self, seq: int, parent: int, target: int, method: int, t0: int, result: Any,
+                     exc: BaseException | None) -> None:
+        """A counter read changes nothing, so its row records no counters."""
+        if not self._active:
+            return
+        try:
+            self._batch.add(seq, parent, len(self._seqs), target, method, t0, time.time_ns(), result, exc,
+                            _NO_COUNTERS)
+        except Exception:
+            self._fail()
+
+    def _finish_group_toggle(self, seq: int, parent: int, target: int, method: int, t0: int, result: Any,
+                             exc: BaseException | None) -> None:
+        if not self._seqs and self._active:
+            self._in_group = method == self._begin_id and exc is None
+        self._finish(seq, parent, target, method, t0, result, exc)
 
     def _fail(self) -> None:
         if self._active:  # log once
             log.exception("kvreplay recorder failed; recording disabled")
         self._active = False
-        self._batch = RowBatch()  # a half-appended row would misalign the columns
+        self._batch = RowBatch(self._names)  # a half-appended row would misalign the columns
 
     def close(self) -> Path:
         """Stop recording, restore the instance's methods, flush and finish the file."""
@@ -226,7 +242,7 @@ class Recording:
         _open.discard(self)
         if len(self._batch):
             self._writer.submit(self._batch)
-            self._batch = RowBatch()
+            self._batch = RowBatch(self._names)
         return self._writer.close()
 
     def __enter__(self) -> Recording:

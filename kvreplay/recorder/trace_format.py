@@ -8,11 +8,9 @@ any kind (None, bool, int, float, str, integer/bool tensor, list of ints, list o
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import torch
 
@@ -23,6 +21,7 @@ META_PREFIX = "kvreplay."
 NONE, BOOL, INT, FLOAT, STR, TENSOR, INTS, SEGMENTS, OPAQUE = (
     "none", "bool", "int", "float", "str", "tensor", "ints", "segments", "opaque",
 )
+VALUE_KINDS = (NONE, BOOL, INT, FLOAT, STR, TENSOR, INTS, SEGMENTS, OPAQUE)
 
 _VALUE_FIELDS = [
     pa.field("kind", pa.string(), nullable=False),
@@ -156,178 +155,6 @@ class Call:
     @property
     def top_level(self) -> bool:
         return self.depth == 0
-
-
-# -- encoding ---------------------------------------------------------------------
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-_DEVICE_NAMES: dict[torch.device, str] = {}
-SMALL_TENSOR = 64  # up to this many elements, tolist() is the cheapest copy
-
-
-def _names(t: torch.Tensor) -> tuple[str, str]:
-    dtype, dev = t.dtype, t.device
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-    dname = _DEVICE_NAMES.get(dev)
-    if dname is None:
-        dname = _DEVICE_NAMES[dev] = str(dev)
-    return name, dname
-
-
-def _host_copy(t: torch.Tensor) -> list[int] | np.ndarray:
-    """The elements of an integer/bool tensor, copied to host memory now, so a later
-    in-place change by the caller cannot reach the record."""
-    flat = t.detach().reshape(-1)
-    if flat.device.type == "cpu":
-        return flat.tolist() if flat.numel() <= SMALL_TENSOR else flat.numpy().copy()
-    return flat.cpu().numpy()
-
-
-class ValueColumns:
-    """Values of one struct column (``args`` elements or ``result``), appended in
-    place as they are recorded; ``fields()`` turns them into Arrow arrays in C."""
-
-    __slots__ = ("kind", "i", "f", "s", "dtype", "device", "shape_len", "shape", "data_len", "data")
-
-    def __init__(self) -> None:
-        self.kind: list[str] = []
-        self.i: list[int | None] = []
-        self.f: list[float | None] = []
-        self.s: list[str | None] = []
-        self.dtype: list[str | None] = []
-        self.device: list[str | None] = []
-        self.shape_len: list[int] = []
-        self.shape: list[int] = []
-        self.data_len: list[int] = []
-        self.data: list[Any] = []  # lists of ints or int arrays, one per value that has data
-
-    def __len__(self) -> int:
-        return len(self.kind)
-
-    def put(self, value: Any) -> None:
-        tp = type(value)
-        if tp is torch.Tensor:
-            # The hot path, inlined: an index tensor on the CPU.
-            dtype = value.dtype
-            if dtype is torch.int64 and value.device.type == "cpu":
-                self.kind.append(TENSOR)
-                self.i.append(None)
-                self.f.append(None)
-                self.s.append(None)
-                self.dtype.append("torch.int64")
-                self.device.append("cpu")
-                shape = value.shape
-                self.shape_len.append(len(shape))
-                self.shape.extend(shape)
-                n = value.numel()
-                self.data_len.append(n)
-                if n <= SMALL_TENSOR:
-                    self.data.append(value.tolist() if len(shape) == 1 else value.reshape(-1).tolist())
-                else:
-                    self.data.append(value.detach().reshape(-1).numpy().copy())
-                return
-            self._tensor(value)
-            return
-        if tp is not bool and tp is not int and isinstance(value, torch.Tensor):
-            self._tensor(value)
-            return
-        if value is None:
-            self._scalar(NONE, None, None, None)
-        elif tp is int:
-            self._scalar(INT, value, None, None)
-        elif tp is bool:
-            self._scalar(BOOL, int(value), None, None)
-        elif tp is float:
-            self._scalar(FLOAT, None, value, None)
-        elif tp is str:
-            self._scalar(STR, None, None, value)
-        elif (tp is list or tp is tuple) and all(type(v) is int for v in value):
-            self._put(INTS, int(tp is tuple), None, None, None, (len(value),), list(value))
-        elif (tp is list or tp is tuple) and value and all(
-            isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], torch.Tensor) for v in value
-        ):
-            self._segments(value)
-        else:
-            self._scalar(OPAQUE, None, None, repr(value)[:200])
-
-    def _scalar(self, kind: str, i: Any, f: Any, s: Any) -> None:
-        self.kind.append(kind)
-        self.i.append(i)
-        self.f.append(f)
-        self.s.append(s)
-        self.dtype.append(None)
-        self.device.append(None)
-        self.shape_len.append(0)
-        self.data_len.append(0)
-
-    def _put(self, kind: str, i: Any, s: Any, dtype: Any, device: Any, shape: Any, data: Any) -> None:
-        self.kind.append(kind)
-        self.i.append(i)
-        self.f.append(None)
-        self.s.append(s)
-        self.dtype.append(dtype)
-        self.device.append(device)
-        self.shape_len.append(len(shape))
-        self.shape.extend(shape)
-        self.data_len.append(len(data))
-        self.data.append(data)
-
-    def _tensor(self, t: torch.Tensor) -> None:
-        dtype, device = _names(t)
-        if t.dtype.is_floating_point or t.dtype.is_complex:
-            self._scalar(OPAQUE, None, None, f"{dtype} tensor {tuple(t.shape)}")
-            self.dtype[-1] = dtype
-            return
-        self._put(TENSOR, None, None, dtype, device, t.shape, _host_copy(t))
-
-    def _segments(self, value: Any) -> None:
-        # (tensor, start_pos) pairs: shape holds n0, start0, n1, start1, ...
-        dtypes = [_names(t)[0] for t, _ in value]
-        # One dtype name when they agree (the usual case), else one per segment.
-        dtype = ",".join(dtypes) if len(set(dtypes)) > 1 else dtypes[0]
-        parts = [_host_copy(t) for t, _ in value]
-        shape = [x for part, (_, start) in zip(parts, value, strict=True) for x in (len(part), int(start))]
-        data = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
-        self._put(SEGMENTS, None, None, dtype, _names(value[0][0])[1], shape, data)
-
-    def fields(self) -> list[pa.Array]:
-        shape = pa.ListArray.from_arrays(list_offsets(self.shape_len), pa.array(self.shape, pa.int64()))
-        data = pa.ListArray.from_arrays(list_offsets(self.data_len), _flat_int64(self.data))
-        return [
-            pa.array(self.kind, pa.string()),
-            pa.array(self.i, pa.int64()),
-            pa.array(self.f, pa.float64()),
-            pa.array(self.s, pa.string()),
-            pa.array(self.dtype, pa.string()),
-            pa.array(self.device, pa.string()),
-            shape,
-            data,
-        ]
-
-
-def _flat_int64(parts: list[Any]) -> pa.Array:
-    """One int64 array of all parts (lists of ints or numpy arrays), built in C."""
-    if not parts:
-        return pa.array([], pa.int64())
-    chunks: list[np.ndarray] = []
-    run: list[int] = []
-    for p in parts:
-        if type(p) is list:
-            run.extend(p)
-        else:
-            if run:
-                chunks.append(np.array(run, dtype=np.int64))
-                run = []
-            chunks.append(np.asarray(p).astype(np.int64, copy=False))
-    if run:
-        chunks.append(np.array(run, dtype=np.int64))
-    return pa.array(np.concatenate(chunks) if len(chunks) > 1 else chunks[0], pa.int64())
-
-
-def list_offsets(lengths: Sequence[int]) -> pa.Array:
-    return pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
 
 
 # -- decoding ---------------------------------------------------------------------

@@ -1,10 +1,9 @@
-"""Rows as the recorder captures them, and the background thread that writes them.
+"""The background thread that turns captured batches into Parquet row groups.
 
-The recording thread appends each call straight into per-column Python lists (a
-``RowBatch``); nothing is encoded per value. Whole batches go to a writer thread
-that turns every column into an Arrow array in C and writes Parquet row groups.
-The file is written under a temporary name and renamed on ``close()``, so a reader
-never sees a half-written trace under the final name."""
+The recording thread fills ``RowBatch`` buffers; whole batches come here, where
+``to_table`` builds the Arrow columns with numpy and pyarrow. The file is written
+under a temporary name and renamed on ``close()``, so a reader never sees a
+half-written trace under the final name."""
 
 from __future__ import annotations
 
@@ -14,85 +13,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvreplay.recorder.trace_format import (
-    ARG_TYPE,
-    PARQUET_OPTIONS,
-    SCHEMA,
-    VALUE_TYPE,
-    TraceMeta,
-    ValueColumns,
-    list_offsets,
-)
-
-
-class RowBatch:
-    """Complete top-level calls (with their nested calls), column by column.
-
-    Arguments are appended when a call starts, which is ``seq`` order; the rest of
-    a row when it returns, which puts nested rows before their parent. ``to_table``
-    sorts the returned-order columns back into ``seq`` order."""
-
-    __slots__ = ("seq", "parent", "depth", "target", "method", "t_start_ns", "t_end_ns", "arg_count", "arg_name",
-                 "args", "result", "exc_type", "exc_msg", "available", "full_available", "swa_available")
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, [])
-        self.args = ValueColumns()
-        self.result = ValueColumns()
-
-    def __len__(self) -> int:
-        return len(self.seq)
-
-    def add(self, seq: int, parent: int, depth: int, target: str, method: str, t0: int, t1: int, result: Any,
-            exc: BaseException | None, counters: tuple[int | None, int | None, int | None]) -> None:
-        """Append the returned-order part of a row (its arguments are already in)."""
-        self.seq.append(seq)
-        self.parent.append(parent)
-        self.depth.append(depth)
-        self.target.append(target)
-        self.method.append(method)
-        self.t_start_ns.append(t0)
-        self.t_end_ns.append(t1)
-        self.result.put(result)
-        if exc is None:
-            self.exc_type.append(None)
-            self.exc_msg.append(None)
-        else:
-            self.exc_type.append(type(exc).__name__)
-            self.exc_msg.append(str(exc)[:1000])
-        self.available.append(counters[0])
-        self.full_available.append(counters[1])
-        self.swa_available.append(counters[2])
-
-    def to_table(self) -> pa.Table:
-        order = np.argsort(np.asarray(self.seq, dtype=np.int64), kind="stable")
-        cols = {
-            "seq": pa.array(self.seq, pa.int64()),
-            "parent": pa.array(self.parent, pa.int64()),
-            "depth": pa.array(self.depth, pa.int8()),
-            "target": pa.array(self.target, pa.string()),
-            "method": pa.array(self.method, pa.string()),
-            "t_start_ns": pa.array(self.t_start_ns, pa.int64()),
-            "t_end_ns": pa.array(self.t_end_ns, pa.int64()),
-            "result": pa.StructArray.from_arrays(self.result.fields(), fields=list(VALUE_TYPE)),
-            "exc_type": pa.array(self.exc_type, pa.string()),
-            "exc_msg": pa.array(self.exc_msg, pa.string()),
-            "available": pa.array(self.available, pa.int64()),
-            "full_available": pa.array(self.full_available, pa.int64()),
-            "swa_available": pa.array(self.swa_available, pa.int64()),
-        }
-        take = pa.array(order)
-        cols = {k: v.take(take) for k, v in cols.items()}
-        arg_struct = pa.StructArray.from_arrays([pa.array(self.arg_name, pa.string()), *self.args.fields()],
-                                                fields=list(ARG_TYPE))
-        cols["args"] = pa.ListArray.from_arrays(list_offsets(self.arg_count), arg_struct)
-        return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
-
+from kvreplay.recorder.row_batch import RowBatch
+from kvreplay.recorder.trace_format import PARQUET_OPTIONS, SCHEMA, TraceMeta
 
 _STOP = object()
 
