@@ -6,13 +6,25 @@ import subprocess
 import sys
 import textwrap
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+from kvreplay.recorder.capture import native_available
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.recording import record
-from kvreplay.replayer.pools import SWAPool
+from kvreplay.recorder.trace_format import CALL_COLUMNS
+from kvreplay.replayer.pools import SWAPool, TokenPool
 from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def backend(request, monkeypatch):
+    """Every recorder test runs on both capture engines."""
+    if request.param == "native" and not native_available():
+        pytest.skip("native capture not built")
+    monkeypatch.setenv("KVREPLAY_RECORDER", request.param)
+    return request.param
 
 
 def t(*v: int) -> torch.Tensor:
@@ -83,20 +95,37 @@ def test_recorded_values_are_those_at_call_time(tmp_path):
 
 
 def test_a_failing_recorder_disables_itself_and_the_program_goes_on(tmp_path, caplog, monkeypatch):
-    from kvreplay.recorder.row_batch import RowBatch
+    from kvreplay.recorder.writer_process import ProcessTraceWriter
 
     pool = SWAPool(64, 32, 4, need_sort=False)
-    rec = record(pool, tmp_path / "t.parquet")
+    rec = record(pool, tmp_path / "t.parquet", rows_per_batch=1)
 
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(RowBatch, "add", broken)
+    monkeypatch.setattr(ProcessTraceWriter, "submit", broken)
     first = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
     second = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
     assert first.tolist() == [4, 5, 6, 7] and second.tolist() == [8, 9, 10, 11]
     assert sum("recording disabled" in r.message for r in caplog.records) == 1
+    monkeypatch.undo()
     rec.close()
+
+
+def test_both_capture_engines_write_identical_rows(tmp_path, backend):
+    if not native_available():
+        pytest.skip("native capture not built")
+    cfg = SynthConfig(scenario="disagg-mtp", out=tmp_path / "unused", requests=40, full_size=512, swa_size=256)
+    tables = []
+    for engine in ("native", "python"):
+        pool = SWAPool(512, 256, 4, need_sort=True)
+        rec = record(pool, tmp_path / f"{engine}.parquet", backend=engine, rows_per_batch=97)
+        assert rec.backend == engine
+        run_model(pool, cfg, SCENARIOS["disagg-mtp"])
+        rec.close()
+        tables.append(pq.read_table(tmp_path / f"{engine}.parquet", columns=CALL_COLUMNS))
+    assert tables[0].num_rows > 500
+    assert tables[0].equals(tables[1])
 
 
 def test_interpreter_exit_flushes_an_open_recording(tmp_path):
@@ -115,3 +144,43 @@ def test_interpreter_exit_flushes_an_open_recording(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     calls = list(TraceReader(path).calls(top_level_only=True))
     assert [c.method for c in calls] == ["alloc", "free"] * 5
+
+
+class EchoPool(TokenPool):
+    """A token pool whose alloc hands back the value it was given."""
+
+    def alloc(self, *values, **named):  # type: ignore[override]
+        return values[-1] if values else named.get("v")
+
+
+ODD_VALUES = [
+    torch.arange(200),  # past the small-tensor copy
+    torch.arange(12).reshape(3, 4)[:, 1],  # not contiguous
+    torch.tensor([1, 255], dtype=torch.uint8),
+    torch.tensor([-3, 4], dtype=torch.int16),
+    torch.tensor([-1, 1], dtype=torch.int8),
+    torch.arange(6, dtype=torch.int32).reshape(1, 2, 3),
+]
+
+
+def test_every_value_kind_is_recorded_as_it_was(tmp_path):
+    from test_trace_format import VALUES, _same
+
+    pool = EchoPool(64)
+    rec = record(pool, tmp_path / "t.parquet")
+    values = [*VALUES, *ODD_VALUES]
+    for v in values:
+        pool.alloc(v)
+    pool.alloc(*values)
+    pool.alloc(v=values[-1])
+    pool.alloc(2**70)  # beyond int64: kept as text, not lost silently
+    pool.alloc(torch.tensor([0.5]))
+    rec.close()
+    calls = list(TraceReader(tmp_path / "t.parquet").calls())
+    for v, c in zip(values, calls, strict=False):
+        assert _same(v, c.args["arg0"]) and _same(v, c.result), (v, c.args, c.result)
+    spread = calls[len(values)]
+    assert all(_same(v, spread.args[f"arg{i}"]) for i, v in enumerate(values))
+    assert _same(values[-1], calls[len(values) + 1].args["v"])
+    assert calls[-2].has_opaque and "1180591620717411303424" in calls[-2].args["arg0"].text
+    assert calls[-1].has_opaque and "torch.float32" in calls[-1].args["arg0"].text

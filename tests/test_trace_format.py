@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvreplay.errors import TraceFormatError
+from kvreplay.recorder.batch_table import NULL, RawBatch
 from kvreplay.recorder.reader import TraceReader
-from kvreplay.recorder.row_batch import NULL, RowBatch
+from kvreplay.recorder.row_batch import RowBatch
 from kvreplay.recorder.trace_format import SCHEMA, TraceMeta
 from kvreplay.recorder.writer import TraceWriter
 
@@ -37,14 +38,14 @@ VALUES = [
 ]
 
 
-def _batch(rows: list[tuple[int, tuple, object]]) -> RowBatch:
+def _batch(rows: list[tuple[int, tuple, object]]) -> RawBatch:
     """Rows (seq, argument values, result) appended the way the recorder does."""
     b = RowBatch()
     root, m = b.names.id("root"), b.names.id("m")
     for seq, values, result in rows:
         b.begin(values, tuple(b.names.id(f"a{i}") for i in range(len(values))))
         b.add(seq, -1, 0, root, m, seq, seq + 1, result, None, (1, NULL, NULL))
-    return b
+    return b.raw()
 
 
 def _same(a, b) -> bool:

@@ -15,17 +15,21 @@ import torch
 
 from kvreplay.errors import TraceFormatError
 from kvreplay.recorder.trace_format import (
+    BOOL,
     COUNTERS,
+    FLOAT,
     INT,
+    INTS,
     NONE,
     OPAQUE,
     SCHEMA,
     SCHEMA_VERSION,
+    SEGMENTS,
+    STR,
     TENSOR,
     Call,
+    Opaque,
     TraceMeta,
-    decode_value,
-    tensor_dtype,
 )
 
 
@@ -164,3 +168,47 @@ def _decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | tor
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+# -- values -----------------------------------------------------------------------
+
+_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -> Any:
+    """Turn one value struct (as ``to_pylist`` gives it) back into a Python value."""
+    if v is None:
+        return None
+    kind = v["kind"]
+    if kind == NONE:
+        return None
+    if kind == BOOL:
+        return bool(v["i"])
+    if kind == INT:
+        return v["i"]
+    if kind == FLOAT:
+        return v["f"]
+    if kind == STR:
+        return v["s"]
+    if kind == TENSOR:
+        return _tensor(v["data"], v["dtype"], device).reshape(v["shape"])
+    if kind == INTS:
+        return tuple(v["data"]) if v["i"] else list(v["data"])
+    if kind == SEGMENTS:
+        out, pos, shape = [], 0, v["shape"]
+        dtypes = v["dtype"].split(",")
+        for k in range(0, len(shape), 2):
+            n, start = shape[k], shape[k + 1]
+            dtype = dtypes[k // 2] if len(dtypes) > 1 else dtypes[0]
+            out.append((_tensor(v["data"][pos:pos + n], dtype, device), start))
+            pos += n
+        return out
+    return Opaque(v["s"])
+
+
+def tensor_dtype(name: str) -> torch.dtype:
+    return _DTYPES.get(name, torch.int64)
+
+
+def _tensor(data: list[int], dtype: str, device: str | torch.device) -> torch.Tensor:
+    return torch.tensor(data, dtype=torch.int64, device=device).to(tensor_dtype(dtype))

@@ -18,7 +18,6 @@ import inspect
 import logging
 import os
 import socket
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +26,18 @@ from typing import Any
 import torch
 
 import kvreplay
-from kvreplay.recorder.row_batch import NULL, ROW_WIDTH, Names, RowBatch
+from kvreplay.recorder.capture import (
+    FINISH_CALL,
+    FINISH_GROUP_BEGIN,
+    FINISH_GROUP_END,
+    FINISH_READ,
+    Engine,
+    default_backend,
+)
+from kvreplay.recorder.row_batch import Names
 from kvreplay.recorder.trace_format import TraceMeta
 from kvreplay.recorder.writer import TraceWriter
+from kvreplay.recorder.writer_process import ProcessTraceWriter
 
 log = logging.getLogger("kvreplay.recorder")
 
@@ -44,8 +52,8 @@ RECORDED_METHODS = (
 )
 COUNTER_METHODS = frozenset({"available_size", "full_available_size", "swa_available_size"})
 SUB_POOLS = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"))
-_GROUP_TOGGLES = frozenset({"free_group_begin", "free_group_end"})
-_NO_COUNTERS = (NULL, NULL, NULL)
+_FINISH = {"free_group_begin": FINISH_GROUP_BEGIN, "free_group_end": FINISH_GROUP_END,
+           **{m: FINISH_READ for m in COUNTER_METHODS}}
 
 _open: weakref.WeakSet[Recording] = weakref.WeakSet()
 
@@ -56,7 +64,7 @@ def pool_class_name(pool: Any) -> str:
 
 
 def _source_version(pool: Any) -> dict[str, str]:
-    out = {"kvreplay": kvreplay.__version__, "torch": torch.__version__}
+    out = {"kvreplay": kvreplay.__version__, "torch": str(torch.__version__)}  # not TorchVersion: plain str pickles
     top = type(pool).__module__.split(".")[0]
     mod = __import__(top)
     ver = getattr(mod, "__version__", None)
@@ -75,8 +83,10 @@ class Recording:
         *,
         rank: str = "",
         extra: dict[str, Any] | None = None,
-        rows_per_group: int = 65536,
+        rows_per_group: int = 16384,
         rows_per_batch: int = 4096,
+        backend: str | None = None,
+        writer: str | None = None,
     ) -> None:
         from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
 
@@ -92,18 +102,12 @@ class Recording:
             start_time=_dt.datetime.now(_dt.timezone.utc).isoformat(),
             extra=dict(extra or {}),
         )
-        self._writer = TraceWriter(path, self.meta, rows_per_group=rows_per_group)
-        self._flush_at = rows_per_batch * ROW_WIDTH
+        self._writer = _open_writer(writer or os.environ.get("KVREPLAY_WRITER", "process"), path, self.meta,
+                                    rows_per_group)
         self._names = Names()
-        self._begin_id = self._names.id("free_group_begin")
-        self._batch = RowBatch(self._names)
-        self._targets: list[str] = []  # targets of the calls in progress, innermost last
-        self._seqs: list[int] = []
-        self._next_seq = 0
-        self._in_group = False
-        self._active = True
+        self._engine = Engine(backend or default_backend(), self._names, self._counter_readers(pool),
+                              self._flush, rows_per_batch, self._failed)
         self._patched: list[tuple[Any, str]] = []
-        self._read_counters = self._counter_reader(pool)
         self._patch(pool, "root")
         for target, attr in SUB_POOLS:
             sub = getattr(pool, attr, None)
@@ -113,17 +117,17 @@ class Recording:
 
     @property
     def calls_recorded(self) -> int:
-        return self._next_seq
+        return self._engine.next_seq
+
+    @property
+    def backend(self) -> str:
+        """``native`` or ``python``: which capture engine records the calls."""
+        return self._engine.backend
 
     @staticmethod
-    def _counter_reader(pool: Any) -> Callable[[], tuple[int, int, int]]:
+    def _counter_readers(pool: Any) -> tuple[Callable[[], int] | None, ...]:
         # Bound before patching, so reading counters is never itself recorded.
-        a, f, s = (getattr(pool, n, None) for n in ("available_size", "full_available_size", "swa_available_size"))
-        if a is not None and f is not None and s is not None:
-            return lambda: (a(), f(), s())
-        if a is not None and f is None and s is None:
-            return lambda: (a(), NULL, NULL)
-        return lambda: tuple(NULL if g is None else g() for g in (a, f, s))  # type: ignore[return-value]
+        return tuple(getattr(pool, n, None) for n in ("available_size", "full_available_size", "swa_available_size"))
 
     def _patch(self, obj: Any, target: str) -> None:
         for name in RECORDED_METHODS:
@@ -133,106 +137,26 @@ class Recording:
             if fn is None or not callable(fn):
                 continue
             try:
-                params = tuple(p for p in inspect.signature(fn).parameters if p not in ("args", "kwargs"))
+                params = tuple(name for name, p in inspect.signature(fn).parameters.items()
+                               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
             except (TypeError, ValueError):
                 params = ()
-            setattr(obj, name, self._wrapper(target, name, fn, params))
+            ids = self._names
+            wrapped = self._engine.wrap(fn, ids.id(target), ids.id(name), tuple(ids.id(p) for p in params),
+                                        _FINISH.get(name, FINISH_CALL), name)
+            setattr(obj, name, wrapped)
             self._patched.append((obj, name))
 
-    def _wrapper(self, target: str, method: str, fn: Callable[..., Any], params: tuple[str, ...]) -> Callable[..., Any]:
-        rec = self
-        targets, seqs = self._targets, self._seqs
-        time_ns = time.time_ns
-        names = self._names
-        tid, mid = names.id(target), names.id(method)
-        pids = tuple(names.id(p) for p in params)
-        finish = self._finish_group_toggle if method in _GROUP_TOGGLES else (
-            self._finish_read if method in COUNTER_METHODS else self._finish)
+    def _flush(self) -> None:
+        self._writer.submit(self._engine.take())
 
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            if not rec._active or (targets and targets[-1] == target):
-                return fn(*args, **kwargs)
-            seq = rec._next_seq
-            rec._next_seq = seq + 1
-            parent = seqs[-1] if seqs else -1
-            try:
-                rec._batch.begin(args, pids if len(args) <= len(pids) else rec._arg_ids(pids, len(args)), kwargs)
-            except Exception:
-                rec._fail()
-                return fn(*args, **kwargs)
-            targets.append(target)
-            seqs.append(seq)
-            t0 = time_ns()
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                targets.pop()
-                seqs.pop()
-                finish(seq, parent, tid, mid, t0, None, exc)
-                raise
-            targets.pop()
-            seqs.pop()
-            finish(seq, parent, tid, mid, t0, result, None)
-            return result
-
-        recorded.__wrapped__ = fn  # type: ignore[attr-defined]
-        recorded.__name__ = method
-        return recorded
-
-    def _arg_ids(self, pids: tuple[int, ...], n: int) -> tuple[int, ...]:
-        return pids + tuple(self._names.id(f"arg{i}") for i in range(len(pids), n))
-
-    def _finish(self, seq: int, parent: int, target: int, method: int, t0: int, result: Any,
-                exc: BaseException | None) -> None:
-        """End a state-changing call's row; a top-level one outside a free group gets counters."""
-        if not self._active:
-            return  # disabled while this call was in progress
-        try:
-            t1 = time.time_ns()
-            counters = _NO_COUNTERS
-            depth = len(self._seqs)
-            if not depth and not self._in_group:
-                # Counter methods call each other; none of that is the program's call.
-                self._active = False
-                try:
-                    counters = self._read_counters()
-                finally:
-                    self._active = True
-            b = self._batch
-            b.add(seq, parent, depth, target, method, t0, t1, result, exc, counters)
-            if not depth and len(b.rows) >= self._flush_at:
-                self._writer.submit(b)
-                self._batch = RowBatch(self._names)
-        except Exception:  # never break the recorded program
-            self._fail()
-
-    def _finish_read(self, seq: int, parent: int, target: int, method: int, t0: int, result: Any,
-                     exc: BaseException | None) -> None:
-        """A counter read changes nothing, so its row records no counters."""
-        if not self._active:
-            return
-        try:
-            self._batch.add(seq, parent, len(self._seqs), target, method, t0, time.time_ns(), result, exc,
-                            _NO_COUNTERS)
-        except Exception:
-            self._fail()
-
-    def _finish_group_toggle(self, seq: int, parent: int, target: int, method: int, t0: int, result: Any,
-                             exc: BaseException | None) -> None:
-        if not self._seqs and self._active:
-            self._in_group = method == self._begin_id and exc is None
-        self._finish(seq, parent, target, method, t0, result, exc)
-
-    def _fail(self) -> None:
-        if self._active:  # log once
-            log.exception("kvreplay recorder failed; recording disabled")
-        self._active = False
-        self._batch = RowBatch(self._names)  # a half-appended row would misalign the columns
+    def _failed(self, exc: BaseException) -> None:
+        log.error("kvreplay recorder failed; recording disabled", exc_info=exc)
 
     def close(self) -> Path:
         """Stop recording, restore the instance's methods, flush and finish the file."""
         if self._patched:
-            self._active = False
+            self._engine.active = False
             for obj, name in self._patched:
                 try:
                     delattr(obj, name)
@@ -240,9 +164,9 @@ class Recording:
                     pass
             self._patched = []
         _open.discard(self)
-        if len(self._batch):
-            self._writer.submit(self._batch)
-            self._batch = RowBatch(self._names)
+        batch = self._engine.take()
+        if len(batch):
+            self._writer.submit(batch)
         return self._writer.close()
 
     def __enter__(self) -> Recording:
@@ -250,6 +174,20 @@ class Recording:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_writer(kind: str, path: str | os.PathLike[str], meta: TraceMeta,
+                 rows_per_group: int) -> TraceWriter | ProcessTraceWriter:
+    """``process`` (default): a child process writes the file; ``thread``: a thread
+    of this process does (no child, but it competes with the program for the GIL)."""
+    if kind == "process":
+        try:
+            return ProcessTraceWriter(path, meta, rows_per_group)
+        except OSError as exc:  # no usable interpreter to start (an embedded Python)
+            log.warning("kvreplay: cannot start the writer process (%s); writing from a thread", exc)
+    elif kind != "thread":
+        raise ValueError(f"unknown trace writer {kind!r}: use 'process' or 'thread'")
+    return TraceWriter(path, meta, rows_per_group)
 
 
 def record(pool: Any, path: str | os.PathLike[str], **kwargs: Any) -> Recording:

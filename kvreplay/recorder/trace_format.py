@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import torch
 
 SCHEMA_VERSION = 1
 META_PREFIX = "kvreplay."
@@ -155,50 +154,6 @@ class Call:
     @property
     def top_level(self) -> bool:
         return self.depth == 0
-
-
-# -- decoding ---------------------------------------------------------------------
-
-_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
-
-
-def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -> Any:
-    """Turn one value struct (as ``to_pylist`` gives it) back into a Python value."""
-    if v is None:
-        return None
-    kind = v["kind"]
-    if kind == NONE:
-        return None
-    if kind == BOOL:
-        return bool(v["i"])
-    if kind == INT:
-        return v["i"]
-    if kind == FLOAT:
-        return v["f"]
-    if kind == STR:
-        return v["s"]
-    if kind == TENSOR:
-        return _tensor(v["data"], v["dtype"], device).reshape(v["shape"])
-    if kind == INTS:
-        return tuple(v["data"]) if v["i"] else list(v["data"])
-    if kind == SEGMENTS:
-        out, pos, shape = [], 0, v["shape"]
-        dtypes = v["dtype"].split(",")
-        for k in range(0, len(shape), 2):
-            n, start = shape[k], shape[k + 1]
-            dtype = dtypes[k // 2] if len(dtypes) > 1 else dtypes[0]
-            out.append((_tensor(v["data"][pos:pos + n], dtype, device), start))
-            pos += n
-        return out
-    return Opaque(v["s"])
-
-
-def tensor_dtype(name: str) -> torch.dtype:
-    return _DTYPES.get(name, torch.int64)
-
-
-def _tensor(data: list[int], dtype: str, device: str | torch.device) -> torch.Tensor:
-    return torch.tensor(data, dtype=torch.int64, device=device).to(tensor_dtype(dtype))
 
 
 @dataclass(frozen=True)

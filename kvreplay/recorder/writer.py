@@ -1,6 +1,6 @@
 """The background thread that turns captured batches into Parquet row groups.
 
-The recording thread fills ``RowBatch`` buffers; whole batches come here, where
+The recording thread fills capture buffers; whole batches come here, where
 ``to_table`` builds the Arrow columns with numpy and pyarrow. The file is written
 under a temporary name and renamed on ``close()``, so a reader never sees a
 half-written trace under the final name."""
@@ -16,62 +16,83 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvreplay.recorder.row_batch import RowBatch
+from kvreplay.recorder.batch_table import RawBatch
 from kvreplay.recorder.trace_format import PARQUET_OPTIONS, SCHEMA, TraceMeta
 
 _STOP = object()
 
 
-class TraceWriter:
-    """Writes submitted batches to ``path`` from a daemon thread, a row group per
-    ``rows_per_group`` rows."""
+class ParquetSink:
+    """Turns batches into row groups of about ``rows_per_group`` rows in ``NAME.tmp``;
+    ``finish()`` closes the file and moves it to its final name."""
 
-    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 65536) -> None:
+    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
         self.path = Path(path)
-        self.meta = meta
         self.rows_per_group = rows_per_group
         self.rows_written = 0
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(meta.to_parquet_metadata()),
+                                        **PARQUET_OPTIONS)
+        self._pending: list[pa.Table] = []
+        self._rows = 0
+
+    def add(self, batch: RawBatch) -> None:
+        table = batch.to_table()
+        self._pending.append(table)
+        self._rows += table.num_rows
+        if self._rows >= self.rows_per_group:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            table = pa.concat_tables(self._pending)
+            self._pending, self._rows = [], 0
+            self._writer.write_table(table, row_group_size=table.num_rows)
+            self.rows_written += table.num_rows
+
+    def finish(self) -> Path:
+        self._flush()
+        self._writer.close()
+        os.replace(self.tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Give up: close what can be closed and leave no file under the final name."""
+        try:
+            self._writer.close()
+        except Exception:
+            pass
+
+
+class TraceWriter:
+    """Writes submitted batches from a daemon thread of the recording process.
+
+    The thread competes with the recorded program for the GIL while it builds Arrow
+    columns; ``ProcessTraceWriter`` avoids that and is the default."""
+
+    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
+        self.path = Path(path)
         self.error: BaseException | None = None
-        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._sink = ParquetSink(path, meta, rows_per_group)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = pq.ParquetWriter(
-            str(self._tmp), SCHEMA.with_metadata(meta.to_parquet_metadata()), **PARQUET_OPTIONS
-        )
         self._thread = threading.Thread(target=self._run, name="kvreplay-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: RowBatch) -> None:
+    def submit(self, batch: RawBatch) -> None:
         self._queue.put(batch)
 
     def _run(self) -> None:
-        pending: list[pa.Table] = []
-        rows = 0
         while True:
             item = self._queue.get()
-            stop = item is _STOP
-            if not stop and self.error is None:
+            if item is _STOP:
+                return
+            if self.error is None:
                 try:
-                    table = item.to_table()
-                    pending.append(table)
-                    rows += table.num_rows
+                    self._sink.add(item)
                 except BaseException as exc:  # keep the recorded program alive; close() reports it
                     self.error = exc
-            if pending and (stop or rows >= self.rows_per_group):
-                self._write(pa.concat_tables(pending))
-                pending, rows = [], 0
-            if stop:
-                return
-
-    def _write(self, table: pa.Table) -> None:
-        if self.error is not None:
-            return
-        try:
-            self._writer.write_table(table, row_group_size=table.num_rows)
-            self.rows_written += table.num_rows
-        except BaseException as exc:
-            self.error = exc
 
     def close(self) -> Path:
         """Flush everything queued, finish the file and move it to its final name."""
@@ -80,8 +101,10 @@ class TraceWriter:
         self._closed = True
         self._queue.put(_STOP)
         self._thread.join()
-        self._writer.close()
-        if self.error is not None:
-            raise RuntimeError(f"trace writer failed: {self.error}") from self.error
-        os.replace(self._tmp, self.path)
-        return self.path
+        if self.error is None:
+            try:
+                return self._sink.finish()
+            except BaseException as exc:
+                self.error = exc
+        self._sink.abort()
+        raise RuntimeError(f"trace writer failed: {self.error}") from self.error

@@ -1,0 +1,678 @@
+/* Native call capture for the kvreplay recorder.
+ *
+ * The pure-Python recorder (capture.py) spends about 2.5 us of interpreter work on
+ * every allocator call before it copies a single value; on the decode-server model,
+ * whose calls take ~35 us, that alone is a 1.1x slowdown. This module does the same
+ * work in C: a callable that wraps one allocator method, keeps the call stack,
+ * copies arguments and results of the common kinds (None, bool, int, contiguous
+ * CPU integer tensors) straight into flat int64 buffers, reads the counters and
+ * hands full buffers to Python. Every other value goes through the Python
+ * encoder (row_batch.encode), so both recorders write identical rows.
+ *
+ * Layout of the buffers is row_batch.py's: a row is ROW_WIDTH int64s, a value
+ * VALUE_WIDTH. Nothing here may raise into the recorded program: an internal error
+ * is passed to the fail callback, which logs once and disables recording. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define VALUE_WIDTH 7
+#define ROW_WIDTH 11
+#define MAX_DEPTH 64
+#define NULL_COUNTER INT64_MIN
+
+enum { K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_TENSOR, K_INTS, K_SEGMENTS, K_OPAQUE };
+enum { FINISH_CALL, FINISH_READ, FINISH_GROUP_BEGIN, FINISH_GROUP_END };
+/* element codes of integer dtypes, as set_dtypes receives them */
+enum { E_INT64, E_INT32, E_INT16, E_INT8, E_UINT8, E_BOOL };
+
+typedef struct {
+    int64_t *p;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int buf_reserve(Buf *b, Py_ssize_t extra) {
+    if (b->len + extra <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 1024;
+    while (cap < b->len + extra) cap *= 2;
+    int64_t *p = PyMem_Realloc(b->p, (size_t)cap * sizeof(int64_t));
+    if (!p) { PyErr_NoMemory(); return -1; }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static int buf_push(Buf *b, const int64_t *v, Py_ssize_t n) {
+    if (buf_reserve(b, n) < 0) return -1;
+    memcpy(b->p + b->len, v, (size_t)n * sizeof(int64_t));
+    b->len += n;
+    return 0;
+}
+
+static PyObject *buf_bytes(Buf *b) {
+    PyObject *out = PyBytes_FromStringAndSize((const char *)b->p, b->len * (Py_ssize_t)sizeof(int64_t));
+    b->len = 0;
+    return out;
+}
+
+typedef struct {
+    Buf head, shape, data;
+    PyObject *objs; /* list */
+} Values;
+
+typedef struct {
+    PyObject_HEAD
+    Values args, result;
+    Buf rows, arg_count;
+    PyObject *excs;       /* list of (type name, message) */
+    PyObject *dtypes;     /* dict torch.dtype -> (id, element code) */
+    PyObject *name_ids;   /* dict str -> id (Names._ids); misses go to name_id */
+    PyObject *name_id;    /* callable str -> id */
+    PyObject *slow_put;   /* callable value -> encoded tuple (row_batch.encode) */
+    PyObject *counters;   /* tuple of 3 callables or None */
+    PyObject *flush;      /* callable, called after a top-level row once rows >= flush_rows */
+    PyObject *fail;       /* callable exc -> None */
+    int64_t cpu_id;
+    Py_ssize_t flush_rows;
+    int64_t next_seq;
+    int depth;
+    int64_t stack_target[MAX_DEPTH], stack_seq[MAX_DEPTH];
+    int active, in_group;
+} Capture;
+
+typedef struct {
+    PyObject_HEAD
+    Capture *cap;
+    PyObject *fn;
+    PyObject *pids; /* tuple of int name ids of the positional parameters */
+    PyObject *name;
+    int64_t target, method;
+    int finish;
+    vectorcallfunc vectorcall;
+} Wrapped;
+
+static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_dim, *s_numel, *s_data_ptr, *s_shape, *s_name;
+static PyTypeObject *TensorType; /* torch.Tensor, set by set_tensor_type */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int64_t call_int(PyObject *obj, PyObject *name, int *err) {
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (!r) { *err = 1; return 0; }
+    int64_t v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (v == -1 && PyErr_Occurred()) *err = 1;
+    return v;
+}
+
+/* What a contiguous CPU integer tensor holds: where, how many, which dtype. */
+typedef struct {
+    int64_t dtype_id, nd, n;
+    int elem;
+    const void *src;
+} TensorView;
+
+/* Returns 1 when v is a contiguous CPU integer tensor (view filled), 0 when it needs
+ * the Python encoder, -1 on error. */
+static int tensor_view(Capture *c, PyObject *v, TensorView *tv) {
+    if (!TensorType || !Py_IS_TYPE(v, TensorType)) return 0;
+    PyObject *dt = PyObject_GetAttr(v, s_dtype);
+    if (!dt) return -1;
+    PyObject *entry = PyDict_GetItemWithError(c->dtypes, dt);
+    Py_DECREF(dt);
+    if (!entry) return PyErr_Occurred() ? -1 : 0;
+    tv->dtype_id = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0));
+    tv->elem = (int)PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+
+    PyObject *cpu = PyObject_GetAttr(v, s_is_cpu);
+    if (!cpu) return -1;
+    int is_cpu = cpu == Py_True;
+    Py_DECREF(cpu);
+    if (!is_cpu) return 0;
+    PyObject *contig = PyObject_CallMethodNoArgs(v, s_is_contiguous);
+    if (!contig) return -1;
+    int is_contig = contig == Py_True;
+    Py_DECREF(contig);
+    if (!is_contig) return 0;
+
+    int err = 0;
+    tv->nd = call_int(v, s_dim, &err);
+    tv->n = err ? 0 : call_int(v, s_numel, &err);
+    int64_t ptr = (err || tv->n == 0) ? 0 : call_int(v, s_data_ptr, &err);
+    tv->src = (const void *)(intptr_t)ptr;
+    return err ? -1 : 1;
+}
+
+static int copy_elements(Buf *data, const TensorView *tv) {
+    int64_t n = tv->n;
+    if (buf_reserve(data, n) < 0) return -1;
+    int64_t *out = data->p + data->len;
+    const void *src = tv->src;
+    switch (tv->elem) {
+    case E_INT64: if (n) memcpy(out, src, (size_t)n * 8); break;
+    case E_INT32: for (int64_t j = 0; j < n; j++) out[j] = ((const int32_t *)src)[j]; break;
+    case E_INT16: for (int64_t j = 0; j < n; j++) out[j] = ((const int16_t *)src)[j]; break;
+    case E_INT8: for (int64_t j = 0; j < n; j++) out[j] = ((const int8_t *)src)[j]; break;
+    case E_UINT8: for (int64_t j = 0; j < n; j++) out[j] = ((const uint8_t *)src)[j]; break;
+    default: for (int64_t j = 0; j < n; j++) out[j] = ((const uint8_t *)src)[j] != 0; break;
+    }
+    data->len += n;
+    return 0;
+}
+
+static int put_tensor(Capture *c, Values *vals, PyObject *v, int64_t name) {
+    TensorView tv;
+    int ok = tensor_view(c, v, &tv);
+    if (ok <= 0) return ok;
+    if (tv.nd != 1) {
+        PyObject *shape = PyObject_GetAttr(v, s_shape);
+        if (!shape) return -1;
+        PyObject *seq = PySequence_Fast(shape, "shape");
+        Py_DECREF(shape);
+        if (!seq) return -1;
+        Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+        if (buf_reserve(&vals->shape, k) < 0) { Py_DECREF(seq); return -1; }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            vals->shape.p[vals->shape.len + j] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, j));
+        }
+        vals->shape.len += k;
+        Py_DECREF(seq);
+    }
+    int64_t h[VALUE_WIDTH] = {K_TENSOR, 0, tv.dtype_id, c->cpu_id, tv.nd, tv.n, name};
+    if (buf_push(&vals->head, h, VALUE_WIDTH) < 0 || copy_elements(&vals->data, &tv) < 0) return -1;
+    return 1;
+}
+
+/* A list of (tensor, start) segments, as free_segments takes them, when every tensor
+ * is a contiguous CPU tensor of one dtype. Returns 1 done, 0 not this shape, -1 error. */
+#define MAX_FAST_SEGMENTS 256
+static int put_segments(Capture *c, Values *vals, PyObject *v, int64_t name) {
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(v);
+    if (k == 0 || k > MAX_FAST_SEGMENTS) return 0;
+    TensorView tv[MAX_FAST_SEGMENTS];
+    int64_t starts[MAX_FAST_SEGMENTS];
+    int64_t total = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(v, j);
+        if (!(PyTuple_CheckExact(pair) || PyList_CheckExact(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) return 0;
+        PyObject *start = PySequence_Fast_GET_ITEM(pair, 1);
+        if (!PyLong_CheckExact(start)) return 0;
+        int ok = tensor_view(c, PySequence_Fast_GET_ITEM(pair, 0), &tv[j]);
+        if (ok <= 0) return ok;
+        if (tv[j].dtype_id != tv[0].dtype_id) return 0;
+        int overflow = 0;
+        starts[j] = PyLong_AsLongLongAndOverflow(start, &overflow);
+        if (overflow || (starts[j] == -1 && PyErr_Occurred())) { PyErr_Clear(); return 0; }
+        total += tv[j].n;
+    }
+    int64_t h[VALUE_WIDTH] = {K_SEGMENTS, 0, tv[0].dtype_id, c->cpu_id, 2 * k, total, name};
+    if (buf_push(&vals->head, h, VALUE_WIDTH) < 0 || buf_reserve(&vals->shape, 2 * k) < 0) return -1;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        vals->shape.p[vals->shape.len++] = tv[j].n;
+        vals->shape.p[vals->shape.len++] = starts[j];
+        if (copy_elements(&vals->data, &tv[j]) < 0) return -1;
+    }
+    return 1;
+}
+
+/* The Python encoder's tuple: (kind, i, dtype, device, nshape, n, shape extra, data bytes, obj). */
+static int put_slow(Capture *c, Values *vals, PyObject *v, int64_t name) {
+    PyObject *enc = PyObject_CallOneArg(c->slow_put, v);
+    if (!enc) return -1;
+    int rc = -1;
+    if (!PyTuple_Check(enc) || PyTuple_GET_SIZE(enc) != 9) {
+        PyErr_SetString(PyExc_TypeError, "encoder must return a 9-tuple");
+        goto done;
+    }
+    int64_t h[VALUE_WIDTH];
+    for (int k = 0; k < 6; k++) h[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(enc, k));
+    h[6] = name;
+    if (PyErr_Occurred()) goto done;
+    PyObject *obj = PyTuple_GET_ITEM(enc, 8);
+    if (obj != Py_None) {
+        h[1] = PyList_GET_SIZE(vals->objs);
+        if (PyList_Append(vals->objs, obj) < 0) goto done;
+    }
+    PyObject *extra = PyTuple_GET_ITEM(enc, 6);
+    PyObject *data = PyTuple_GET_ITEM(enc, 7);
+    if (!PyTuple_Check(extra) || !PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "encoder returned bad shape or data");
+        goto done;
+    }
+    Py_ssize_t k = PyTuple_GET_SIZE(extra);
+    if (buf_reserve(&vals->shape, k) < 0) goto done;
+    for (Py_ssize_t j = 0; j < k; j++) vals->shape.p[vals->shape.len + j] = PyLong_AsLongLong(PyTuple_GET_ITEM(extra, j));
+    if (PyErr_Occurred()) goto done;
+    vals->shape.len += k;
+    if (buf_push(&vals->head, h, VALUE_WIDTH) < 0) goto done;
+    if (buf_push(&vals->data, (const int64_t *)PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data) / 8) < 0) goto done;
+    rc = 0;
+done:
+    Py_DECREF(enc);
+    return rc;
+}
+
+static int put_value(Capture *c, Values *vals, PyObject *v, int64_t name) {
+    if (v == Py_None) {
+        int64_t h[VALUE_WIDTH] = {K_NONE, 0, -1, -1, 0, 0, name};
+        return buf_push(&vals->head, h, VALUE_WIDTH);
+    }
+    if (PyBool_Check(v)) {
+        int64_t h[VALUE_WIDTH] = {K_BOOL, v == Py_True, -1, -1, 0, 0, name};
+        return buf_push(&vals->head, h, VALUE_WIDTH);
+    }
+    if (PyLong_CheckExact(v)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        if (!overflow) {
+            int64_t h[VALUE_WIDTH] = {K_INT, x, -1, -1, 0, 0, name};
+            return buf_push(&vals->head, h, VALUE_WIDTH);
+        }
+    } else if (TensorType && Py_IS_TYPE(v, TensorType)) {
+        int done = put_tensor(c, vals, v, name);
+        if (done != 0) return done < 0 ? -1 : 0;
+    } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
+        int done = put_segments(c, vals, v, name);
+        if (done != 0) return done < 0 ? -1 : 0;
+    }
+    return put_slow(c, vals, v, name);
+}
+
+static int64_t kw_name_id(Capture *c, PyObject *key) {
+    PyObject *id = PyDict_GetItemWithError(c->name_ids, key);
+    if (id) return PyLong_AsLongLong(id);
+    if (PyErr_Occurred()) return -1;
+    PyObject *r = PyObject_CallOneArg(c->name_id, key);
+    if (!r) return -1;
+    int64_t out = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return out;
+}
+
+static int put_args(Capture *c, Wrapped *w, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    Py_ssize_t npids = PyTuple_GET_SIZE(w->pids);
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nargs; j++) {
+        int64_t name;
+        if (j < npids) {
+            name = PyLong_AsLongLong(PyTuple_GET_ITEM(w->pids, j));
+        } else {
+            PyObject *s = PyUnicode_FromFormat("arg%zd", j);
+            if (!s) return -1;
+            name = kw_name_id(c, s);
+            Py_DECREF(s);
+        }
+        if (PyErr_Occurred() || put_value(c, &c->args, args[j], name) < 0) return -1;
+    }
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        int64_t name = kw_name_id(c, PyTuple_GET_ITEM(kwnames, j));
+        if (PyErr_Occurred() || put_value(c, &c->args, args[nargs + j], name) < 0) return -1;
+    }
+    int64_t count = nargs + nkw;
+    return buf_push(&c->arg_count, &count, 1);
+}
+
+static void capture_reset(Capture *c) {
+    c->args.head.len = c->args.shape.len = c->args.data.len = 0;
+    c->result.head.len = c->result.shape.len = c->result.data.len = 0;
+    c->rows.len = c->arg_count.len = 0;
+    if (c->args.objs) PyList_SetSlice(c->args.objs, 0, PY_SSIZE_T_MAX, NULL);
+    if (c->result.objs) PyList_SetSlice(c->result.objs, 0, PY_SSIZE_T_MAX, NULL);
+    if (c->excs) PyList_SetSlice(c->excs, 0, PY_SSIZE_T_MAX, NULL);
+}
+
+/* Hand the pending error to the fail callback and stop recording; the recorded
+ * program never sees it. */
+static void capture_fail(Capture *c) {
+    PyObject *tp, *exc, *tb;
+    PyErr_Fetch(&tp, &exc, &tb);
+    PyErr_NormalizeException(&tp, &exc, &tb);
+    Py_XDECREF(tp);
+    Py_XDECREF(tb);
+    int was_active = c->active;
+    c->active = 0;
+    capture_reset(c);
+    if (was_active && c->fail && exc) {
+        PyObject *r = PyObject_CallOneArg(c->fail, exc);
+        if (!r) PyErr_Clear();
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(exc);
+}
+
+static int read_counters(Capture *c, int64_t out[3]) {
+    out[0] = out[1] = out[2] = NULL_COUNTER;
+    if (!c->counters || c->counters == Py_None) return 0;
+    c->active = 0; /* counter methods call each other; none of that is the program's call */
+    int rc = 0;
+    for (int k = 0; k < 3 && rc == 0; k++) {
+        PyObject *f = PyTuple_GET_ITEM(c->counters, k);
+        if (f == Py_None) continue;
+        PyObject *r = PyObject_CallNoArgs(f);
+        if (!r) { rc = -1; break; }
+        PyObject *i = PyNumber_Index(r);
+        Py_DECREF(r);
+        if (!i) { rc = -1; break; }
+        out[k] = PyLong_AsLongLong(i);
+        Py_DECREF(i);
+        if (out[k] == -1 && PyErr_Occurred()) rc = -1;
+    }
+    c->active = 1;
+    return rc;
+}
+
+static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64_t t0, PyObject *result,
+                      PyObject *exc) {
+    int64_t t1 = now_ns();
+    int top = c->depth == 0;
+    if (top && (w->finish == FINISH_GROUP_BEGIN || w->finish == FINISH_GROUP_END)) {
+        c->in_group = w->finish == FINISH_GROUP_BEGIN && exc == NULL;
+    }
+    int64_t counters[3] = {NULL_COUNTER, NULL_COUNTER, NULL_COUNTER};
+    if (top && !c->in_group && w->finish != FINISH_READ && read_counters(c, counters) < 0) return -1;
+    if (put_value(c, &c->result, result ? result : Py_None, -1) < 0) return -1;
+    int64_t exc_id = -1;
+    if (exc) {
+        PyObject *tp_name = PyObject_GetAttr((PyObject *)Py_TYPE(exc), s_name);
+        PyObject *msg = tp_name ? PyObject_Str(exc) : NULL;
+        PyObject *short_msg = msg ? PyUnicode_Substring(msg, 0, 1000) : NULL;
+        PyObject *pair = short_msg ? PyTuple_Pack(2, tp_name, short_msg) : NULL;
+        Py_XDECREF(tp_name);
+        Py_XDECREF(msg);
+        Py_XDECREF(short_msg);
+        if (!pair) return -1;
+        exc_id = PyList_GET_SIZE(c->excs);
+        int bad = PyList_Append(c->excs, pair);
+        Py_DECREF(pair);
+        if (bad < 0) return -1;
+    }
+    int64_t row[ROW_WIDTH] = {seq, parent, c->depth, w->target, w->method, t0, t1, exc_id,
+                              counters[0], counters[1], counters[2]};
+    if (buf_push(&c->rows, row, ROW_WIDTH) < 0) return -1;
+    if (top && c->rows.len >= c->flush_rows * ROW_WIDTH && c->flush) {
+        PyObject *r = PyObject_CallNoArgs(c->flush);
+        if (!r) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Wrapped *w = (Wrapped *)self;
+    Capture *c = w->cap;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    /* A call the pool makes on itself (SWA free calling free_swa) is not a new row. */
+    if (!c->active || (c->depth && c->stack_target[c->depth - 1] == w->target) || c->depth >= MAX_DEPTH) {
+        return PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
+    }
+    int64_t seq = c->next_seq++;
+    int64_t parent = c->depth ? c->stack_seq[c->depth - 1] : -1;
+    if (put_args(c, w, args, nargs, kwnames) < 0) {
+        capture_fail(c);
+        return PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
+    }
+    c->stack_target[c->depth] = w->target;
+    c->stack_seq[c->depth] = seq;
+    c->depth++;
+    int64_t t0 = now_ns();
+    PyObject *result = PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
+    c->depth--;
+    if (!c->active) return result; /* disabled while this call was in progress */
+    if (result) {
+        if (finish_row(c, w, seq, parent, t0, result, NULL) < 0) capture_fail(c);
+        return result;
+    }
+    PyObject *tp, *exc, *tb;
+    PyErr_Fetch(&tp, &exc, &tb);
+    PyErr_NormalizeException(&tp, &exc, &tb);
+    if (tb) PyException_SetTraceback(exc, tb);
+    if (finish_row(c, w, seq, parent, t0, NULL, exc) < 0) capture_fail(c);
+    PyErr_Restore(tp, exc, tb); /* the program's exception, unchanged */
+    return NULL;
+}
+
+static void wrapped_dealloc(Wrapped *w) {
+    PyObject_GC_UnTrack(w);
+    Py_XDECREF(w->cap);
+    Py_XDECREF(w->fn);
+    Py_XDECREF(w->pids);
+    Py_XDECREF(w->name);
+    PyObject_GC_Del(w);
+}
+
+static int wrapped_traverse(Wrapped *w, visitproc visit, void *arg) {
+    Py_VISIT(w->cap);
+    Py_VISIT(w->fn);
+    return 0;
+}
+
+static PyObject *wrapped_get_wrapped(Wrapped *w, void *closure) { return Py_NewRef(w->fn); }
+
+static PyObject *wrapped_get_name(Wrapped *w, void *closure) { return Py_NewRef(w->name); }
+
+static PyGetSetDef wrapped_getset[] = {
+    {"__wrapped__", (getter)wrapped_get_wrapped, NULL, "the allocator method this records", NULL},
+    {"__name__", (getter)wrapped_get_name, NULL, "the method's name", NULL},
+    {NULL},
+};
+
+static PyTypeObject WrappedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvreplay.recorder._capture.Wrapped",
+    .tp_basicsize = sizeof(Wrapped),
+    .tp_dealloc = (destructor)wrapped_dealloc,
+    .tp_vectorcall_offset = offsetof(Wrapped, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_traverse = (traverseproc)wrapped_traverse,
+    .tp_getset = wrapped_getset,
+    .tp_doc = "A recorded allocator method (kvreplay native capture).",
+};
+
+/* ---- Capture ---------------------------------------------------------------- */
+
+static int values_init(Values *v) {
+    memset(v, 0, sizeof(*v));
+    v->objs = PyList_New(0);
+    return v->objs ? 0 : -1;
+}
+
+static void values_free(Values *v) {
+    PyMem_Free(v->head.p);
+    PyMem_Free(v->shape.p);
+    PyMem_Free(v->data.p);
+    Py_CLEAR(v->objs);
+}
+
+static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"dtypes", "cpu_id", "name_ids", "name_id", "slow_put", "counters", "flush",
+                             "flush_rows", "fail", NULL};
+    PyObject *dtypes, *name_ids, *name_id, *slow_put, *counters, *flush, *fail;
+    long long cpu_id;
+    Py_ssize_t flush_rows;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!LO!OOOOnO", kwlist, &PyDict_Type, &dtypes, &cpu_id, &PyDict_Type,
+                                     &name_ids, &name_id, &slow_put, &counters, &flush, &flush_rows, &fail))
+        return -1;
+    if (counters != Py_None && (!PyTuple_Check(counters) || PyTuple_GET_SIZE(counters) != 3)) {
+        PyErr_SetString(PyExc_TypeError, "counters must be a 3-tuple or None");
+        return -1;
+    }
+    if (values_init(&c->args) < 0 || values_init(&c->result) < 0) return -1;
+    c->excs = PyList_New(0);
+    if (!c->excs) return -1;
+    c->dtypes = Py_NewRef(dtypes);
+    c->name_ids = Py_NewRef(name_ids);
+    c->name_id = Py_NewRef(name_id);
+    c->slow_put = Py_NewRef(slow_put);
+    c->counters = Py_NewRef(counters);
+    c->flush = Py_NewRef(flush);
+    c->fail = Py_NewRef(fail);
+    c->cpu_id = cpu_id;
+    c->flush_rows = flush_rows;
+    c->active = 1;
+    return 0;
+}
+
+static int capture_clear(Capture *c) {
+    Py_CLEAR(c->args.objs);
+    Py_CLEAR(c->result.objs);
+    Py_CLEAR(c->excs);
+    Py_CLEAR(c->dtypes);
+    Py_CLEAR(c->name_ids);
+    Py_CLEAR(c->name_id);
+    Py_CLEAR(c->slow_put);
+    Py_CLEAR(c->counters);
+    Py_CLEAR(c->flush);
+    Py_CLEAR(c->fail);
+    return 0;
+}
+
+static int capture_traverse(Capture *c, visitproc visit, void *arg) {
+    Py_VISIT(c->args.objs);
+    Py_VISIT(c->result.objs);
+    Py_VISIT(c->excs);
+    Py_VISIT(c->dtypes);
+    Py_VISIT(c->name_ids);
+    Py_VISIT(c->name_id);
+    Py_VISIT(c->slow_put);
+    Py_VISIT(c->counters);
+    Py_VISIT(c->flush);
+    Py_VISIT(c->fail);
+    return 0;
+}
+
+static void capture_dealloc(Capture *c) {
+    PyObject_GC_UnTrack(c);
+    capture_clear(c);
+    values_free(&c->args);
+    values_free(&c->result);
+    PyMem_Free(c->rows.p);
+    PyMem_Free(c->arg_count.p);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyObject *capture_wrap(Capture *c, PyObject *args) {
+    PyObject *fn, *pids, *name;
+    long long target, method;
+    int finish;
+    if (!PyArg_ParseTuple(args, "OLLO!iU", &fn, &target, &method, &PyTuple_Type, &pids, &finish, &name)) return NULL;
+    Wrapped *w = PyObject_GC_New(Wrapped, &WrappedType);
+    if (!w) return NULL;
+    w->cap = (Capture *)Py_NewRef(c);
+    w->fn = Py_NewRef(fn);
+    w->pids = Py_NewRef(pids);
+    w->name = Py_NewRef(name);
+    w->target = target;
+    w->method = method;
+    w->finish = finish;
+    w->vectorcall = wrapped_vectorcall;
+    PyObject_GC_Track(w);
+    return (PyObject *)w;
+}
+
+static PyObject *values_take(Values *v) {
+    PyObject *objs = PyList_GetSlice(v->objs, 0, PY_SSIZE_T_MAX);
+    if (!objs) return NULL;
+    PyList_SetSlice(v->objs, 0, PY_SSIZE_T_MAX, NULL);
+    return Py_BuildValue("(NNNN)", buf_bytes(&v->head), buf_bytes(&v->shape), buf_bytes(&v->data), objs);
+}
+
+/* Everything captured since the last take, as bytes; the buffers start empty again. */
+static PyObject *capture_take(Capture *c, PyObject *unused) {
+    PyObject *excs = PyList_GetSlice(c->excs, 0, PY_SSIZE_T_MAX);
+    if (!excs) return NULL;
+    PyList_SetSlice(c->excs, 0, PY_SSIZE_T_MAX, NULL);
+    return Py_BuildValue("(NNNNN)", buf_bytes(&c->rows), buf_bytes(&c->arg_count), values_take(&c->args),
+                         values_take(&c->result), excs);
+}
+
+static PyObject *capture_reset_py(Capture *c, PyObject *unused) {
+    capture_reset(c);
+    Py_RETURN_NONE;
+}
+
+static PyObject *capture_pending_rows(Capture *c, void *closure) { return PyLong_FromSsize_t(c->rows.len / ROW_WIDTH); }
+static PyObject *capture_get_next_seq(Capture *c, void *closure) { return PyLong_FromLongLong(c->next_seq); }
+static PyObject *capture_get_active(Capture *c, void *closure) { return PyBool_FromLong(c->active); }
+
+static int capture_set_active(Capture *c, PyObject *v, void *closure) {
+    int t = v ? PyObject_IsTrue(v) : 0;
+    if (t < 0) return -1;
+    c->active = t;
+    return 0;
+}
+
+static PyMethodDef capture_methods[] = {
+    {"wrap", (PyCFunction)capture_wrap, METH_VARARGS,
+     "wrap(fn, target_id, method_id, param_ids, finish, name) -> a recording callable"},
+    {"take", (PyCFunction)capture_take, METH_NOARGS, "take() -> captured buffers as bytes, emptied"},
+    {"reset", (PyCFunction)capture_reset_py, METH_NOARGS, "drop everything captured so far"},
+    {NULL},
+};
+
+static PyGetSetDef capture_getset[] = {
+    {"next_seq", (getter)capture_get_next_seq, NULL, "sequence number of the next call", NULL},
+    {"pending_rows", (getter)capture_pending_rows, NULL, "rows captured and not yet taken", NULL},
+    {"active", (getter)capture_get_active, (setter)capture_set_active, "whether calls are recorded", NULL},
+    {NULL},
+};
+
+static PyTypeObject CaptureType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvreplay.recorder._capture.Capture",
+    .tp_basicsize = sizeof(Capture),
+    .tp_dealloc = (destructor)capture_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)capture_traverse,
+    .tp_clear = (inquiry)capture_clear,
+    .tp_methods = capture_methods,
+    .tp_getset = capture_getset,
+    .tp_init = (initproc)capture_init,
+    .tp_new = PyType_GenericNew,
+    .tp_doc = "Native call capture state of one recording.",
+};
+
+static PyObject *set_tensor_type(PyObject *mod, PyObject *tp) {
+    if (!PyType_Check(tp)) {
+        PyErr_SetString(PyExc_TypeError, "expected torch.Tensor");
+        return NULL;
+    }
+    Py_XSETREF(TensorType, (PyTypeObject *)Py_NewRef(tp));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_tensor_type", set_tensor_type, METH_O, "tell the module which type is torch.Tensor"},
+    {NULL},
+};
+
+static struct PyModuleDef capture_module = {
+    PyModuleDef_HEAD_INIT, "_capture", "Native call capture for the kvreplay recorder.", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__capture(void) {
+    if (PyType_Ready(&WrappedType) < 0 || PyType_Ready(&CaptureType) < 0) return NULL;
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    s_dim = PyUnicode_InternFromString("dim");
+    s_numel = PyUnicode_InternFromString("numel");
+    s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    s_shape = PyUnicode_InternFromString("shape");
+    s_name = PyUnicode_InternFromString("__name__");
+    PyObject *m = PyModule_Create(&capture_module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Capture", (PyObject *)&CaptureType) < 0) return NULL;
+    if (PyModule_AddIntConstant(m, "VALUE_WIDTH", VALUE_WIDTH) < 0) return NULL;
+    if (PyModule_AddIntConstant(m, "ROW_WIDTH", ROW_WIDTH) < 0) return NULL;
+    return m;
+}

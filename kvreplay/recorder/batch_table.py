@@ -1,0 +1,157 @@
+"""Captured calls as raw buffers, and how they become an Arrow table.
+
+Both capture engines hand the writer a ``RawBatch``: the row and value headers and
+the element data as flat int64 buffers (``bytes`` or ``array('q')``), plus the few
+Python objects a value can refer to (floats, strings, exception texts) and the name
+table the headers index. ``to_table`` builds every column with a handful of numpy
+and pyarrow operations per batch, none per row. This module imports no torch, so
+the writer process starts fast."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from kvreplay.recorder.trace_format import ARG_TYPE, SCHEMA, VALUE_KINDS, VALUE_TYPE
+
+# Value kind codes: positions in VALUE_KINDS (the native capture uses the same numbers).
+K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_TENSOR, K_INTS, K_SEGMENTS, K_OPAQUE = range(9)
+assert VALUE_KINDS[K_OPAQUE] == "opaque" and VALUE_KINDS[K_TENSOR] == "tensor"
+
+VALUE_WIDTH = 7  # kind, i, dtype id, device id, shape length, data length, name id
+ROW_WIDTH = 11  # seq, parent, depth, target id, method id, t0, t1, exception id, three counters
+NULL = -(2**63)  # a counter that was not read
+_I_IS_VALUE = (K_BOOL, K_INT, K_INTS)
+
+
+class RawValues:
+    """One struct column: value headers, stored shape entries, element data, objects."""
+
+    __slots__ = ("head", "shape", "data", "objs")
+
+    def __init__(self, head: Any, shape: Any, data: Any, objs: list[Any]) -> None:
+        self.head, self.shape, self.data, self.objs = head, shape, data, objs
+
+    def __getstate__(self) -> tuple[bytes, bytes, bytes, list[Any]]:
+        return bytes(self.head), bytes(self.shape), bytes(self.data), self.objs
+
+    def __setstate__(self, state: tuple[bytes, bytes, bytes, list[Any]]) -> None:
+        self.head, self.shape, self.data, self.objs = state
+
+    def struct(self, strings: pa.Array, with_names: bool, order: np.ndarray | None = None) -> pa.StructArray:
+        """The Arrow struct array of every value, in the order they were put, or
+        permuted by ``order`` (done on the flat buffers, far cheaper than an Arrow take)."""
+        h = np.frombuffer(self.head, dtype=np.int64).reshape(-1, VALUE_WIDTH)
+        kind, ival, dtype, device, nshape, ndata = (h[:, k] for k in range(6))
+        # A 1-D tensor or int list has shape (n,) and keeps nothing in self.shape.
+        implied = (nshape == 1) & ((kind == K_TENSOR) | (kind == K_INTS))
+        stored_shape = np.frombuffer(self.shape, dtype=np.int64)
+        data = np.frombuffer(self.data, dtype=np.int64)
+        if order is not None:
+            stored_shape = _permute_parts(stored_shape, np.where(implied, 0, nshape), order)
+            data = _permute_parts(data, ndata, order)
+            h = h[order]
+            kind, ival, dtype, device, nshape, ndata = (h[:, k] for k in range(6))
+            implied = implied[order]
+        n = len(h)
+        kinds = pa.array(VALUE_KINDS, pa.string()).take(pa.array(kind))
+
+        i = pa.array(ival, pa.int64(), mask=~np.isin(kind, _I_IS_VALUE))
+        fvals, svals = [None] * n, [None] * n
+        for row in np.flatnonzero(np.isin(kind, (K_FLOAT, K_STR, K_OPAQUE))):
+            (fvals if kind[row] == K_FLOAT else svals)[row] = self.objs[ival[row]]
+        f = pa.array(fvals, pa.float64())
+        s = pa.array(svals, pa.string())
+
+        def named(ids: np.ndarray) -> pa.Array:
+            return strings.take(pa.array(ids, pa.int64(), mask=ids < 0))
+
+        shape_off = _offsets(nshape)
+        shape_vals = np.empty(int(shape_off[-1]), dtype=np.int64)
+        at_implied = shape_off[:-1][implied]
+        shape_vals[at_implied] = ndata[implied]
+        rest = np.ones(len(shape_vals), dtype=bool)
+        rest[at_implied] = False
+        shape_vals[rest] = stored_shape
+        fields = [
+            kinds, i, f, s, named(dtype), named(device),
+            pa.ListArray.from_arrays(pa.array(shape_off), pa.array(shape_vals)),
+            pa.ListArray.from_arrays(pa.array(_offsets(ndata)), pa.array(data)),
+        ]
+        if with_names:
+            return pa.StructArray.from_arrays([named(h[:, 6]), *fields], fields=list(ARG_TYPE))
+        return pa.StructArray.from_arrays(fields, fields=list(VALUE_TYPE))
+
+
+def _permute_parts(flat: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``flat`` is the concatenation of parts of the given lengths; return the parts
+    concatenated in ``order``."""
+    starts = _offsets(lengths)[:-1].astype(np.int64)[order]
+    lens = lengths[order]
+    if not len(lens) or not lens.sum():
+        return flat[:0]
+    # element k of the output comes from starts[part] + (k - first output position of part)
+    first = np.cumsum(lens) - lens
+    return flat[np.repeat(starts - first, lens) + np.arange(int(lens.sum()))]
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+class RawBatch:
+    """Complete top-level calls with their nested calls, as captured.
+
+    Arguments were put when each call started, which is ``seq`` order; the rest of a
+    row when it returned, which puts nested rows before their parent. ``to_table``
+    sorts the returned-order columns back into ``seq`` order."""
+
+    __slots__ = ("rows", "arg_count", "args", "result", "excs", "strings")
+
+    def __init__(self, rows: Any, arg_count: Any, args: RawValues, result: RawValues,
+                 excs: list[tuple[str, str]], strings: list[str]) -> None:
+        self.rows, self.arg_count, self.args, self.result = rows, arg_count, args, result
+        self.excs, self.strings = excs, strings
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return bytes(self.rows), bytes(self.arg_count), self.args, self.result, self.excs, self.strings
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.rows, self.arg_count, self.args, self.result, self.excs, self.strings = state
+
+    def __len__(self) -> int:
+        return len(memoryview(self.rows).cast("B")) // (8 * ROW_WIDTH)
+
+    def to_table(self) -> pa.Table:
+        rows = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
+        order = np.argsort(rows[:, 0], kind="stable")  # nested rows returned before their parent
+        r = rows[order]
+        strings = pa.array(self.strings, pa.string())
+        exc = r[:, 7]
+        if (exc >= 0).any():
+            exc_type = pa.array([None if e < 0 else self.excs[e][0] for e in exc], pa.string())
+            exc_msg = pa.array([None if e < 0 else self.excs[e][1] for e in exc], pa.string())
+        else:
+            exc_type = exc_msg = pa.nulls(len(r), pa.string())
+        cols: dict[str, pa.Array] = {
+            "seq": pa.array(r[:, 0]),
+            "parent": pa.array(r[:, 1]),
+            "depth": pa.array(r[:, 2].astype(np.int8)),
+            "target": strings.take(pa.array(r[:, 3])),
+            "method": strings.take(pa.array(r[:, 4])),
+            "t_start_ns": pa.array(r[:, 5]),
+            "t_end_ns": pa.array(r[:, 6]),
+            "result": self.result.struct(strings, with_names=False, order=order),
+            "exc_type": exc_type,
+            "exc_msg": exc_msg,
+            "args": pa.ListArray.from_arrays(pa.array(_offsets(np.frombuffer(self.arg_count, dtype=np.int64))),
+                                             self.args.struct(strings, with_names=True)),
+        }
+        for k, name in enumerate(("available", "full_available", "swa_available")):
+            c = r[:, 8 + k]
+            cols[name] = pa.array(c, pa.int64(), mask=c == NULL)
+        return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)

@@ -1,0 +1,187 @@
+"""The call-capture engines behind a recording: native (C) when built, else Python.
+
+Both keep the stack of calls in progress, put arguments when a call starts and the
+rest of the row when it returns, read the pool's counters after top-level calls
+outside free groups, and hand full batches to the recording. They write identical
+rows (a test records one workload with each and compares the files); the native one
+exists because the interpreter work per call is most of the recorder's overhead.
+
+``KVREPLAY_RECORDER=python`` forces the Python engine."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvreplay.recorder.batch_table import NULL, ROW_WIDTH, RawBatch, RawValues
+from kvreplay.recorder.row_batch import Names, RowBatch, encode
+
+try:
+    from kvreplay.recorder import _capture  # type: ignore[attr-defined]
+
+    _capture.set_tensor_type(torch.Tensor)
+except ImportError:  # not built (a source checkout without a compiler)
+    _capture = None
+
+# How a wrapped method's row ends (the native module uses the same numbers).
+FINISH_CALL, FINISH_READ, FINISH_GROUP_BEGIN, FINISH_GROUP_END = range(4)
+_NO_COUNTERS = (NULL, NULL, NULL)
+
+Counters = tuple[Callable[[], int] | None, Callable[[], int] | None, Callable[[], int] | None]
+
+
+def native_available() -> bool:
+    return _capture is not None
+
+
+def default_backend() -> str:
+    want = os.environ.get("KVREPLAY_RECORDER", "").strip().lower()
+    if want in ("python", "native"):
+        return want
+    return "native" if _capture is not None else "python"
+
+
+class Engine:
+    """A capture engine plus the way to get a ``RowBatch`` out of it."""
+
+    def __init__(self, backend: str, names: Names, counters: Counters, flush: Callable[[], None],
+                 flush_rows: int, fail: Callable[[BaseException], None]) -> None:
+        if backend == "native" and _capture is None:
+            raise RuntimeError("the native recorder is not built; reinstall kvreplay with a C compiler")
+        self.backend = backend
+        self.names = names
+        # The element code of a dtype is its position in Names.int_dtypes (int64 first, bool last).
+        kwargs = dict(dtypes={d: (i, code) for code, (d, i) in enumerate(names.int_dtypes.items())},
+                      cpu_id=names.device(torch.device("cpu")), name_ids=names.ids, name_id=names.id,
+                      slow_put=lambda v: encode(v, names), counters=counters, flush=flush,
+                      flush_rows=flush_rows, fail=fail)
+        self.impl: Any = _capture.Capture(**kwargs) if backend == "native" else PyCapture(**kwargs)
+
+    def wrap(self, fn: Callable[..., Any], target: int, method: int, params: tuple[int, ...], finish: int,
+             name: str) -> Callable[..., Any]:
+        return self.impl.wrap(fn, target, method, params, finish, name)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.impl.active)
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self.impl.active = value
+
+    @property
+    def next_seq(self) -> int:
+        return int(self.impl.next_seq)
+
+    def take(self) -> RawBatch:
+        """Everything captured since the last take, for the writer."""
+        if self.backend == "native":
+            rows, arg_count, args, result, excs = self.impl.take()
+            return RawBatch(rows, arg_count, RawValues(*args), RawValues(*result), excs, list(self.names.strings))
+        return self.impl.take().raw()
+
+    def reset(self) -> None:
+        self.impl.reset()
+
+
+class PyCapture:
+    """The Python engine: same constructor, same rows as the native ``Capture``."""
+
+    def __init__(self, *, dtypes: dict[Any, tuple[int, int]], cpu_id: int, name_ids: dict[str, int],
+                 name_id: Callable[[str], int], slow_put: Callable[[Any], Any], counters: Counters | None,
+                 flush: Callable[[], None], flush_rows: int, fail: Callable[[BaseException], None]) -> None:
+        self.names: Names = name_id.__self__  # type: ignore[attr-defined]
+        self.batch = RowBatch(self.names)
+        self.counters = counters
+        self.flush = flush
+        self.flush_at = flush_rows * ROW_WIDTH
+        self.fail_cb = fail
+        self.targets: list[int] = []  # targets of the calls in progress, innermost last
+        self.seqs: list[int] = []
+        self.next_seq = 0
+        self.in_group = False
+        self.active = True
+
+    def take(self) -> RowBatch:
+        b, self.batch = self.batch, RowBatch(self.names)
+        return b
+
+    def reset(self) -> None:
+        self.batch = RowBatch(self.names)  # a half-appended row would misalign the columns
+
+    def _fail(self, exc: BaseException) -> None:
+        was = self.active
+        self.active = False
+        self.reset()
+        if was:
+            self.fail_cb(exc)
+
+    def wrap(self, fn: Callable[..., Any], tid: int, mid: int, pids: tuple[int, ...], finish: int,
+             name: str) -> Callable[..., Any]:
+        cap = self
+        targets, seqs = self.targets, self.seqs
+        time_ns = time.time_ns
+        end = self._end
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if not cap.active or (targets and targets[-1] == tid):
+                return fn(*args, **kwargs)
+            seq = cap.next_seq
+            cap.next_seq = seq + 1
+            parent = seqs[-1] if seqs else -1
+            try:
+                if len(args) > len(pids):
+                    names = cap.names
+                    ids = pids + tuple(names.id(f"arg{i}") for i in range(len(pids), len(args)))
+                else:
+                    ids = pids
+                cap.batch.begin(args, ids, kwargs)
+            except Exception as exc:
+                cap._fail(exc)
+                return fn(*args, **kwargs)
+            targets.append(tid)
+            seqs.append(seq)
+            t0 = time_ns()
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                targets.pop()
+                seqs.pop()
+                end(finish, seq, parent, tid, mid, t0, None, exc)
+                raise
+            targets.pop()
+            seqs.pop()
+            end(finish, seq, parent, tid, mid, t0, result, None)
+            return result
+
+        recorded.__wrapped__ = fn  # type: ignore[attr-defined]
+        recorded.__name__ = name
+        return recorded
+
+    def _end(self, finish: int, seq: int, parent: int, tid: int, mid: int, t0: int, result: Any,
+             exc: BaseException | None) -> None:
+        if not self.active:
+            return  # disabled while this call was in progress
+        try:
+            t1 = time.time_ns()
+            depth = len(self.seqs)
+            if not depth and finish >= FINISH_GROUP_BEGIN:
+                self.in_group = finish == FINISH_GROUP_BEGIN and exc is None
+            counters = _NO_COUNTERS
+            if not depth and not self.in_group and finish != FINISH_READ and self.counters is not None:
+                # Counter methods call each other; none of that is the program's call.
+                self.active = False
+                try:
+                    counters = tuple(NULL if f is None else int(f()) for f in self.counters)  # type: ignore[assignment]
+                finally:
+                    self.active = True
+            b = self.batch
+            b.add(seq, parent, depth, tid, mid, t0, t1, result, exc, counters)
+            if not depth and len(b.rows) >= self.flush_at:
+                self.flush()
+        except Exception as err:  # never break the recorded program
+            self._fail(err)

@@ -1,0 +1,143 @@
+"""The default trace writer: a child process that builds and writes the Parquet file.
+
+A writer thread inside the recorded process holds the GIL while it builds Arrow
+columns, and the recorded program waits for it: on the decode-server model that
+was half of the recorder's overhead. Here the recording process only pickles each
+batch (its buffers are already bytes) and a sender thread pushes it down a pipe,
+blocking in ``write`` with the GIL released. The child, started with
+``python -m kvreplay.recorder.writer_process``, imports no torch, and runs in its
+own session so a Ctrl-C aimed at the server does not kill it before it has
+written what it was sent.
+
+Pipe protocol: frames of an 8-byte little-endian length and a pickle; the first
+is the ``TraceMeta`` and the rows per group, then one ``RawBatch`` per frame; a
+zero-length frame means "finish the file". If the pipe closes without it (the
+recorded process died), the child still finishes the file with every batch it
+received, so a crash loses only what had not been sent."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from kvreplay.recorder.batch_table import RawBatch
+from kvreplay.recorder.trace_format import TraceMeta
+
+_LEN = struct.Struct("<Q")
+_STOP = object()
+
+
+class ProcessTraceWriter:
+    """Same interface as ``TraceWriter``: ``submit`` batches, ``close`` to finish."""
+
+    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.error: BaseException | None = None
+        self._closed = False
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvreplay.recorder.writer_process", str(self.path)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True, close_fds=True,
+            # The child does no linear algebra; idle BLAS/OpenMP workers spinning
+            # next to the recorded program would only take its CPU.
+            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        )
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queue.put((meta, rows_per_group))
+        self._thread = threading.Thread(target=self._send, name="kvreplay-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: RawBatch) -> None:
+        self._queue.put(batch)
+
+    def _send(self) -> None:
+        pipe = self._proc.stdin
+        assert pipe is not None
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                payload = b""
+            elif self.error is not None:
+                continue
+            else:
+                payload = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                pipe.write(_LEN.pack(len(payload)))
+                pipe.write(payload)
+                if item is _STOP:
+                    pipe.close()
+                    return
+            except BaseException as exc:  # the child died; close() reports why
+                self.error = exc
+                if item is _STOP:
+                    return
+
+    def close(self) -> Path:
+        """Send everything, let the child finish the file, and report its failure if any."""
+        if self._closed:
+            return self.path
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        assert self._proc.stderr is not None
+        err = self._proc.stderr.read()
+        self._proc.wait()
+        if self._proc.returncode != 0:
+            lines = err.decode(errors="replace").strip().splitlines()
+            raise RuntimeError(f"trace writer failed: {lines[-1] if lines else f'exit {self._proc.returncode}'}")
+        if self.error is not None:
+            raise RuntimeError(f"trace writer failed: {self.error}") from self.error
+        return self.path
+
+
+def _read_frame(src: BinaryIO) -> bytes | None:
+    """The next frame's payload; None when the pipe closed."""
+    head = src.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    n = _LEN.unpack(head)[0]
+    payload = src.read(n)
+    if len(payload) < n:
+        return None
+    return payload
+
+
+def main(argv: list[str]) -> int:
+    from kvreplay.recorder.writer import ParquetSink
+
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+
+    src = sys.stdin.buffer
+    first = _read_frame(src)
+    if first is None:
+        return 0  # the recording never started
+    meta, rows_per_group = pickle.loads(first)
+    sink = ParquetSink(argv[0], meta, rows_per_group)
+    try:
+        while (frame := _read_frame(src)) is not None and frame:
+            sink.add(pickle.loads(frame))
+        sink.finish()
+    except BaseException as exc:
+        sink.abort()
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stderr.flush()
+    # The file is closed and renamed; tearing down pyarrow's thread pools and the
+    # interpreter took half a second, and the recording process waits for this exit.
+    os._exit(code)
