@@ -184,3 +184,12 @@ def test_every_value_kind_is_recorded_as_it_was(tmp_path):
     assert _same(values[-1], calls[len(values) + 1].args["v"])
     assert calls[-2].has_opaque and "1180591620717411303424" in calls[-2].args["arg0"].text
     assert calls[-1].has_opaque and "torch.float32" in calls[-1].args["arg0"].text
+
+
+def test_the_native_capture_engine_is_built_and_is_the_default(backend):
+    # An install without a C compiler falls back to the Python engine silently; the
+    # project's own CI must not, or the recorder's overhead figures would not hold.
+    assert native_available(), "kvreplay.recorder._capture was not built (is gcc installed?)"
+    from kvreplay.recorder.capture import default_backend
+
+    assert default_backend() == backend

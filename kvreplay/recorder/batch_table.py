@@ -9,6 +9,7 @@ the writer process starts fast."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,10 @@ NULL = -(2**63)  # a counter that was not read
 _I_IS_VALUE = (K_BOOL, K_INT, K_INTS)
 
 
+def _kind_names() -> pa.Array:
+    return _strings(list(VALUE_KINDS))
+
+
 class RawValues:
     """One struct column: value headers, stored shape entries, element data, objects."""
 
@@ -34,10 +39,13 @@ class RawValues:
     def __init__(self, head: Any, shape: Any, data: Any, objs: list[Any]) -> None:
         self.head, self.shape, self.data, self.objs = head, shape, data, objs
 
-    def __getstate__(self) -> tuple[bytes, bytes, bytes, list[Any]]:
-        return bytes(self.head), bytes(self.shape), bytes(self.data), self.objs
+    # PickleBuffer: with protocol 5 and a buffer_callback the buffers travel out of
+    # band, so the writer process receives them without a copy into the pickle.
+    def __getstate__(self) -> tuple[Any, ...]:
+        buffers = (pickle.PickleBuffer(self.head), pickle.PickleBuffer(self.shape), pickle.PickleBuffer(self.data))
+        return (*buffers, self.objs)
 
-    def __setstate__(self, state: tuple[bytes, bytes, bytes, list[Any]]) -> None:
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.head, self.shape, self.data, self.objs = state
 
     def struct(self, strings: pa.Array, with_names: bool, order: np.ndarray | None = None) -> pa.StructArray:
@@ -56,17 +64,21 @@ class RawValues:
             kind, ival, dtype, device, nshape, ndata = (h[:, k] for k in range(6))
             implied = implied[order]
         n = len(h)
-        kinds = pa.array(VALUE_KINDS, pa.string()).take(pa.array(kind))
+        kinds = _kind_names().take(_arr(kind))
 
-        i = pa.array(ival, pa.int64(), mask=~np.isin(kind, _I_IS_VALUE))
-        fvals, svals = [None] * n, [None] * n
+        i = _arr(ival, mask=~np.isin(kind, _I_IS_VALUE))
+        fvals, fmask = np.zeros(n, dtype=np.float64), kind != K_FLOAT
+        svals: list[str | None] = [None] * n
         for row in np.flatnonzero(np.isin(kind, (K_FLOAT, K_STR, K_OPAQUE))):
-            (fvals if kind[row] == K_FLOAT else svals)[row] = self.objs[ival[row]]
-        f = pa.array(fvals, pa.float64())
-        s = pa.array(svals, pa.string())
+            if kind[row] == K_FLOAT:
+                fvals[row] = self.objs[ival[row]]
+            else:
+                svals[row] = self.objs[ival[row]]
+        f = _arr(fvals, mask=fmask)
+        s = _strings(svals)
 
         def named(ids: np.ndarray) -> pa.Array:
-            return strings.take(pa.array(ids, pa.int64(), mask=ids < 0))
+            return strings.take(_arr(ids, mask=ids < 0))
 
         shape_off = _offsets(nshape)
         shape_vals = np.empty(int(shape_off[-1]), dtype=np.int64)
@@ -77,12 +89,42 @@ class RawValues:
         shape_vals[rest] = stored_shape
         fields = [
             kinds, i, f, s, named(dtype), named(device),
-            pa.ListArray.from_arrays(pa.array(shape_off), pa.array(shape_vals)),
-            pa.ListArray.from_arrays(pa.array(_offsets(ndata)), pa.array(data)),
+            pa.ListArray.from_arrays(_arr(shape_off), _arr(shape_vals)),
+            pa.ListArray.from_arrays(_arr(_offsets(ndata)), _arr(data)),
         ]
         if with_names:
             return pa.StructArray.from_arrays([named(h[:, 6]), *fields], fields=list(ARG_TYPE))
         return pa.StructArray.from_arrays(fields, fields=list(VALUE_TYPE))
+
+
+_ARROW_TYPES = {np.dtype(np.int64): pa.int64(), np.dtype(np.int32): pa.int32(), np.dtype(np.int8): pa.int8(),
+                np.dtype(np.float64): pa.float64()}
+
+
+def _arr(a: np.ndarray, mask: np.ndarray | None = None) -> pa.Array:
+    """An Arrow array over a numpy array's memory, nulls where ``mask``.
+
+    Built from buffers rather than with ``pa.array``, which imports pandas (a third
+    of a second) the first time it is called, in every writer process."""
+    a = np.ascontiguousarray(a)
+    validity, nulls = None, 0
+    if mask is not None and mask.any():
+        validity = pa.py_buffer(np.packbits(~mask, bitorder="little"))
+        nulls = int(mask.sum())
+    return pa.Array.from_buffers(_ARROW_TYPES[a.dtype], len(a), [validity, pa.py_buffer(a)], null_count=nulls)
+
+
+def _strings(values: list[str | None]) -> pa.Array:
+    """A string array, nulls where None (see ``_arr`` for why not ``pa.array``)."""
+    encoded = [b"" if v is None else v.encode() for v in values]
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    mask = np.array([v is None for v in values], dtype=bool)
+    validity, nulls = None, int(mask.sum())
+    if nulls:
+        validity = pa.py_buffer(np.packbits(~mask, bitorder="little"))
+    return pa.Array.from_buffers(pa.string(), len(values),
+                                 [validity, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))], null_count=nulls)
 
 
 def _permute_parts(flat: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
@@ -118,7 +160,8 @@ class RawBatch:
         self.excs, self.strings = excs, strings
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return bytes(self.rows), bytes(self.arg_count), self.args, self.result, self.excs, self.strings
+        return (pickle.PickleBuffer(self.rows), pickle.PickleBuffer(self.arg_count), self.args, self.result, self.excs,
+                self.strings)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.rows, self.arg_count, self.args, self.result, self.excs, self.strings = state
@@ -130,28 +173,28 @@ class RawBatch:
         rows = np.frombuffer(self.rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
         order = np.argsort(rows[:, 0], kind="stable")  # nested rows returned before their parent
         r = rows[order]
-        strings = pa.array(self.strings, pa.string())
+        strings = _strings(self.strings)
         exc = r[:, 7]
         if (exc >= 0).any():
-            exc_type = pa.array([None if e < 0 else self.excs[e][0] for e in exc], pa.string())
-            exc_msg = pa.array([None if e < 0 else self.excs[e][1] for e in exc], pa.string())
+            exc_type = _strings([None if e < 0 else self.excs[e][0] for e in exc])
+            exc_msg = _strings([None if e < 0 else self.excs[e][1] for e in exc])
         else:
             exc_type = exc_msg = pa.nulls(len(r), pa.string())
         cols: dict[str, pa.Array] = {
-            "seq": pa.array(r[:, 0]),
-            "parent": pa.array(r[:, 1]),
-            "depth": pa.array(r[:, 2].astype(np.int8)),
-            "target": strings.take(pa.array(r[:, 3])),
-            "method": strings.take(pa.array(r[:, 4])),
-            "t_start_ns": pa.array(r[:, 5]),
-            "t_end_ns": pa.array(r[:, 6]),
+            "seq": _arr(r[:, 0]),
+            "parent": _arr(r[:, 1]),
+            "depth": _arr(r[:, 2].astype(np.int8)),
+            "target": strings.take(_arr(r[:, 3])),
+            "method": strings.take(_arr(r[:, 4])),
+            "t_start_ns": _arr(r[:, 5]),
+            "t_end_ns": _arr(r[:, 6]),
             "result": self.result.struct(strings, with_names=False, order=order),
             "exc_type": exc_type,
             "exc_msg": exc_msg,
-            "args": pa.ListArray.from_arrays(pa.array(_offsets(np.frombuffer(self.arg_count, dtype=np.int64))),
+            "args": pa.ListArray.from_arrays(_arr(_offsets(np.frombuffer(self.arg_count, dtype=np.int64))),
                                              self.args.struct(strings, with_names=True)),
         }
         for k, name in enumerate(("available", "full_available", "swa_available")):
             c = r[:, 8 + k]
-            cols[name] = pa.array(c, pa.int64(), mask=c == NULL)
+            cols[name] = _arr(c, mask=c == NULL)
         return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)

@@ -9,9 +9,10 @@ blocking in ``write`` with the GIL released. The child, started with
 own session so a Ctrl-C aimed at the server does not kill it before it has
 written what it was sent.
 
-Pipe protocol: frames of an 8-byte little-endian length and a pickle; the first
-is the ``TraceMeta`` and the rows per group, then one ``RawBatch`` per frame; a
-zero-length frame means "finish the file". If the pipe closes without it (the
+Pipe protocol: a frame is the pickle's length, the number of out-of-band buffers
+and their lengths (8-byte little-endian each), the pickle (protocol 5), then the
+buffers. The first frame holds the ``TraceMeta`` and the rows per group, then one
+``RawBatch`` per frame; an empty pickle means "finish the file". If the pipe closes without it (the
 recorded process died), the child still finishes the file with every batch it
 received, so a crash loses only what had not been sent."""
 
@@ -63,15 +64,20 @@ class ProcessTraceWriter:
         assert pipe is not None
         while True:
             item = self._queue.get()
+            buffers: list[pickle.PickleBuffer] = []
             if item is _STOP:
                 payload = b""
             elif self.error is not None:
                 continue
             else:
-                payload = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+                payload = pickle.dumps(item, protocol=5, buffer_callback=buffers.append)
             try:
-                pipe.write(_LEN.pack(len(payload)))
+                views = [b.raw() for b in buffers]
+                pipe.write(_LEN.pack(len(payload)) + _LEN.pack(len(views))
+                           + b"".join(_LEN.pack(v.nbytes) for v in views))
                 pipe.write(payload)
+                for v in views:  # large writes go straight to the pipe, GIL released
+                    pipe.write(v)
                 if item is _STOP:
                     pipe.close()
                     return
@@ -98,16 +104,34 @@ class ProcessTraceWriter:
         return self.path
 
 
-def _read_frame(src: BinaryIO) -> bytes | None:
-    """The next frame's payload; None when the pipe closed."""
-    head = src.read(_LEN.size)
-    if len(head) < _LEN.size:
+def _read_exact(src: BinaryIO, n: int) -> bytearray | None:
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = src.readinto(view[got:])  # type: ignore[attr-defined]
+        if not k:
+            return None
+        got += k
+    return out
+
+
+def _read_frame(src: BinaryIO) -> tuple[bytes, list[bytearray]] | None:
+    """The next frame's pickle and out-of-band buffers; None when the pipe closed."""
+    head = _read_exact(src, 2 * _LEN.size)
+    if head is None:
         return None
-    n = _LEN.unpack(head)[0]
-    payload = src.read(n)
-    if len(payload) < n:
+    n, nbuf = _LEN.unpack_from(head, 0)[0], _LEN.unpack_from(head, _LEN.size)[0]
+    sizes = _read_exact(src, nbuf * _LEN.size)
+    payload = _read_exact(src, n)
+    if sizes is None or payload is None:
         return None
-    return payload
+    buffers = []
+    for k in range(nbuf):
+        buf = _read_exact(src, _LEN.unpack_from(sizes, k * _LEN.size)[0])
+        if buf is None:
+            return None
+        buffers.append(buf)
+    return bytes(payload), buffers
 
 
 def main(argv: list[str]) -> int:
@@ -122,11 +146,11 @@ def main(argv: list[str]) -> int:
     first = _read_frame(src)
     if first is None:
         return 0  # the recording never started
-    meta, rows_per_group = pickle.loads(first)
+    meta, rows_per_group = pickle.loads(first[0])
     sink = ParquetSink(argv[0], meta, rows_per_group)
     try:
-        while (frame := _read_frame(src)) is not None and frame:
-            sink.add(pickle.loads(frame))
+        while (frame := _read_frame(src)) is not None and frame[0]:
+            sink.add(pickle.loads(frame[0], buffers=frame[1]))
         sink.finish()
     except BaseException as exc:
         sink.abort()
