@@ -1,7 +1,7 @@
-"""Only the native capture extension lives here; everything else is in pyproject.toml.
+"""Only the C extensions live here; everything else is in pyproject.toml.
 
-The extension is optional: without a C compiler kvreplay installs and records with
-the pure-Python capture engine (slower, same traces)."""
+Both are optional: without a C compiler kvreplay installs, records with the Python
+capture engine and checks invariants with numpy (slower, same results)."""
 
 from setuptools import Extension, setup
 
@@ -12,6 +12,12 @@ setup(
             ["kvreplay/recorder/_capture.c"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvreplay.replayer._shadow",
+            ["kvreplay/replayer/_shadow.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
 )

@@ -8,7 +8,11 @@ Checked: the same calls through the replayer in strict mode (results, counters a
 nested calls compared, every invariant checked, O(pool) checks every 1000 calls
 and at the end) and in remap mode. Runs are interleaved and repeated; the median
 of each is reported, so a noisy neighbour hits both sides alike. Decoding the
-Parquet file is done once, before timing, and reported separately."""
+Parquet file is done once, before timing, and reported separately.
+
+torch runs with one intra-op thread on both sides: pool tensors are far too small
+for intra-op parallelism, and the idle OpenMP worker only spins on the second core
+(see recorder_overhead.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.replayer.engine import Replayer, top_calls
@@ -49,6 +55,7 @@ def main() -> None:
     ap.add_argument("--build", default="builtin:swa")
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
+    torch.set_num_threads(1)
     trace = a.trace
     if not trace.exists():
         trace = Path(tempfile.mkdtemp()) / "t.parquet"
@@ -76,7 +83,8 @@ def main() -> None:
     u = med["strict-unchecked"]
     print(f"(breakdown: strict comparison alone {u / med['bare']:.2f}x bare; "
           f"the invariant checker {med['strict'] / u:.2f}x on top of it)")
-    print(f"median of {a.repeat} interleaved runs; target ratio <= 1.5")
+    print(f"median of {a.repeat} interleaved runs, torch intra-op threads: {torch.get_num_threads()}; "
+          "target ratio <= 1.5")
 
 
 if __name__ == "__main__":

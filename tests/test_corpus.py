@@ -38,3 +38,23 @@ def test_corpus_has_a_disagg_mtp_trace_of_2000_requests():
 def test_corpus_expectation(entry, exp, mode):
     report = replay(entry.file, exp.build, mode=mode, device="cpu")
     assert check_report(report, exp) == []
+
+
+BUGGY = sorted({(e.name, x.build) for e in ENTRIES for x in e.expect if x.status == "violation"})
+
+
+@pytest.mark.parametrize("name, build", BUGGY, ids=[f"{n}-{b.removeprefix('builtin:')}" for n, b in BUGGY])
+def test_native_and_numpy_checkers_find_the_same_violations(name, build, monkeypatch):
+    """The C index kernels are an optimisation: the numpy fallback must report the
+    same violations, in the same order, with the same indices and counts."""
+    from kvreplay.replayer import invariants
+
+    if invariants.native is None:
+        pytest.skip("native shadow kernels not built")
+    entry = next(e for e in ENTRIES if e.name == name)
+    fast = replay(entry.file, build, mode="strict", device="cpu")
+    monkeypatch.setattr(invariants, "native", None)
+    slow = replay(entry.file, build, mode="strict", device="cpu")
+    assert fast.violations, "a bug variant must be caught"
+    assert [vars(v) for v in fast.violations] == [vars(v) for v in slow.violations]
+    assert fast.violation_counts == slow.violation_counts

@@ -20,6 +20,12 @@ import torch
 
 from kvreplay.replayer.pool_view import PoolView, SubPoolView, to_np
 
+try:  # C loops for the per-call shadow updates; the numpy code below is the fallback
+    from kvreplay.replayer import _shadow as native  # type: ignore[attr-defined]
+except ImportError:
+    native = None
+_NOT_FOR_NATIVE = (TypeError, ValueError, BufferError)  # e.g. an int32 or strided array: use numpy
+
 INVARIANTS = {
     "capacity": "1 capacity: 0 <= available_size() <= size per sub-pool",
     "free-list": "2 free list: no duplicate pages in free + staged, ids in 1..num_pages, page 0 never free",
@@ -95,8 +101,16 @@ class Shadow:
     def in_range(self, tokens: np.ndarray) -> np.ndarray:
         return (tokens >= self.ps) & (tokens < (self.num_pages + 1) * self.ps)
 
-    def handout(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def handout(self, tokens: np.ndarray) -> tuple[Any, Any]:
         """Mark tokens handed out; returns (out-of-range or padding, already live)."""
+        if native is not None:
+            try:
+                bad, again, fresh = native.handout(self.live_tok, self.owned, tokens, self.ps)
+            except _NOT_FOR_NATIVE:
+                pass
+            else:
+                self.owned_count += fresh
+                return bad, again
         bad = _EMPTY
         if len(tokens) and (tokens.min() < self.ps or tokens.max() >= len(self.live_tok)):
             ok = self.in_range(tokens)
@@ -109,13 +123,20 @@ class Shadow:
         fresh = pages[~self.owned[pages]]
         if len(fresh):
             self.owned[fresh] = True
-            # Count distinct pages: sort in place and count the steps (np.unique costs more).
-            fresh.sort()
-            self.owned_count += 1 + int(np.count_nonzero(fresh[1:] != fresh[:-1]))
+            # A set counts a few dozen distinct pages faster than sorting in numpy.
+            self.owned_count += len(set(fresh.tolist())) if len(fresh) <= SMALL * 16 else len(np.unique(fresh))
         return bad, again
 
-    def release(self, pages: np.ndarray | list[int]) -> np.ndarray:
+    def release(self, pages: np.ndarray | list[int]) -> Any:
         """Mark distinct pages released; returns the ones the caller did not hold."""
+        if native is not None:
+            try:
+                bad, released = native.release(self.owned, self.live_tok, pages, self.ps)
+            except _NOT_FOR_NATIVE:
+                pass
+            else:
+                self.owned_count -= released
+                return bad
         if len(pages) <= SMALL:
             # A few pages: plain Python beats numpy's per-call overhead several times over.
             owned, live, n = self.owned, self.live_by_page, self.num_pages
@@ -153,6 +174,11 @@ def _expand(pages: np.ndarray, ps: int) -> np.ndarray:
 
 def _distinct(pages: np.ndarray) -> np.ndarray | list[int]:
     """Sorted distinct pages: a Python list when few (cheaper to work on), else numpy."""
+    if native is not None:
+        try:
+            return native.distinct_pages(pages, 1)
+        except _NOT_FOR_NATIVE:
+            pass
     if len(pages) <= SMALL * 4:
         return sorted(set(pages.tolist()))
     return np.unique(pages)
@@ -160,6 +186,11 @@ def _distinct(pages: np.ndarray) -> np.ndarray | list[int]:
 
 def _pages_of(tokens: Any, ps: int) -> np.ndarray | list[int]:
     """Sorted distinct pages of an index tensor (a Python list when few)."""
+    if native is not None:
+        try:
+            return native.distinct_pages(to_np(tokens), ps)
+        except _NOT_FOR_NATIVE:
+            pass
     if type(tokens) is torch.Tensor and tokens.device.type == "cpu" and tokens.numel() <= SMALL * 4:
         return sorted({x // ps for x in tokens.reshape(-1).tolist()})
     return _distinct(to_np(tokens) // ps)
@@ -213,8 +244,14 @@ class InvariantChecker:
             if not (self.swa and method not in FULL_ONLY_FREES):
                 return pages, None
             if isinstance(pages, list):
-                item, ps = self.view.peer_item(), self.ps
-                peers = [q for p in pages for o in range(ps) if (q := item(p * ps + o)) > 0]
+                m = self.view.mapping_np()
+                if native is not None and m is not None:
+                    try:
+                        return pages, native.page_peers(m, pages, self.ps, False)
+                    except _NOT_FOR_NATIVE:
+                        pass
+                item, ps, n = self.view.peer_item(), self.ps, len(self.view.mapping)
+                peers = [q for p in pages for o in range(ps) if 0 <= (t := p * ps + o) < n and (q := item(t)) > 0]
                 return pages, peers
             peers = self.view.peers(_expand(pages, self.ps))
             return pages, peers[peers > 0] if len(peers) and peers.min() <= 0 else peers
@@ -274,25 +311,57 @@ class InvariantChecker:
             nontail = tokens[: len(tokens) - tail]
             mapped = tokens[len(tokens) - tail:] if tail else tokens[:0]
             self._check_nontail(seq, method, nontail)
+        m = self.view.mapping_np()
+        if native is not None and m is not None:
+            swa = self.shadows["swa"]
+            try:
+                no_peer, shared, bad, again, fresh = native.swa_alloc(
+                    m, self.swa_owner, self.main.live_tok, swa.live_tok, swa.owned, mapped, swa.ps)
+            except _NOT_FOR_NATIVE:
+                pass
+            else:
+                swa.owned_count += fresh
+                self._flag_no_peer(seq, method, no_peer)
+                if shared:
+                    slots = [q for q, _, _ in shared]
+                    self._flag(seq, method, "swa-mapping", "shared-swa-slot", "swa", slots,
+                               f"{method}: live full slots {shared[0][1]} and {shared[0][2]} "
+                               f"both map to SWA slot {slots[0]}")
+                self._flag_swa_handout(seq, method, bad, again)
+                return
         peers = self.view.peers(mapped)
         if len(peers) and peers.min() <= 0:
-            self._flag(seq, method, "swa-mapping", "allocated-without-peer", "full", mapped[peers <= 0],
-                       f"{method} left allocated full slot(s) with no SWA peer")
+            self._flag_no_peer(seq, method, mapped[peers <= 0])
             mapped, peers = mapped[peers > 0], peers[peers > 0]
         self._check_shared(seq, method, mapped, peers)
         bad, again = self.shadows["swa"].handout(peers)
+        self._flag_swa_handout(seq, method, bad, again)
+        if len(bad):
+            inr = self.shadows["swa"].in_range(peers)
+            mapped, peers = mapped[inr], peers[inr]
+        self.swa_owner[peers] = mapped
+
+    def _flag_no_peer(self, seq: int, method: str, no_peer: Any) -> None:
+        if len(no_peer):
+            self._flag(seq, method, "swa-mapping", "allocated-without-peer", "full", no_peer,
+                       f"{method} left allocated full slot(s) with no SWA peer")
+
+    def _flag_swa_handout(self, seq: int, method: str, bad: Any, again: Any) -> None:
         if len(bad):
             self._flag(seq, method, "ownership", "handout-out-of-range", "swa", bad,
                        f"{method} mapped full slots to SWA slot(s) outside the SWA pool or on page 0")
         if len(again):
             self._flag(seq, method, "ownership", "handout-while-live", "swa", again,
                        f"{method} gave out SWA slot(s) that are still live")
-        if len(bad):
-            inr = self.shadows["swa"].in_range(peers)
-            mapped, peers = mapped[inr], peers[inr]
-        self.swa_owner[peers] = mapped
 
     def _check_nontail(self, seq: int, method: str, nontail: np.ndarray) -> None:
+        m = self.view.mapping_np()
+        if native is not None and m is not None:
+            try:
+                if not native.any_mapped(m, nontail):
+                    return
+            except _NOT_FOR_NATIVE:
+                pass
         peers = self.view.peers(nontail)
         stale = peers != 0
         if not stale.any():
@@ -338,8 +407,11 @@ class InvariantChecker:
             self._pending_released.append((seq, method, pages))
             if swa_peers is not None and len(swa_peers):
                 ps = self.ps
-                swa_pages = (sorted({q // ps for q in swa_peers}) if isinstance(swa_peers, list)
-                             else _distinct(swa_peers // ps))
+                if native is not None and isinstance(swa_peers, list):
+                    swa_pages = native.distinct_pages(swa_peers, ps)
+                else:
+                    swa_pages = (sorted({q // ps for q in swa_peers}) if isinstance(swa_peers, list)
+                                 else _distinct(swa_peers // ps))
                 not_held = self.shadows["swa"].release(swa_pages)
                 if len(not_held):
                     self._flag(seq, method, "ownership", "free-not-live", "swa", not_held,
@@ -370,8 +442,7 @@ class InvariantChecker:
         if not pending:
             return
         # One lookup for the whole group; per-call attribution only when something is wrong.
-        allpages = np.concatenate([np.asarray(p, dtype=np.int64) for _, _, p in pending])
-        if not len(allpages) or not self.view.peers(_expand(allpages, self.ps)).any():
+        if not self._any_released_mapped(pending):
             return
         for src_seq, src_method, pages in pending:
             toks = _expand(np.asarray(pages, dtype=np.int64), self.ps)
@@ -387,6 +458,16 @@ class InvariantChecker:
                 self._flag(src_seq, src_method, "swa-mapping", "released-page-keeps-peer", "full", toks[keep],
                            f"{src_method}: {int(keep.sum())} slot(s) of a {what} keep an SWA mapping "
                            f"(first {int(toks[keep][0])} -> SWA {int(peers[keep][0])})", detected=seq)
+
+    def _any_released_mapped(self, pending: list[tuple[int, str, Any]]) -> bool:
+        m = self.view.mapping_np()
+        if native is not None and m is not None:
+            try:
+                return any(native.page_peers(m, pages, self.ps, True) for _, _, pages in pending)
+            except _NOT_FOR_NATIVE:
+                pass
+        allpages = np.concatenate([np.asarray(p, dtype=np.int64) for _, _, p in pending])
+        return bool(len(allpages)) and bool(self.view.peers(_expand(allpages, self.ps)).any())
 
     def _check_touched(self, seq: int) -> None:
         swa = self.shadows["swa"]

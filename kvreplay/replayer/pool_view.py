@@ -83,6 +83,15 @@ class PoolView:
             return self._np[full_tokens]
         return to_np(m[torch.as_tensor(full_tokens, device=m.device)])
 
+    def mapping_np(self) -> np.ndarray | None:
+        """The SWA mapping as a numpy view sharing its memory (CPU pools), else None."""
+        m = self.mapping
+        if m is None or m.device.type != "cpu":
+            return None
+        if self._np_of is not m:
+            self._np_of, self._np = m, m.numpy()
+        return self._np
+
     def peer_item(self) -> Any:
         """A function full_token -> SWA peer (int), cheapest for a handful of lookups."""
         m = self.mapping
