@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -144,6 +145,37 @@ def test_interpreter_exit_flushes_an_open_recording(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     calls = list(TraceReader(path).calls(top_level_only=True))
     assert [c.method for c in calls] == ["alloc", "free"] * 5
+
+
+def test_a_killed_recording_process_leaves_every_batch_it_had_sent(tmp_path, backend):
+    path = tmp_path / "t.parquet"
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from kvreplay.recorder.recording import record
+        from kvreplay.replayer.pools import PagedPool
+        pool = PagedPool(64, 4)
+        record(pool, {str(path)!r}, rows_per_batch=10)
+        for _ in range(50):
+            pool.free(pool.alloc(8))
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        child.kill()  # SIGKILL: no atexit, no flush
+        child.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the writer process finishes the file once its pipe closes
+    finally:
+        child.kill()
+    calls = list(TraceReader(path).calls(top_level_only=True))
+    # Batches go out every 10 rows; at most the last, unsent one is lost.
+    assert 90 <= len(calls) <= 100
+    assert [c.method for c in calls] == ["alloc", "free"] * (len(calls) // 2)
 
 
 class EchoPool(TokenPool):
