@@ -372,6 +372,52 @@ def _render_stored(d: dict[str, Any], *, show_all: bool = False) -> None:
                   f"got {x['actual']}", highlight=False)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def record(
+    command: list[str] = typer.Argument(None, help="The command to run, after --."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Directory for the traces (created if missing)."),
+    classes: list[str] = typer.Option(
+        [], "--class", help="MODULE:CLASS of an allocator to record (repeatable). "
+        "Default: sglang's token, paged and SWA allocators."),
+    print_env: bool = typer.Option(False, "--print-env",
+                                   help="Print the environment variables to set instead of running anything."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Run a decode server with every allocator it builds recorded.
+
+    Every Python process the command starts (sglang's scheduler subprocesses too)
+    records each allocator it constructs into OUT as kvreplay-PID[-RANK]-N.parquet.
+    Ctrl-C and SIGTERM are passed to the command; traces are finished on exit.
+    Exits with the command's exit code.
+
+    Example: kvreplay record --out traces/live -- python -m sglang.launch_server --model-path ...
+
+    Launching servers your own way: kvreplay record --out DIR --print-env prints the
+    variables (KVREPLAY_RECORD_DIR, PYTHONPATH) to export instead."""
+    from kvreplay.recorder.live import record_command, record_env
+
+    if print_env:
+        env = record_env(out_dir, classes)
+        keys = ["KVREPLAY_RECORD_DIR", "PYTHONPATH"] + (["KVREPLAY_RECORD_CLASSES"] if classes else [])
+        if as_json:
+            _emit_json({k: env[k] for k in keys})
+        else:
+            for k in keys:
+                out.print(f"export {k}={shlex.quote(env[k])}", markup=False, highlight=False, soft_wrap=True)
+        return
+    res = record_command(command or [], out_dir, classes)
+    if as_json:
+        _emit_json(res.to_dict())
+    else:
+        err.print(f"{len(res.traces)} trace(s) in {res.out}:" if res.traces else f"no traces written to {res.out}",
+                  markup=False, highlight=False)
+        for p in res.traces:
+            err.print(f"  {p}", markup=False, highlight=False)
+        for p in res.unfinished:
+            err.print(f"  unfinished: {p}", markup=False, highlight=False)
+    raise typer.Exit(res.exit_code)
+
+
 @app.command()
 def demo(
     requests: int = typer.Option(2000, "--requests", "-n", help="Requests in the synthesized trace."),

@@ -196,7 +196,8 @@ def record(pool: Any, path: str | os.PathLike[str], **kwargs: Any) -> Recording:
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Finish every open recording of this process (also run at interpreter exit)."""
     for rec in list(_open):
         try:
             rec.close()

@@ -49,7 +49,8 @@ class ProcessTraceWriter:
             start_new_session=True, close_fds=True,
             # The child does no linear algebra; idle BLAS/OpenMP workers spinning
             # next to the recorded program would only take its CPU.
-            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+            env={**{k: v for k, v in os.environ.items() if k != "KVREPLAY_RECORD_DIR"},
+                 "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queue.put((meta, rows_per_group))

@@ -1,7 +1,8 @@
 """Pool builds: what a build spec names and how a pool is constructed from one.
 
 ``builtin:NAME[@VARIANT]`` are kvreplay's reference pools; ``py:MODULE:CLASS`` is
-any importable allocator class. A *family* (token, paged, swa) fixes the
+any importable allocator class; ``sglang`` is the installed sglang's allocator of the
+trace's family (sglang_adapter.py). A *family* (token, paged, swa) fixes the
 constructor signature, so a trace recorded on one build can construct another."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from kvreplay.errors import BuildUnloadable, UnknownBuild
-from kvreplay.replayer import pools
+from kvreplay.replayer import pools, sglang_adapter
 
 # Constructor parameters per family, in sglang 0.5.23's positional order.
 FAMILY_ARGS: dict[str, tuple[str, ...]] = {
@@ -74,6 +75,8 @@ class Build:
         kwargs["device"] = device
         kwargs["dtype"] = _dtype(kwargs.get("dtype"))
         kwargs["need_sort"] = bool(kwargs.get("need_sort"))
+        if kwargs.get("kvcache") is None and sglang_adapter.needs_kv_standin(self.cls, family):
+            kwargs["kvcache"] = sglang_adapter.kv_standin()
         return self.cls(**kwargs)
 
 
@@ -87,8 +90,14 @@ def _dtype(value: Any) -> torch.dtype:
     return torch.int64
 
 
-def resolve(spec: str) -> Build:
-    """Turn a build spec into a Build, or raise UnknownBuild with what exists."""
+def resolve(spec: str, family: str | None = None, recorded_class: str = "") -> Build:
+    """Turn a build spec into a Build, or raise UnknownBuild with what exists.
+
+    ``sglang`` needs the trace's family (and recorded class, if any) to pick a class."""
+    if spec == "sglang":
+        if family is None:
+            raise UnknownBuild("--build sglang needs a trace (or scenario) to choose the pool family")
+        return resolve(sglang_adapter.spec_for(family, recorded_class))
     kind, _, rest = spec.partition(":")
     if kind == "builtin" and rest in BUILTINS:
         b = BUILTINS[rest]
@@ -105,7 +114,7 @@ def resolve(spec: str) -> Build:
         except Exception as exc:  # any import-time failure means the build cannot load
             raise BuildUnloadable(f"build {spec!r} could not be loaded: {type(exc).__name__}: {exc}") from None
         return Build(spec, None, cls)
-    raise UnknownBuild(f"unknown build {spec!r}: use builtin:NAME or py:MODULE:CLASS (see `kvreplay builds`)")
+    raise UnknownBuild(f"unknown build {spec!r}: use builtin:NAME, py:MODULE:CLASS or sglang (see `kvreplay builds`)")
 
 
 def family_of_class(cls: type) -> str:

@@ -168,8 +168,8 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load_build(spec: str, family: str, ctor: dict[str, Any], device: str) -> Any:
-    build = builds.resolve(spec)
+def load_build(spec: str, family: str, ctor: dict[str, Any], device: str, recorded_class: str = "") -> Any:
+    build = builds.resolve(spec, family, recorded_class)
     bfam = build.family or builds.family_of_class(build.cls)
     if bfam != family:
         raise BadInput(f"the trace records a {family} pool but {spec} is a {bfam} pool")
@@ -192,7 +192,7 @@ class Replayer:
         self.build_spec = build
         self.mode = mode
         self.device = resolve_device(device)
-        self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device)
+        self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
         self.view = view_of(self.pool, self.meta.family)
         self.checker = InvariantChecker(self.view, full_check_every=full_check_every, keep=keep) if check else None
         self.capture = NestedCapture(self.pool) if mode == "strict" else None

@@ -100,7 +100,7 @@ def validate(cfg: SynthConfig) -> Scenario:
 
 def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
     spec = cfg.build or sc.default_build
-    build = builds.resolve(spec)
+    build = builds.resolve(spec, sc.family)
     family = build.family or builds.family_of_class(build.cls)
     if family != sc.family:
         raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {family} pool")

@@ -1,0 +1,212 @@
+"""Record every allocator a process builds, without touching the server's code.
+
+``kvreplay record --out DIR -- CMD`` runs CMD with this module's ``sitecustomize``
+directory first on ``PYTHONPATH`` and ``KVREPLAY_RECORD_DIR=DIR`` set. Every Python
+process of the server (including the scheduler subprocesses sglang spawns, which
+inherit the environment) then calls ``install_from_env()`` at start-up: the target
+allocator classes get an ``__init__`` wrapper, and each instance built outside
+another target's constructor (so an SWA allocator is recorded once, with its full
+and SWA sub-allocators as nested rows) is recorded to its own trace in DIR, named
+``kvreplay-<pid>[-<rank>]-<n>.parquet``.
+
+Targets: ``KVREPLAY_RECORD_CLASSES`` (comma-separated ``MODULE:CLASS``), by default
+sglang's token, paged and SWA allocators. A target module imported later is patched
+when it is imported (an import hook); one already imported is patched at once.
+
+Normal exit and Ctrl-C finish the traces (atexit); SIGTERM does too when the process
+has no handler of its own. Even a process killed outright keeps every batch its
+writer process had received. Any failure here is logged once and disables recording;
+the server runs on."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import itertools
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("kvreplay.autorecord")
+
+DIR_ENV = "KVREPLAY_RECORD_DIR"
+CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
+RANK_ENV = "KVREPLAY_RANK"
+DEFAULT_CLASSES = (
+    "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator",
+    "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator",
+    "sglang.srt.mem_cache.allocator.swa:SWATokenToKVPoolAllocator",
+)
+SITE_DIR = Path(__file__).with_name("_site")
+
+_state = threading.local()
+_counter = itertools.count()
+_targets: dict[str, list[str]] = {}  # module -> class names still to patch
+_out: Path | None = None
+_failed = False
+
+
+def site_dir() -> Path:
+    """The directory to put first on PYTHONPATH (it holds a sitecustomize.py)."""
+    return SITE_DIR
+
+
+def install_from_env() -> None:
+    """Start auto-recording if ``KVREPLAY_RECORD_DIR`` is set; a no-op otherwise."""
+    out = os.environ.get(DIR_ENV)
+    if not out:
+        return
+    classes = [c.strip() for c in os.environ.get(CLASSES_ENV, "").split(",") if c.strip()] or list(DEFAULT_CLASSES)
+    try:
+        install(Path(out), classes)
+    except Exception:
+        _fail()
+
+
+def install(out: Path, classes: Sequence[str]) -> None:
+    global _out
+    _out = out
+    for spec in classes:
+        module, _, name = spec.partition(":")
+        if not module or not name:
+            log.warning("kvreplay: ignoring record target %r (want MODULE:CLASS)", spec)
+            continue
+        _targets.setdefault(module, []).append(name)
+    for module in list(_targets):
+        if module in sys.modules:
+            _patch_module(sys.modules[module])
+    if _targets and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def _fail() -> None:
+    global _failed
+    if not _failed:
+        log.exception("kvreplay autorecord failed; recording disabled in process %d", os.getpid())
+    _failed = True
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Lets the normal finders find a target module, then patches it once executed."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _targets or _failed:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+            if spec is not None:
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        try:
+            _patch_module(module)
+        except Exception:
+            _fail()
+
+
+def _patch_module(module: ModuleType) -> None:
+    for name in _targets.pop(module.__name__, []):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type):
+            _patch_class(cls)
+        else:
+            log.warning("kvreplay: %s has no class %s to record", module.__name__, name)
+
+
+def _patch_class(cls: type) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or getattr(original, "_kvreplay_autorecord", False):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        depth = getattr(_state, "depth", 0)
+        _state.depth = depth + 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            _state.depth = depth
+        if depth == 0 and not _failed:
+            _start(self)
+
+    __init__._kvreplay_autorecord = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    __init__.__doc__ = original.__doc__
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+def _start(pool: Any) -> None:
+    from kvreplay.recorder.recording import record
+
+    try:
+        assert _out is not None
+        _out.mkdir(parents=True, exist_ok=True)
+        rank = _rank()
+        name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
+        record(pool, _out / name, rank=rank, extra={"autorecord": {"argv": sys.argv[:8]}})
+        _chain_sigterm()
+    except Exception:
+        _fail()
+
+
+def _rank() -> str:
+    """TP/DP rank where known: KVREPLAY_RANK, else the ``tp_rank``/``dp_rank`` of the
+    scheduler object or function that is building the allocator, else torch's RANK."""
+    if os.environ.get(RANK_ENV):
+        return os.environ[RANK_ENV]
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        parts = []
+        for key in ("tp_rank", "dp_rank", "pp_rank"):
+            value = frame.f_locals.get(key, getattr(owner, key, None))
+            if isinstance(value, int):
+                parts.append(f"{key[:2]}{value}")
+        if parts:
+            return "".join(parts)
+        frame = frame.f_back
+    return f"rank{os.environ['RANK']}" if os.environ.get("RANK", "").isdigit() else ""
+
+
+_sigterm_chained = False
+
+
+def _chain_sigterm() -> None:
+    """Finish traces on SIGTERM when nobody else handles it (default: die unflushed)."""
+    global _sigterm_chained
+    if _sigterm_chained or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the program handles SIGTERM itself; it exits through atexit or not at all
+    _sigterm_chained = True
+
+    def on_term(signum: int, frame: Any) -> None:
+        from kvreplay.recorder.recording import close_all
+
+        close_all()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)

@@ -1,0 +1,79 @@
+"""``kvreplay record``: run a server (or any Python program) with auto-recording on.
+
+The library half of the command: build the environment that turns auto-recording
+on in every Python process the command starts (autorecord.py), run the command with
+Ctrl-C and SIGTERM passed on to it, and report the traces it left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvreplay.errors import BadInput
+from kvreplay.recorder.autorecord import CLASSES_ENV, DIR_ENV, site_dir
+
+TRACE_GLOB = "kvreplay-*.parquet"
+
+
+@dataclass
+class LiveRecording:
+    command: list[str]
+    out: Path
+    exit_code: int
+    traces: list[Path] = field(default_factory=list)
+    unfinished: list[Path] = field(default_factory=list)  # .tmp files still there at the end
+
+    def to_dict(self) -> dict[str, object]:
+        return {"command": self.command, "out": str(self.out), "exit_code": self.exit_code,
+                "traces": [str(p) for p in self.traces], "unfinished": [str(p) for p in self.unfinished]}
+
+
+def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that makes every Python process record into ``out``."""
+    env = dict(os.environ if base is None else base)
+    env[DIR_ENV] = str(Path(out).resolve())
+    if classes:
+        env[CLASSES_ENV] = ",".join(classes)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site_dir()), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (),
+                   settle_s: float = 30.0) -> LiveRecording:
+    """Run ``command`` recording its allocators into ``out``; returns its exit code and
+    the traces it wrote. Traces still being finished by a writer process when the
+    command ends (a process that was killed) get ``settle_s`` seconds to appear."""
+    if not command:
+        raise BadInput("nothing to run: give the server command after --, e.g. "
+                       "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    before = set(out.glob(TRACE_GLOB))
+    try:
+        proc = subprocess.Popen(list(command), env=record_env(out, classes))
+    except FileNotFoundError:
+        raise BadInput(f"command not found: {command[0]}") from None
+    except PermissionError:
+        raise BadInput(f"cannot run {command[0]}: permission denied") from None
+
+    def forward(signum: int, frame: object) -> None:
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    deadline = time.monotonic() + settle_s
+    while list(out.glob(TRACE_GLOB + ".tmp")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if code < 0:  # killed by a signal: report it the way a shell does
+        code = 128 - code
+    traces = sorted(set(out.glob(TRACE_GLOB)) - before)
+    return LiveRecording(list(command), out, code, traces, sorted(out.glob(TRACE_GLOB + ".tmp")))

@@ -1,0 +1,96 @@
+"""``kvreplay record``: every Python process of a command records the allocators it builds."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from kvreplay.recorder.reader import TraceReader
+from kvreplay.replayer.engine import replay
+
+TARGET = "kvreplay.replayer.pools.swa:SWAPool"
+DRIVE = """
+import torch
+from kvreplay.replayer.pools.swa import SWAPool
+
+def t(*v):
+    return torch.tensor(v, dtype=torch.int64)
+
+def work(n):
+    pool = SWAPool(256, 64, 4, need_sort=False)
+    for _ in range(n):
+        pool.free(pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4))
+"""
+
+
+def _run(tmp_path, body: str, *extra: str) -> subprocess.CompletedProcess:
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(DRIVE) + textwrap.dedent(body))
+    return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path / "out"),
+                           "--class", TARGET, *extra, "--", sys.executable, str(prog)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_every_process_records_its_allocator_and_the_exit_code_passes_through(tmp_path):
+    res = _run(tmp_path, """
+        import multiprocessing as mp, sys
+        if __name__ == "__main__":
+            child = mp.get_context("spawn").Process(target=work, args=(5,))
+            child.start(); child.join()
+            work(3)
+            sys.exit(3)
+    """, "--json")
+    assert res.returncode == 3, res.stderr
+    traces = json.loads(res.stdout)["traces"]
+    assert len(traces) == 2
+    pids = {TraceReader(p).meta.pid for p in traces}
+    assert len(pids) == 2
+    calls = sorted(replay(p, "builtin:swa", device="cpu").calls_replayed for p in traces)
+    assert calls == [6, 10]
+    for p in traces:
+        assert replay(p, "builtin:swa", device="cpu").status == "clean"
+
+
+def test_sigterm_to_kvreplay_record_reaches_the_program_and_its_traces_are_finished(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(DRIVE) + textwrap.dedent("""
+        import time
+        work(40)
+        print("ready", flush=True)
+        time.sleep(120)
+    """))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), "--class", TARGET,
+                             "--", sys.executable, str(prog)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert code == 128 + signal.SIGTERM
+    (trace,) = out.glob("kvreplay-*.parquet")
+    r = replay(trace, "builtin:swa", device="cpu")
+    assert r.calls_replayed == 80 and r.status == "clean"
+
+
+def test_print_env_shows_how_to_record_servers_launched_another_way(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path), "--print-env",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    env = json.loads(res.stdout)
+    assert env["KVREPLAY_RECORD_DIR"] == str(tmp_path.resolve())
+    assert env["PYTHONPATH"].split(":")[0].endswith("kvreplay/recorder/_site")
+
+
+def test_no_command_or_a_missing_one_is_a_one_line_error(tmp_path):
+    for cmd in ([], ["--", "no-such-program-kvreplay"]):
+        res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path), *cmd],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2
+        assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1
