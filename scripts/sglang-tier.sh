@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The integration tier: tests marked `sglang`, run against a real sglang install.
+#
+#   scripts/sglang-tier.sh            # creates .venv-sglang on first use (~10 min, ~11 GB), then reuses it
+#   KVREPLAY_SGLANG_VENV=/path/venv scripts/sglang-tier.sh     # use (or create) another venv
+#   SGLANG_VERSION=0.5.23 (default)
+#
+# Exit codes: 0 passed, 1 a test failed, 3 sglang could not be installed (no network,
+# no disk): the tier did not run, which is not the same as passing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${KVREPLAY_SGLANG_VENV:-.venv-sglang}
+VERSION=${SGLANG_VERSION:-0.5.23}
+PY="$VENV/bin/python"
+
+have_sglang() {
+    "$PY" -c "import sglang, sys; sys.exit(sglang.__version__ != '$VERSION')" 2>/dev/null
+}
+
+if ! have_sglang; then
+    echo "sglang-tier: installing sglang==$VERSION into $VENV (about 10 minutes)"
+    python3 -m venv "$VENV" && "$VENV/bin/pip" install --quiet "sglang==$VERSION"
+    if ! have_sglang; then
+        echo "sglang-tier: could not install sglang==$VERSION; the integration tier did not run" >&2
+        exit 3
+    fi
+fi
+# kvreplay itself, against the torch sglang brought (any torch >= 2.1 will do).
+if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
+    echo "sglang-tier: could not install kvreplay into $VENV" >&2
+    exit 3
+fi
+"$PY" -m pytest -m sglang tests/test_sglang_parity.py
