@@ -46,6 +46,9 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
     is written in one transaction after the replay, so a failed replay leaves nothing."""
     st: Store | None = open_store(db) if store else None
     try:
+        if build.startswith("git:"):
+            return _replay_git_and_store(st, trace, build, **options)
+        options.pop("timeout_s", None)
         replayer = Replayer(trace, build, **options)
         report = replayer.run(progress=progress)
         info = trace_info(replayer.reader, calls=None if report.stopped_early else report.calls_replayed)
@@ -54,6 +57,18 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
     finally:
         if st is not None:
             st.close()
+
+
+def _replay_git_and_store(st: Store | None, trace: str | Path, build: str, **options: Any) -> StoredReplay:
+    from kvreplay.replayer.git_build import replay_in_worker
+
+    reader = TraceReader(trace)  # a bad trace fails here, in this process, with a clear message
+    d, commit = replay_in_worker(trace, build, **options)
+    report = ReplayReport.from_dict(d)
+    info = trace_info(reader, calls=None if report.stopped_early or report.calls_replayed == 0
+                      else report.calls_replayed)
+    run_id = record_run(st, report, info, build_version=f"git {commit}") if st is not None else None
+    return StoredReplay(report, run_id)
 
 
 @dataclass

@@ -185,10 +185,12 @@ def _print_violation(v: Any) -> None:
 
 
 def render_report(r: Any) -> None:
-    color = {"clean": "green", "violation": "red", "divergence": "yellow"}[r.status]
+    color = {"clean": "green", "violation": "red", "divergence": "yellow"}.get(r.status, "magenta")
     out.print(f"[bold]{r.trace}[/bold] on [bold]{r.build}[/bold] ({r.mode}, {r.device}): "
               f"[{color}]{r.status}[/{color}]  {r.calls_replayed} calls in {r.wall_s:.2f} s "
               f"({r.calls_per_s:,.0f} calls/s)", highlight=False)
+    if getattr(r, "message", ""):
+        out.print(f"  {escape(r.message)}", highlight=False)
     if r.violation_counts:
         t = Table("invariant/rule", "count", "first at call")
         firsts: dict[str, int] = {}
@@ -218,9 +220,12 @@ def render_report(r: Any) -> None:
 @app.command()
 def replay(
     trace: Path = typer.Argument(..., help="Trace file (Parquet)."),
-    build: str = typer.Option(..., "--build", "-b", help="Build to replay on: builtin:NAME or py:MODULE:CLASS."),
+    build: str = typer.Option(..., "--build", "-b", help="Build to replay on: builtin:NAME, py:MODULE:CLASS, "
+                              "sglang (the installed one) or git:REPO@REV[:MODULE:CLASS]."),
     mode: str = typer.Option("strict", help="strict: any difference counts; remap: translate indices, "
                              "only None/length/exception differences count."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="git: builds: give up on the worker after this many "
+                                  "seconds (status timeout)."),
     device: str = typer.Option("auto", help="auto (cuda when available), cpu or cuda[:N]."),
     full_check_every: int = typer.Option(1000, help="Run the O(pool) checks every N calls (0: only at the end)."),
     stop_first: bool = typer.Option(False, "--stop-first/--go-on", help="Stop at the first violation or divergence."),
@@ -230,15 +235,18 @@ def replay(
 ) -> None:
     """Replay a trace on a build, check every invariant, store the run.
 
-    Exit 0 when clean, 1 on a violation or divergence (git bisect run friendly).
+    Exit 0 when clean, 1 on a violation or divergence, 125 when the build does not load
+    (git bisect run skips it): `git bisect run kvreplay replay T.parquet --build git:.@HEAD:pkg.mod:Pool`.
+    A git: build runs in its own process; if it crashes or hangs the run says so.
     """
     from kvreplay.workflows import replay_and_store
 
     with _progress_bar(f"replay {trace.name}", not as_json) as bar:
         task = bar.add_task("", total=1) if bar else None
         cb = (lambda done, total: bar.update(task, completed=done, total=total)) if bar else None
+        extra = {"timeout_s": timeout} if build.startswith("git:") else {}
         res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
-                               full_check_every=full_check_every, stop_at_first=stop_first)
+                               full_check_every=full_check_every, stop_at_first=stop_first, **extra)
     r = res.report
     if as_json:
         d = r.to_dict()

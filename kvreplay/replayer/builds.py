@@ -118,7 +118,12 @@ def resolve(spec: str, family: str | None = None, recorded_class: str = "") -> B
 
 
 def family_of_class(cls: type) -> str:
-    name = cls.__name__.lower()
+    """A class's pool family: from a builtin pool it derives from, else from its name
+    (sglang's classes say SWA or Paged in theirs)."""
+    for base, family in ((pools.SWAPool, "swa"), (pools.PagedPool, "paged"), (pools.TokenPool, "token")):
+        if issubclass(cls, base):
+            return family
+    name = " ".join(c.__name__ for c in cls.__mro__).lower()
     if "swa" in name:
         return "swa"
     if "paged" in name:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, BadInput, BuildUnloadable
+from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput, BuildUnloadable
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.recording import COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
 from kvreplay.recorder.trace_format import Call, Opaque
@@ -90,10 +90,23 @@ class ReplayReport:
     capacity_assert_after_calls: int | None
     held_at_end: dict[str, int]
     stopped_early: bool = False
+    message: str = ""  # why, for the statuses a git: worker can end in (unloadable, crashed, timeout)
 
     @property
     def exit_code(self) -> int:
+        if self.status == "unloadable":
+            return EXIT_UNLOADABLE
         return EXIT_CLEAN if self.status == "clean" else EXIT_FOUND
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplayReport:
+        """The inverse of ``to_dict`` (a report that crossed a process boundary)."""
+        fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        fields["violations"] = [Violation(**v) for v in d.get("violations", [])]
+        fields["divergences"] = [Divergence(**v) for v in d.get("divergences", [])]
+        fields["first_violation"] = Violation(**d["first_violation"]) if d.get("first_violation") else None
+        fields["first_divergence"] = Divergence(**d["first_divergence"]) if d.get("first_divergence") else None
+        return cls(**fields)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -377,8 +390,15 @@ class Replayer:
 
 
 def replay(trace: str | Path, build: str, **kwargs: Any) -> ReplayReport:
-    """Replay ``trace`` against ``build``; see Replayer for the options."""
+    """Replay ``trace`` against ``build``; see Replayer for the options. ``git:`` builds
+    run in a worker process (git_build.py); ``timeout_s`` bounds them."""
     progress = kwargs.pop("progress", None)
+    if build.startswith("git:"):
+        from kvreplay.replayer.git_build import replay_in_worker
+
+        kwargs.pop("progress", None)
+        return ReplayReport.from_dict(replay_in_worker(trace, build, **kwargs)[0])
+    kwargs.pop("timeout_s", None)
     return Replayer(trace, build, **kwargs).run(progress=progress)
 
 

@@ -1,0 +1,95 @@
+"""git: builds: pool code at a revision, replayed in its own worker process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvreplay.replayer.engine import replay
+from kvreplay.replayer.workload.synth import SynthConfig, synthesize
+
+GOOD = "from kvreplay.replayer.pools.swa import SWAPool as Pool\n"
+BUGGY = "from kvreplay.replayer.pools.variants import StaleTailSWAPool as Pool\n"
+BROKEN = "from kvreplay.replayer.pools.swa import SWAPool as Pool\nimport no_such_module_kvreplay\n"
+CRASH = "import os\nfrom kvreplay.replayer.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
+        "    def alloc_extend(self, *a, **k):\n        os.abort()\n"
+HANG = "import time\nfrom kvreplay.replayer.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
+       "    def alloc_extend(self, *a, **k):\n        time.sleep(600)\n"
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("poolrepo")
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    for tag, body in (("good", GOOD), ("buggy", BUGGY), ("broken", BROKEN), ("crash", CRASH), ("hang", HANG)):
+        (repo / "mypool.py").write_text(body)
+        _git(repo, "add", "mypool.py")
+        _git(repo, "commit", "-q", "-m", tag)
+        _git(repo, "tag", tag)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("t") / "t.parquet"
+    synthesize(SynthConfig(scenario="disagg-mtp", out=out, requests=80, full_size=512, swa_size=256))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def test_two_revisions_replay_in_their_own_processes(repo, trace):
+    good = replay(trace, f"git:{repo}@good:mypool:Pool", device="cpu")
+    buggy = replay(trace, f"git:{repo}@buggy:mypool:Pool", device="cpu")
+    assert good.status == "clean" and good.calls_replayed > 500
+    assert buggy.status == "violation" and buggy.first_violation.invariant == "swa-mapping"
+    assert buggy.build == f"git:{repo}@buggy:mypool:Pool"
+
+
+def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace, tmp_path):
+    db = tmp_path / "k.db"
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(trace), "--build",
+                          f"git:{repo}@broken:mypool:Pool", "--db", str(db), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 125, res.stderr
+    d = json.loads(res.stdout)
+    assert d["status"] == "unloadable" and "no_such_module_kvreplay" in d["message"]
+    shown = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "runs", "--db", str(db), "--json"],
+                           capture_output=True, text=True, timeout=60)
+    assert json.loads(shown.stdout)[0]["status"] == "unloadable"
+
+
+def test_a_crashing_or_hanging_build_does_not_take_kvreplay_down(repo, trace):
+    crashed = replay(trace, f"git:{repo}@crash:mypool:Pool", device="cpu")
+    assert crashed.status == "crashed" and crashed.exit_code == 1
+    hung = replay(trace, f"git:{repo}@hang:mypool:Pool", device="cpu", timeout_s=5)
+    assert hung.status == "timeout" and "5 s" in hung.message
+
+
+def test_the_tree_is_exported_once_per_commit_and_reused(repo, tmp_path_factory):
+    from kvreplay.replayer.git_build import tree_at
+
+    commit, first = tree_at(repo, "good")
+    again = tree_at(repo, "good")[1]
+    assert first == again and (first / "mypool.py").read_text() == GOOD
+    assert len(commit) == 40
+
+
+def test_bad_git_specs_are_one_line_errors(repo, trace):
+    for spec in (f"git:{repo}", f"git:{repo}@no-such-rev", "git:/no/such/repo@HEAD", f"git:{repo}@good:nocolon"):
+        res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(trace), "--build", spec,
+                              "--no-store"], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, (spec, res.stderr)
+        assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, res.stderr
