@@ -16,9 +16,29 @@ class HighPagesFirstPagedPool(PagedPool):
 
 
 class NoSegmentFreePagedPool(PagedPool):
-    """An older API: no free_segments."""
+    """An older API: no free_segments (replayed through a translation)."""
 
     free_segments = None  # type: ignore[assignment]
+
+
+class NoDecodePagedPool(PagedPool):
+    """A build without alloc_decode, which no translation can stand in for."""
+
+    alloc_decode = None  # type: ignore[assignment]
+
+
+class OldAPISWAPool(SWAPool):
+    """sglang 0.5.19's SWA API surface: none of the segment frees (the
+    sub-allocators keep theirs)."""
+
+    free_segment = free_swa_segment = free_full_segment = None  # type: ignore[assignment]
+    free_segments = free_full_segments = None  # type: ignore[assignment]
+
+
+class NoSWAFreeSWAPool(OldAPISWAPool):
+    """Older still: not even free_swa, so an SWA-only free has no translation."""
+
+    free_swa = None  # type: ignore[assignment]
 
 
 class BrokenImportPool:  # pragma: no cover - never constructed

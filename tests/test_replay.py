@@ -42,10 +42,25 @@ def test_other_free_policy_diverges_in_strict_and_replays_clean_in_remap(decode_
 
 
 def test_missing_method_is_an_unsupported_divergence_not_a_crash(decode_trace):
-    r = replay(decode_trace, "py:pool_policies:NoSegmentFreePagedPool", mode="remap", device="cpu")
+    r = replay(decode_trace, "py:pool_policies:NoDecodePagedPool", mode="remap", device="cpu")
     assert r.divergence_counts.get("unsupported", 0) > 0
-    assert r.first_divergence.kind == "unsupported" and r.first_divergence.method == "free_segments"
+    assert r.first_divergence.kind == "unsupported" and r.first_divergence.method == "alloc_decode"
     assert r.exit_code == 1
+
+
+def test_a_method_the_build_lacks_is_replayed_through_its_translation(decode_trace, disagg_trace):
+    paged = replay(decode_trace, "py:pool_policies:NoSegmentFreePagedPool", mode="remap", device="cpu")
+    assert paged.status == "clean", (paged.divergence_counts, paged.violation_counts)
+    assert paged.translated.get("free_segments", 0) > 0
+    swa = replay(disagg_trace, "py:pool_policies:OldAPISWAPool", mode="remap", device="cpu")
+    assert swa.status == "clean", (swa.first_divergence, swa.first_violation)
+    assert {"free_swa_segment", "free_segments", "free_full_segments"} <= set(swa.translated)
+
+
+def test_a_method_with_no_usable_translation_is_unsupported(disagg_trace):
+    r = replay(disagg_trace, "py:pool_policies:NoSWAFreeSWAPool", mode="remap", device="cpu")
+    assert r.first_divergence.kind == "unsupported" and r.first_divergence.method == "free_swa_segment"
+    assert "no translation applies" in r.first_divergence.message
 
 
 def test_stale_tail_is_flagged_at_the_source_calls(disagg_trace):

@@ -212,6 +212,9 @@ def render_report(r: Any) -> None:
         d = r.first_divergence
         out.print(f"  first at call #{d.seq} {d.method} ({d.kind}): expected {d.expected}, got {d.actual}",
                   highlight=False)
+    if getattr(r, "translated", None):
+        out.print("replayed through API translations (the build lacks these methods): "
+                  + ", ".join(f"{m} x{n}" for m, n in r.translated.items()), highlight=False)
     if any(r.held_at_end.values()):
         held = ", ".join(f"{k} {v} slots" for k, v in r.held_at_end.items())
         out.print(f"still held by the caller at the end: {held}")

@@ -25,6 +25,7 @@ from kvreplay.replayer import builds
 from kvreplay.replayer.invariants import ALLOCS, InvariantChecker, Violation
 from kvreplay.replayer.pool_view import view_of
 from kvreplay.replayer.remap import PageTable, Remapper
+from kvreplay.replayer.translations import translate
 
 MODES = ("strict", "remap")
 
@@ -91,6 +92,7 @@ class ReplayReport:
     held_at_end: dict[str, int]
     stopped_early: bool = False
     message: str = ""  # why, for the statuses a git: worker can end in (unloadable, crashed, timeout)
+    translated: dict[str, int] = field(default_factory=dict)  # calls replayed through an API translation
 
     @property
     def exit_code(self) -> int:
@@ -212,6 +214,7 @@ class Replayer:
         self.stop_at_first = stop_at_first
         self.divergences: list[Divergence] = []
         self.div_counts: Counter[str] = Counter()
+        self.translated: Counter[str] = Counter()  # recorded methods the build lacks, replayed translated
         self.keep = keep
         self.remap: Remapper | None = None
         if mode == "remap":
@@ -223,6 +226,15 @@ class Replayer:
         self.calls = 0
         self.capacity_seq: int | None = None
         self._ordinal: dict[int, int] = {}
+
+    def _translated(self, method: str) -> Callable[..., Any] | None:
+        """The recorded method rewritten for a build that lacks it (translations.py)."""
+        t = translate(self.pool, method)
+        if t is None:
+            return None
+        self.translated[method] += 1
+        pool = self.pool
+        return lambda **args: t.call(pool, args)
 
     def _diverge(self, seq: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
         self.div_counts[kind] += 1
@@ -236,9 +248,11 @@ class Replayer:
         self._ordinal[c.seq] = self.calls
         fn = getattr(self.pool, c.method, None)
         if fn is None or not callable(fn):
-            self._diverge(c.seq, c.method, "unsupported", "method", "missing",
-                          f"build {self.build_spec} has no method {c.method}")
-            return None, UNSUPPORTED
+            fn = self._translated(c.method)
+            if fn is None:
+                self._diverge(c.seq, c.method, "unsupported", "method", "missing",
+                              f"build {self.build_spec} has no method {c.method} and no translation applies")
+                return None, UNSUPPORTED
         opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
         if opaque:
             self._diverge(c.seq, c.method, "unsupported", "recordable arguments", ",".join(opaque),
@@ -386,6 +400,7 @@ class Replayer:
             divergences=sorted(self.divergences, key=lambda d: d.seq), divergence_counts=dict(self.div_counts),
             first_violation=first_v, first_divergence=first_d, capacity_assert_seq=self.capacity_seq,
             capacity_assert_after_calls=after, held_at_end=held, stopped_early=stopped,
+            translated=dict(self.translated),
         )
 
 
