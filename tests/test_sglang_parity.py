@@ -39,7 +39,7 @@ def test_the_sglang_build_is_the_installed_release_of_the_trace_family():
     assert sglang_adapter.version() == "0.5.23"
 
 
-@pytest.mark.parametrize("trace", ["radix-swa-800", "radix-swa-mooncake-600"])
+@pytest.mark.parametrize("trace", ["radix-swa-800", "radix-swa-mooncake-600", "sglang-0.5.23-swa-page0"])
 def test_sglang_0_5_23_frees_swa_page_0_like_the_unfiltered_page0_variant(trace):
     """A real finding: #38519 is not fixed in 0.5.23."""
     real = replay(CORPUS / f"{trace}.parquet", "sglang", device="cpu")
