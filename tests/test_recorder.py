@@ -165,6 +165,7 @@ def test_a_killed_recording_process_leaves_every_batch_it_had_sent(tmp_path, bac
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # the contract: calls older than a second are safe
         child.kill()  # SIGKILL: no atexit, no flush
         child.wait(timeout=30)
         deadline = time.monotonic() + 30

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from kvreplay.recorder.batch_table import RawBatch
 from kvreplay.recorder.trace_format import PARQUET_OPTIONS, SCHEMA, TraceMeta
 
-_STOP = object()
+STOP = object()  # the queue item that ends a writer thread
 
 
 class ParquetSink:
@@ -65,28 +65,50 @@ class ParquetSink:
             pass
 
 
-class TraceWriter:
+class QueuedWriter:
+    """What both writers share: batches queue up for one daemon thread (``_run``);
+    ``_drain`` ends it once, after everything queued before it."""
+
+    thread_name = "kvreplay-writer"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+
+    def submit(self, batch: RawBatch) -> None:
+        self._queue.put(batch)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _drain(self) -> bool:
+        """Stop the thread after the queued batches; False when already closed."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._queue.put(STOP)
+        self._thread.join()
+        return True
+
+
+class TraceWriter(QueuedWriter):
     """Writes submitted batches from a daemon thread of the recording process.
 
     The thread competes with the recorded program for the GIL while it builds Arrow
     columns; ``ProcessTraceWriter`` avoids that and is the default."""
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
-        self.path = Path(path)
-        self.error: BaseException | None = None
+        super().__init__(path)
         self._sink = ParquetSink(path, meta, rows_per_group)
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvreplay-writer", daemon=True)
         self._thread.start()
-
-    def submit(self, batch: RawBatch) -> None:
-        self._queue.put(batch)
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is STOP:
                 return
             if self.error is None:
                 try:
@@ -96,11 +118,8 @@ class TraceWriter:
 
     def close(self) -> Path:
         """Flush everything queued, finish the file and move it to its final name."""
-        if self._closed:
+        if not self._drain():
             return self.path
-        self._closed = True
-        self._queue.put(_STOP)
-        self._thread.join()
         if self.error is None:
             try:
                 return self._sink.finish()

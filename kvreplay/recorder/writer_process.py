@@ -20,29 +20,26 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue
 import struct
 import subprocess
 import sys
-import threading
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from kvreplay.recorder.batch_table import RawBatch
 from kvreplay.recorder.trace_format import TraceMeta
+from kvreplay.recorder.writer import STOP, QueuedWriter
 
 _LEN = struct.Struct("<Q")
-_STOP = object()
 
 
-class ProcessTraceWriter:
+class ProcessTraceWriter(QueuedWriter):
     """Same interface as ``TraceWriter``: ``submit`` batches, ``close`` to finish."""
 
+    thread_name = "kvreplay-sender"
+
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
-        self.path = Path(path)
+        super().__init__(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.error: BaseException | None = None
-        self._closed = False
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvreplay.recorder.writer_process", str(self.path)],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -52,21 +49,16 @@ class ProcessTraceWriter:
             env={**{k: v for k, v in os.environ.items() if k != "KVREPLAY_RECORD_DIR"},
                  "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queue.put((meta, rows_per_group))
-        self._thread = threading.Thread(target=self._send, name="kvreplay-sender", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: RawBatch) -> None:
-        self._queue.put(batch)
-
-    def _send(self) -> None:
+    def _run(self) -> None:
         pipe = self._proc.stdin
         assert pipe is not None
         while True:
             item = self._queue.get()
             buffers: list[pickle.PickleBuffer] = []
-            if item is _STOP:
+            if item is STOP:
                 payload = b""
             elif self.error is not None:
                 continue
@@ -79,21 +71,18 @@ class ProcessTraceWriter:
                 pipe.write(payload)
                 for v in views:  # large writes go straight to the pipe, GIL released
                     pipe.write(v)
-                if item is _STOP:
+                if item is STOP:
                     pipe.close()
                     return
             except BaseException as exc:  # the child died; close() reports why
                 self.error = exc
-                if item is _STOP:
+                if item is STOP:
                     return
 
     def close(self) -> Path:
         """Send everything, let the child finish the file, and report its failure if any."""
-        if self._closed:
+        if not self._drain():
             return self.path
-        self._closed = True
-        self._queue.put(_STOP)
-        self._thread.join()
         assert self._proc.stderr is not None
         err = self._proc.stderr.read()
         self._proc.wait()
