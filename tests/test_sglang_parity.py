@@ -52,6 +52,16 @@ def test_sglang_0_5_23_frees_swa_page_0_like_the_unfiltered_page0_variant(trace)
         variant.first_violation.invariant, variant.first_violation.rule)
 
 
+def test_sglang_0_5_23_alloc_decode_leaks_a_full_page_when_it_returns_none():
+    """A real finding: the SWA alloc_decode asks both sub-allocators and keeps what
+    the one that succeeded handed out."""
+    r = replay(CORPUS / "sglang-0.5.23-decode-none-leak.parquet", "sglang", device="cpu")
+    first = r.first_violation
+    assert (first.seq, first.method, first.invariant) == (4, "alloc_decode", "none-unchanged")
+    assert "quiescence/leaked-page" in r.violation_counts
+    assert replay(CORPUS / "sglang-0.5.23-decode-none-leak.parquet", "builtin:swa", device="cpu").status == "clean"
+
+
 def test_a_program_driving_real_sglang_under_kvreplay_record_leaves_a_clean_trace(tmp_path):
     program = tmp_path / "drive.py"
     program.write_text(textwrap.dedent("""
