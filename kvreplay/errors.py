@@ -32,3 +32,10 @@ class UnknownBuild(BadInput):
 
 class BuildUnloadable(KvreplayError):
     exit_code = EXIT_UNLOADABLE
+
+
+class PoolFailed(KvreplayError):
+    """The pool under the workload model raised (its own assertion, usually): a
+    finding, reported like a violation."""
+
+    exit_code = EXIT_FOUND

@@ -121,3 +121,14 @@ def test_console_script_exit_codes():
     r = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2  # usage error
+
+
+def test_synth_keeps_the_trace_when_the_pool_asserts(tmp_path):
+    out = tmp_path / "t.parquet"
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth", "radix-swa", "--requests", "20",
+                          "--seed", "1", "--build", "builtin:swa@unfiltered-page0", "-o", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1
+    assert res.stderr.startswith("kvreplay: error: builtin:swa@unfiltered-page0 failed after")
+    assert "AssertionError" in res.stderr and res.stderr.count("\n") == 1
+    assert out.exists()  # the reproducer, up to and including the failing call

@@ -52,6 +52,23 @@ def test_sglang_0_5_23_frees_swa_page_0_like_the_unfiltered_page0_variant(trace)
         variant.first_violation.invariant, variant.first_violation.rule)
 
 
+def test_the_page0_variant_is_sglang_0_5_23_call_for_call_through_its_bug(tmp_path):
+    """Recorded on builtin:swa@unfiltered-page0 up to its capacity assertion, the
+    prefix-cache trace replays on real sglang with not one divergence: results,
+    counters, nested calls and the final AssertionError all agree."""
+    from kvreplay.errors import PoolFailed
+    from kvreplay.replayer.workload.synth import SynthConfig, synthesize
+
+    out = tmp_path / "t.parquet"
+    with pytest.raises(PoolFailed):
+        synthesize(SynthConfig(scenario="radix-swa", out=out, requests=20, seed=1,
+                               build="builtin:swa@unfiltered-page0"))
+    r = replay(out, "sglang", mode="strict", device="cpu")
+    assert r.calls_replayed > 500
+    assert r.divergence_counts == {}
+    assert r.first_violation is not None
+
+
 def test_sglang_0_5_23_alloc_decode_leaks_a_full_page_when_it_returns_none():
     """A real finding: the SWA alloc_decode asks both sub-allocators and keeps what
     the one that succeeded handed out."""

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvreplay.errors import BadInput
+from kvreplay.errors import BadInput, PoolFailed
 from kvreplay.recorder.recording import record
 from kvreplay.replayer import builds
 from kvreplay.replayer.engine import resolve_device
@@ -142,6 +142,12 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
     rec = record(pool, out, extra=extra)
     try:
         stats = run_model(pool, cfg, sc, progress)
+    except AssertionError as exc:
+        # The pool's own assertion: the trace up to and including the failing call is
+        # exactly the reproducer a pool engineer wants, so keep it.
+        rec.close()
+        raise PoolFailed(f"{spec} failed after {rec.calls_recorded} calls: AssertionError: {exc}; "
+                         f"the trace up to that call is in {out}") from None
     except BaseException:
         rec.close()
         out.unlink(missing_ok=True)
