@@ -155,7 +155,13 @@ def list_builds(as_json: bool = typer.Option(False, "--json", help="Print as JSO
     for r in rows:
         table.add_row(r["spec"], r["family"], r["summary"])
     out.print(table)
-    out.print("Also: py:MODULE:CLASS for any importable allocator class (e.g. an installed sglang's).")
+    from kvreplay.replayer import sglang_adapter
+
+    ver = sglang_adapter.version()
+    out.print("Also: py:MODULE:CLASS (any importable allocator class); sglang (the installed sglang's allocator "
+              f"for the trace's family{': sglang ' + ver + ' here' if ver else ': not installed here'}); "
+              "git:REPO@REV[:MODULE:CLASS] (pool code at a revision, replayed in its own process).",
+              highlight=False)
 
 
 DB_HELP = (

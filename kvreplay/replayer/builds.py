@@ -99,6 +99,9 @@ def resolve(spec: str, family: str | None = None, recorded_class: str = "") -> B
             raise UnknownBuild("--build sglang needs a trace (or scenario) to choose the pool family")
         return resolve(sglang_adapter.spec_for(family, recorded_class))
     kind, _, rest = spec.partition(":")
+    if kind == "git":
+        raise UnknownBuild(f"{spec}: git: builds replay in a worker process (kvreplay replay); this command "
+                           "takes in-process builds only (builtin:, py:, sglang)")
     if kind == "builtin" and rest in BUILTINS:
         b = BUILTINS[rest]
         return Build(spec, b.family, b.cls)
