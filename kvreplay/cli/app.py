@@ -435,6 +435,97 @@ def record(
     raise typer.Exit(res.exit_code)
 
 
+@app.command("ci")
+def corpus_ci(
+    corpus: Path = typer.Argument(Path("traces"), help="Corpus directory (holding manifest.json)."),
+    build: str = typer.Option(..., "--build", "-b", help="Build to replay the corpus on."),
+    jobs: int = typer.Option(1, "--jobs", "-j", help="Worker processes."),
+    junit: Path | None = typer.Option(None, "--junit", help="Write JUnit XML here (one testcase per trace and mode)."),
+    summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown summary here (for a PR comment)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Replay every corpus trace on a build and hold it to the manifest's expectations.
+
+    Exit 0 only when every expectation holds: a trace the manifest says is clean must
+    replay clean, and a known-bad one must show its violations (an unexpected clean
+    replay fails too). Traces of another pool family are skipped."""
+    from kvreplay.corpus_ci import junit_xml, markdown_summary, ok, run_corpus
+
+    def show(r: Any, done: int, total: int) -> None:
+        if not as_json:
+            colour = {"pass": "green", "fail": "red", "error": "red", "skip": "dim"}[r.outcome]
+            err.print(f"[{done}/{total}] [{colour}]{r.outcome:5s}[/{colour}] {escape(r.case.name)}", highlight=False)
+
+    results = run_corpus(corpus, build, jobs=jobs, db=db, device=device, progress=show)
+    if junit:
+        junit.write_text(junit_xml(results, build))
+    if summary:
+        summary.write_text(markdown_summary(results, build))
+    passed = ok(results)
+    if as_json:
+        _emit_json({"build": build, "ok": passed, "results": [r.to_dict() for r in results]})
+    else:
+        for r in results:
+            for p in r.problems if r.outcome in ("fail", "error") else []:
+                out.print(escape(f"{r.case.name}: {p}"), highlight=False, soft_wrap=True)
+        n = {k: sum(r.outcome == k for r in results) for k in ("pass", "fail", "error", "skip")}
+        out.print(f"{build}: {n['pass']} passed, {n['fail']} failed, {n['error']} errors, {n['skip']} skipped; "
+                  + ("every expectation holds" if passed else "expectations FAILED"), highlight=False)
+    raise typer.Exit(0 if passed else 1)
+
+
+corpus_app = typer.Typer(help="Keep a trace corpus in order: add traces with their expectations, check it.",
+                         no_args_is_help=True)
+app.add_typer(corpus_app, name="corpus")
+
+
+@corpus_app.command("add")
+def corpus_add(
+    trace: Path = typer.Argument(..., help="Trace to add."),
+    name: str = typer.Option(..., "--name", "-n", help="Name in the corpus (the file becomes NAME.parquet)."),
+    corpus: Path = typer.Option(Path("traces"), "--corpus", help="Corpus directory."),
+    builds: list[str] = typer.Option([], "--build", "-b", help="Build whose replay becomes an expectation "
+                                     "(repeatable; default: the builtin pool of the trace's family)."),
+    force: bool = typer.Option(False, "--force", help="Replace an entry of the same name."),
+    max_mb: float = typer.Option(5.0, "--max-mb", help="Refuse traces larger than this."),
+    as_json: bool = typer.Option(False, "--json", help="Print the new manifest entry as JSON."),
+) -> None:
+    """Copy a trace into the corpus, replay it, and record provenance and expectations."""
+    from kvreplay.corpus import add_trace
+
+    entry = add_trace(trace, name, corpus, builds or None, force=force, max_mb=max_mb)
+    if as_json:
+        _emit_json(entry)
+    else:
+        for x in entry["expect"]:
+            what = x["status"] + ("" if x["status"] == "clean" else ": " + ", ".join(
+                f"{v['invariant']}/{v['rule']} at #{v['seq']} {v['method']}" for v in x["violations"]))
+            out.print(f"{name}: {x['build']} {what}", highlight=False, soft_wrap=True)
+        out.print(f"added {corpus / entry['file']}", highlight=False)
+
+
+@corpus_app.command("check")
+def corpus_check(
+    corpus: Path = typer.Argument(Path("traces"), help="Corpus directory."),
+    max_mb: float = typer.Option(5.0, "--max-mb", help="Largest trace allowed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Every file readable and unchanged, every entry backed by a file, sizes within the limit."""
+    from kvreplay.corpus import check_corpus
+
+    res = check_corpus(corpus, max_mb)
+    if as_json:
+        _emit_json({"corpus": res.corpus, "entries": res.entries, "ok": res.ok, "problems": res.problems})
+    else:
+        for p in res.problems:
+            out.print(escape(p), highlight=False)
+        out.print(f"{res.corpus}: {res.entries} entries, " + ("ok" if res.ok else f"{len(res.problems)} problem(s)"),
+                  highlight=False)
+    raise typer.Exit(0 if res.ok else 1)
+
+
 @app.command()
 def demo(
     requests: int = typer.Option(2000, "--requests", "-n", help="Requests in the synthesized trace."),

@@ -1,0 +1,142 @@
+"""kvreplay ci: a corpus replayed against one build, held to its manifest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+CORPUS = Path(__file__).resolve().parents[1] / "traces"
+SMALL = ["sglang-0.5.23-swa-page0", "sglang-0.5.23-decode-none-leak"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """The two smallest SWA traces of the real corpus, with their manifest entries."""
+    manifest = json.loads((CORPUS / "manifest.json").read_text())
+    manifest["traces"] = [e for e in manifest["traces"] if e["name"] in SMALL]
+    for e in manifest["traces"]:
+        shutil.copy(CORPUS / e["file"], tmp_path / e["file"])
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return tmp_path
+
+
+def _ci(corpus, build, *extra):
+    return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "ci", str(corpus), "--build", build,
+                           "--db", str(corpus / "k.db"), *extra], capture_output=True, text=True, timeout=600)
+
+
+def test_the_correct_pool_passes_and_the_junit_file_is_well_formed(corpus):
+    res = _ci(corpus, "builtin:swa", "-j", "2", "--junit", str(corpus / "out.xml"), "--summary",
+              str(corpus / "s.md"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    root = ET.parse(corpus / "out.xml").getroot()
+    assert root.tag == "testsuites"
+    (suite,) = root.findall("testsuite")
+    cases = suite.findall("testcase")
+    # the common JUnit schema: counts on the suite, name/classname/time on every case
+    assert int(suite.get("tests")) == len(cases) == 4  # two traces, strict and remap each
+    assert suite.get("failures") == "0" and suite.get("errors") == "0" and suite.get("skipped") == "0"
+    for tc in cases:
+        assert tc.get("name") and tc.get("classname") == "kvreplay.builtin:swa"
+        float(tc.get("time"))
+    assert "all expectations hold" in (corpus / "s.md").read_text()
+
+
+def test_a_bug_variant_passes_when_it_is_caught_where_the_manifest_says(corpus):
+    res = _ci(corpus, "builtin:swa@unfiltered-page0")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_wrong_expectation_fails_and_says_which(corpus):
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    page0 = next(e for e in manifest["traces"] if e["name"] == "sglang-0.5.23-swa-page0")
+    bad = next(x for x in page0["expect"] if x["build"] == "builtin:swa@unfiltered-page0")
+    bad["violations"][0]["seq"] = 353
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(corpus, "builtin:swa@unfiltered-page0", "--junit", str(corpus / "out.xml"))
+    assert res.returncode == 1
+    assert "sglang-0.5.23-swa-page0[strict]" in res.stdout and "#353" in res.stdout
+    failure = ET.parse(corpus / "out.xml").getroot().find("testsuite/testcase/failure")
+    assert failure is not None and "#353" in failure.get("message")
+
+
+def test_a_known_bad_case_that_replays_clean_is_a_failure(corpus):
+    """The checker must keep its teeth: an expected violation that does not show fails."""
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    leak = next(e for e in manifest["traces"] if e["name"] == "sglang-0.5.23-decode-none-leak")
+    leak["expect"].append({"build": "builtin:swa@stale-tail", "status": "violation",
+                           "violations": [{"invariant": "swa-mapping"}]})
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(corpus, "builtin:swa@stale-tail", "--json")
+    assert res.returncode == 1
+    results = {r["case"]["trace"]: r for r in json.loads(res.stdout)["results"]}
+    assert results["sglang-0.5.23-decode-none-leak"]["outcome"] == "fail"
+
+
+def test_the_pytest_plugin_makes_one_item_per_trace_and_mode(corpus, tmp_path_factory):
+    here = tmp_path_factory.mktemp("empty")  # no tests of its own: only the corpus items
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "--kvreplay-corpus",
+                          str(corpus), "--kvreplay-build", "builtin:swa"], cwd=here, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:]
+    # node ids are SESSION-DIR::kvreplay::TRACE[MODE]
+    passed = sorted(line.split()[1].split("::", 1)[1] for line in res.stdout.splitlines()
+                    if line.startswith("PASSED "))
+    assert passed == [f"kvreplay::{t}[{m}]" for t in sorted(SMALL) for m in ("remap", "strict")]
+
+
+def test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold(corpus, tmp_path_factory):
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    for e in manifest["traces"]:
+        e["expect"] = [{"build": "builtin:swa", "status": "violation", "violations": [{"invariant": "capacity"}]}]
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    here = tmp_path_factory.mktemp("empty")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--kvreplay-corpus",
+                          str(corpus), "--kvreplay-build", "builtin:swa"], cwd=here, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 1
+    assert "2 failed" in res.stdout and "expected violation: capacity" in res.stdout
+
+
+def test_every_builtin_bug_variant_is_expected_to_be_caught_somewhere():
+    """Mutation score: each variant has at least one corpus trace where it must show."""
+    from kvreplay.replayer.builds import BUILTINS
+    from kvreplay.replayer.expectations import load_manifest
+
+    caught = {x.build for e in load_manifest(CORPUS) for x in e.expect if x.status == "violation"}
+    variants = {f"builtin:{n}" for n in BUILTINS if "@" in n}
+    assert variants <= caught, variants - caught
+
+
+def test_corpus_add_records_provenance_and_expectations_and_check_finds_problems(tmp_path):
+    from kvreplay.corpus import add_trace, check_corpus
+    from kvreplay.errors import BadInput
+
+    src = CORPUS / "sglang-0.5.23-swa-page0.parquet"
+    entry = add_trace(src, "page0", tmp_path, ["builtin:swa", "builtin:swa@unfiltered-page0"])
+    assert entry["command"].startswith("kvreplay synth radix-swa")  # provenance from the trace itself
+    clean, caught = entry["expect"]
+    assert clean == {"build": "builtin:swa", "status": "clean"}
+    assert caught["status"] == "violation" and caught["violations"][0]["seq"] == 354
+    assert check_corpus(tmp_path).ok
+    with pytest.raises(BadInput, match="already in"):
+        add_trace(src, "page0", tmp_path)
+    with pytest.raises(BadInput, match="over the corpus limit"):
+        add_trace(src, "tiny", tmp_path, max_mb=0.001)
+    # the manifest was not touched by the refused adds
+    assert [e["name"] for e in json.loads((tmp_path / "manifest.json").read_text())["traces"]] == ["page0"]
+
+    shutil.copy(src, tmp_path / "stray.parquet")
+    (tmp_path / "page0.parquet").write_bytes((tmp_path / "page0.parquet").read_bytes()[:-100])
+    problems = check_corpus(tmp_path).problems
+    assert any("stray.parquet: no manifest entry" in p for p in problems)
+    assert any("page0" in p and "changed" in p for p in problems)
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "corpus", "check", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "stray.parquet" in res.stdout
