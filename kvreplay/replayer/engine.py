@@ -411,7 +411,6 @@ def replay(trace: str | Path, build: str, **kwargs: Any) -> ReplayReport:
     if build.startswith("git:"):
         from kvreplay.replayer.git_build import replay_in_worker
 
-        kwargs.pop("progress", None)
         return ReplayReport.from_dict(replay_in_worker(trace, build, **kwargs)[0])
     kwargs.pop("timeout_s", None)
     return Replayer(trace, build, **kwargs).run(progress=progress)

@@ -73,18 +73,9 @@ class PoolView:
     def mapping(self) -> torch.Tensor | None:
         return getattr(self.pool, "full_to_swa_index_mapping", None)
 
-    def peers(self, full_tokens: np.ndarray) -> np.ndarray:
-        """``full_to_swa_index_mapping[full_tokens]`` as numpy."""
-        m = self.mapping
-        if m.device.type == "cpu":
-            # A CPU tensor's numpy view shares its memory: no copy, no torch dispatch.
-            if self._np_of is not m:
-                self._np_of, self._np = m, m.numpy()
-            return self._np[full_tokens]
-        return to_np(m[torch.as_tensor(full_tokens, device=m.device)])
-
     def mapping_np(self) -> np.ndarray | None:
-        """The SWA mapping as a numpy view sharing its memory (CPU pools), else None."""
+        """The SWA mapping as a numpy view sharing its memory (CPU pools), else None:
+        no copy and no torch dispatch per lookup."""
         m = self.mapping
         if m is None or m.device.type != "cpu":
             return None
@@ -92,14 +83,20 @@ class PoolView:
             self._np_of, self._np = m, m.numpy()
         return self._np
 
+    def peers(self, full_tokens: np.ndarray) -> np.ndarray:
+        """``full_to_swa_index_mapping[full_tokens]`` as numpy."""
+        m = self.mapping_np()
+        if m is not None:
+            return m[full_tokens]
+        return to_np(self.mapping[torch.as_tensor(full_tokens, device=self.mapping.device)])
+
     def peer_item(self) -> Any:
         """A function full_token -> SWA peer (int), cheapest for a handful of lookups."""
-        m = self.mapping
-        if m.device.type == "cpu":
-            if self._np_of is not m:
-                self._np_of, self._np = m, m.numpy()
-            return self._np.item
-        return lambda i: int(m[i])
+        m = self.mapping_np()
+        if m is not None:
+            return m.item
+        mapping = self.mapping
+        return lambda i: int(mapping[i])
 
     def sub_available(self) -> dict[str, int]:
         return {name: sub.available() for name, sub in self.subs.items()}
