@@ -1,7 +1,9 @@
 """Errors a user can cause, each with the exit code DESIGN.md documents.
 
 0 clean, 1 violation or divergence, 2 bad input or usage, 125 the build could not
-be loaded (``git bisect run`` skips it), >128 kvreplay itself crashed."""
+be tested: it does not load, or its worker crashed or timed out (``git bisect run``
+skips it), 128 bad input under ``replay --git-bisect`` (git aborts the bisect),
+>128 kvreplay itself crashed."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ EXIT_CLEAN = 0
 EXIT_FOUND = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNLOADABLE = 125
+EXIT_ABORT_BISECT = 128  # replay --git-bisect on bad input: git bisect run stops instead of marking bad
 EXIT_CRASH = 134
 
 

@@ -73,9 +73,9 @@ def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace
 
 def test_a_crashing_or_hanging_build_does_not_take_kvreplay_down(repo, trace):
     crashed = replay(trace, f"git:{repo}@crash:mypool:Pool", device="cpu")
-    assert crashed.status == "crashed" and crashed.exit_code == 1
+    assert crashed.status == "crashed" and crashed.exit_code == 125
     hung = replay(trace, f"git:{repo}@hang:mypool:Pool", device="cpu", timeout_s=5)
-    assert hung.status == "timeout" and "5 s" in hung.message
+    assert hung.status == "timeout" and "5 s" in hung.message and hung.exit_code == 125
 
 
 def test_the_tree_is_exported_once_per_commit_and_reused(repo, tmp_path_factory):

@@ -17,7 +17,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvreplay import __version__
-from kvreplay.errors import EXIT_CRASH, KvreplayError
+from kvreplay.errors import (
+    EXIT_ABORT_BISECT,
+    EXIT_BAD_INPUT,
+    EXIT_CRASH,
+    EXIT_FOUND,
+    EXIT_UNLOADABLE,
+    KvreplayError,
+)
 
 EPILOG = (
     "Exit codes: 0 clean, 1 violation or divergence found, 2 bad input or usage, "
@@ -240,23 +247,37 @@ def replay(
     stop_first: bool = typer.Option(False, "--stop-first/--go-on", help="Stop at the first violation or divergence."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     no_store: bool = typer.Option(False, "--no-store", help="Do not write the run to the database."),
+    git_bisect: bool = typer.Option(False, "--git-bisect", help="For `git bisect run`: bad input exits 128 "
+                                    "(git aborts the bisect) instead of 2 (which git would take as bad)."),
+    failure: str | None = typer.Option(None, "--failure", help="Count only this invariant id or divergence kind "
+                                       "as a failure (exit 1); any other failure exits 125 (skip)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Replay a trace on a build, check every invariant, store the run.
 
-    Exit 0 when clean, 1 on a violation or divergence, 125 when the build does not load
-    (git bisect run skips it): `git bisect run kvreplay replay T.parquet --build git:.@HEAD:pkg.mod:Pool`.
+    Exit 0 when clean, 1 on a violation or divergence, 125 when the build cannot be tested
+    (it does not load, its worker crashed or timed out: git bisect run skips it). With
+    git bisect: `git bisect run kvreplay replay T.parquet --build git:.@HEAD:pkg.mod:Pool --no-store --git-bisect`.
     A git: build runs in its own process; if it crashes or hangs the run says so.
     """
     from kvreplay.workflows import replay_and_store
 
-    with _progress_bar(f"replay {trace.name}", not as_json) as bar:
-        task = bar.add_task("", total=1) if bar else None
-        cb = (lambda done, total: bar.update(task, completed=done, total=total)) if bar else None
-        extra = {"timeout_s": timeout} if build.startswith("git:") else {}
-        res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
-                               full_check_every=full_check_every, stop_at_first=stop_first, **extra)
+    try:
+        with _progress_bar(f"replay {trace.name}", not as_json) as bar:
+            task = bar.add_task("", total=1) if bar else None
+            cb = (lambda done, total: bar.update(task, completed=done, total=total)) if bar else None
+            extra = {"timeout_s": timeout} if build.startswith("git:") else {}
+            res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
+                                   full_check_every=full_check_every, stop_at_first=stop_first, **extra)
+    except KvreplayError as exc:
+        if git_bisect and exc.exit_code == EXIT_BAD_INPUT:
+            _fail(str(exc), EXIT_ABORT_BISECT)
+        raise
     r = res.report
+    code = r.exit_code
+    if failure and code == EXIT_FOUND:
+        shown = {k.split("/")[0] for k in r.violation_counts} | set(r.divergence_counts)
+        code = EXIT_FOUND if failure in shown else EXIT_UNLOADABLE
     if as_json:
         d = r.to_dict()
         d["run_id"] = res.run_id
@@ -265,7 +286,9 @@ def replay(
         render_report(r)
         if res.run_id is not None:
             out.print(f"stored as run {res.run_id} (kvreplay show {res.run_id})")
-    raise typer.Exit(r.exit_code)
+        if code != r.exit_code:
+            out.print(f"no {failure} failure: exit {code} (skip)")
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -304,6 +327,77 @@ def diff(
         t.add_row(m, str(n))
     out.print(t)
     raise typer.Exit(1)
+
+
+@app.command("bisect")
+def bisect_cmd(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet) that fails at the bad end."),
+    repo: Path | None = typer.Option(None, "--repo", help="Git repository of the pool code."),
+    good: str | None = typer.Option(None, "--good", help="A revision where the trace replays clean."),
+    bad: str | None = typer.Option(None, "--bad", help="A later revision where it fails (default HEAD)."),
+    cls: str = typer.Option("", "--class", help="MODULE:CLASS of the pool in the repository (default: the "
+                            "tree's sglang allocator for the trace's family)."),
+    builds: str | None = typer.Option(None, "--builds", help="Instead of a repository: build specs in order, "
+                                      "good first, bad last, e.g. builtin:swa,builtin:swa@stale-tail."),
+    mode: str = typer.Option("strict", help="Replay mode for every step (strict or remap)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="A git: step running longer is a timeout (skipped)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Replay every step even when the store has it."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Find the first commit (or build) where a trace starts failing.
+
+    Binary search over the first-parent commits after --good up to --bad, each replayed
+    as a git: build in its own process. A step is good when clean, bad when it shows the
+    failure the bad end shows (same invariant, or same divergence kind), and skipped when
+    it cannot be tested (unloadable, crashed, timeout) or fails differently. Results are
+    stored, so bisecting the same trace again replays nothing it has seen.
+
+    Exit 0 when the first bad commit (or a range, when skips hide it) is named, 1 when
+    --good already fails, 2 on bad input.
+    """
+    from kvreplay.bisect import bisect, build_candidates, git_candidates
+
+    if builds and repo:
+        raise KvreplayError("give --repo/--good/--bad or --builds, not both")
+    if builds:
+        good_c, order = build_candidates(builds.split(","))
+    elif repo is None or good is None:
+        raise KvreplayError("bisect needs --repo PATH --good REV [--bad REV], or --builds A,B,...")
+    else:
+        good_c, order = git_candidates(repo, good, bad or "HEAD", cls)
+    err.print(f"bisecting {trace.name} over {len(order)} build(s) after {good_c.label}", highlight=False)
+
+    def on_step(step: Any, left: int) -> None:
+        src = "stored" if step.cached else f"{step.wall_s:.1f} s"
+        err.print(f"  {step.label:<14} {step.verdict:<5} {step.why}  ({src}; ~{left} step(s) left)",
+                  markup=False, highlight=False, soft_wrap=True)
+
+    res = bisect(trace, good_c, order, db=db, mode=mode, device=device, timeout_s=timeout,
+                 use_cache=not no_cache, on_step=on_step)
+    if as_json:
+        _emit_json(res.to_dict())
+        raise typer.Exit(res.exit_code)
+    what = "commit" if order[0].commit else "build"
+    say = lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    if res.verdict == "found":
+        say(f"first bad {what}: {res.first_bad.describe()}")
+        say(f"  shows {res.bad_shows}: {res.bad_detail}")
+    elif res.verdict == "range":
+        say(f"the first bad {what} is one of these (skipped steps hide which):")
+        for c in res.candidates:
+            say(f"  {c.describe()}")
+    else:
+        say(f"--good {good_c.label} already shows the failure: {res.bad_shows}")
+    say("step log:")
+    for st in res.steps:
+        src = "store" if st.cached else f"{st.wall_s:.1f} s"
+        say(f"  {st.label:<14} {st.verdict:<5} {st.why} ({src})")
+    skips = sum(st.verdict == "skip" for st in res.steps)
+    say(f"{len(res.steps)} steps over {res.searched} {what}s: {res.replays} replays, "
+        f"{len(res.steps) - res.replays} from the store, {skips} skipped")
+    raise typer.Exit(res.exit_code)
 
 
 @app.command()

@@ -28,6 +28,9 @@ from kvreplay.replayer.remap import PageTable, Remapper
 from kvreplay.replayer.translations import translate
 
 MODES = ("strict", "remap")
+# Outcomes that say nothing about the pool code (git: builds): they exit 125, which
+# ``git bisect run`` and ``kvreplay bisect`` take as "skip this revision".
+UNTESTABLE = frozenset({"unloadable", "crashed", "timeout"})
 
 
 class Unsupported(Exception):
@@ -96,7 +99,7 @@ class ReplayReport:
 
     @property
     def exit_code(self) -> int:
-        if self.status == "unloadable":
+        if self.status in UNTESTABLE:
             return EXIT_UNLOADABLE
         return EXIT_CLEAN if self.status == "clean" else EXIT_FOUND
 
@@ -416,4 +419,4 @@ def replay(trace: str | Path, build: str, **kwargs: Any) -> ReplayReport:
     return Replayer(trace, build, **kwargs).run(progress=progress)
 
 
-__all__ = ["MODES", "Divergence", "ReplayReport", "Replayer", "TopCall", "replay", "top_calls"]
+__all__ = ["MODES", "UNTESTABLE", "Divergence", "ReplayReport", "Replayer", "TopCall", "replay", "top_calls"]

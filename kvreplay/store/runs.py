@@ -80,6 +80,7 @@ def record_run(store: Store, report: Any, info: TraceInfo, *, build_version: str
                 capacity_assert_seq=report.capacity_assert_seq,
                 capacity_assert_after_calls=report.capacity_assert_after_calls,
                 kvreplay_version=__version__,
+                message=getattr(report, "message", "") or None,
             )
             run.violations = [
                 ViolationRow(seq=v.seq, detected_seq=v.detected_seq, method=v.method, invariant=v.invariant,
@@ -138,6 +139,7 @@ def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
         "capacity_assert_seq": run.capacity_assert_seq,
         "capacity_assert_after_calls": run.capacity_assert_after_calls,
         "started_at": run.started_at.isoformat() if run.started_at else None,
+        "message": run.message or "",
     }
     if details:
         d["violation_counts"] = run.violation_counts
