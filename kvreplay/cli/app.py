@@ -401,6 +401,53 @@ def bisect_cmd(
 
 
 @app.command()
+def minimize(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet) that fails on --build."),
+    build: str = typer.Option(..., "--build", "-b", help="The build it fails on (builtin:, py: or sglang)."),
+    out_path: Path = typer.Option(..., "-o", "--out", help="Minimal trace to write (Parquet)."),
+    emit_test: Path | None = typer.Option(None, "--emit-test", help="Also write a standalone pytest reproducer."),
+    invariant: str | None = typer.Option(None, "--invariant", help="Keep this invariant's failure (default: the "
+                                         "first failure the trace shows)."),
+    reference: str = typer.Option("auto", "--reference", help="A build every candidate must stay clean on, so the "
+                                  "result shows the bug and not a misuse of the API (auto: a builtin variant's "
+                                  "base pool; none: no such check)."),
+    timeout: float | None = typer.Option(None, "--timeout", help="Stop after this many seconds and write the "
+                                         "smallest trace found so far."),
+    device: str = typer.Option("cpu", help="Torch device for the candidate replays."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Shrink a failing trace to a few calls that still fail the same way.
+
+    Keeps the failure (same invariant on the same kind of method, or the same
+    divergence kind) while removing calls by delta debugging. Removing an allocation
+    removes the calls that name its slots; free groups stay balanced; the result is
+    re-recorded on the build, so it replays strict. --emit-test writes a pytest file that
+    builds the pool, makes the calls and asserts the invariant; run it on another build
+    with KVREPLAY_BUILD=... Exit 0 when written, 2 on bad input (e.g. a clean trace).
+    """
+    from kvreplay.minimize import minimize as run_minimize
+
+    def progress(size: int, tests: int, elapsed: float) -> None:
+        if not as_json:
+            err.print(f"  {size} calls  ({tests} candidates tried, {elapsed:.1f} s)", highlight=False)
+
+    res = run_minimize(trace, build, out_path, invariant=invariant,
+                       reference=None if reference == "none" else reference, emit_test=emit_test,
+                       timeout_s=timeout, device=device, progress=progress)
+    if as_json:
+        _emit_json(res.to_dict())
+        raise typer.Exit(0)
+    say = lambda line: out.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    stop = " (stopped at --timeout)" if res.timed_out else ""
+    say(f"{res.calls_before} -> {res.calls_after} calls in {res.wall_s:.1f} s, {res.tests} candidates{stop}")
+    say(f"kept: {res.failure}" + (f", clean on {res.reference}" if res.reference else ""))
+    say(f"wrote {res.out}: on {build} it shows {res.shows}")
+    if res.test_file:
+        say(f"wrote {res.test_file}: pytest {res.test_file}  (another build: KVREPLAY_BUILD=... pytest ...)")
+    raise typer.Exit(0)
+
+
+@app.command()
 def runs(
     trace: str | None = typer.Option(None, help="Only runs of traces whose path contains this (or hash prefix)."),
     build: str | None = typer.Option(None, help="Only runs on this build spec."),

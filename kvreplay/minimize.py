@@ -1,0 +1,426 @@
+"""Shrink a failing trace to the few calls that still make a build fail.
+
+The failure to keep is an invariant id on a kind of method (alloc, free, ...), or a
+divergence kind, as the full trace shows it on the build. Candidates are replayed in
+remap mode: once calls are gone the build hands out other slots than the recording
+did, and remap translates the later frees to the slots it really handed out.
+
+Removal keeps a trace that makes sense. Each call depends on the allocations that
+handed out the slots it names (a free, an extend's ``last_loc``), so removing an
+allocation removes those calls too, and a free group's begin and end go together.
+The search (delta debugging, complements only) runs first over groups of calls tied
+by those dependencies (roughly: requests), then over single calls, after two cheap
+cuts: everything after the failure, and everything the failing call does not depend
+on. The result is written by replaying the kept calls on the build with the recorder
+on, so its indices are the ones the build hands out and it replays strict."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+
+from kvreplay.errors import BadInput
+from kvreplay.recorder.reader import TraceReader
+from kvreplay.recorder.recording import COUNTER_METHODS, record
+from kvreplay.replayer.engine import Replayer, TopCall, replay, top_calls
+from kvreplay.replayer.invariants import ALLOCS, FREES
+from kvreplay.replayer.remap import FULL_TOKEN_ARGS
+
+GROUP_METHODS = frozenset({"free_group_begin", "free_group_end"})
+
+
+def method_kind(method: str) -> str:
+    if method in ALLOCS:
+        return "alloc"
+    if method in FREES:
+        return "free"
+    if method in GROUP_METHODS:
+        return "free-group"
+    if method in COUNTER_METHODS:
+        return "read"
+    return method
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a candidate must still show: ``kind`` violation (``id`` an invariant) or
+    divergence (``id`` a divergence kind), on a call of ``method_kind``."""
+
+    kind: str
+    id: str
+    method_kind: str
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.kind} on a{'n' if self.method_kind[0] in 'aeio' else ''} {self.method_kind} call"
+
+
+@dataclass
+class MinimizeResult:
+    trace: str
+    build: str
+    out: str
+    failure: Failure
+    calls_before: int  # top-level calls in the input
+    calls_after: int
+    tests: int  # candidate replays
+    wall_s: float
+    timed_out: bool
+    reference: str | None  # the build every candidate had to stay clean on
+    shows: str  # the failure as the minimal trace shows it (strict replay on the build)
+    test_file: str | None = None
+    sizes: list[int] = field(default_factory=list)  # the size after each reduction
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["failure"] = asdict(self.failure)
+        return d
+
+
+def _index_tokens(tc: TopCall, page_size: int) -> np.ndarray:
+    """The full-pool slots a call names in its arguments (recorded values)."""
+    parts: list[np.ndarray] = []
+    args = tc.call.args
+    for name in FULL_TOKEN_ARGS:
+        v = args.get(name)
+        if isinstance(v, torch.Tensor):
+            parts.append(v.reshape(-1).to(torch.int64).numpy())
+    segs = args.get("segments")
+    if isinstance(segs, list):
+        parts.extend(t.reshape(-1).to(torch.int64).numpy() for t, _ in segs)
+    pages = args.get("page_ids")
+    if isinstance(pages, torch.Tensor):
+        p = pages.reshape(-1).to(torch.int64).numpy()
+        parts.append((p[:, None] * page_size + np.arange(page_size)).reshape(-1))
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+class Dependencies:
+    """Who depends on whom among a trace's top-level calls (by position)."""
+
+    def __init__(self, calls: Sequence[TopCall], capacity: int, page_size: int) -> None:
+        n = len(calls)
+        producer = np.full(capacity + 1, -1, dtype=np.int64)  # slot -> call that last handed it out
+        self.needs: list[set[int]] = [set() for _ in range(n)]
+        self.partner: dict[int, int] = {}
+        open_groups: list[int] = []
+        for i, tc in enumerate(calls):
+            c = tc.call
+            tokens = _index_tokens(tc, page_size)
+            if len(tokens):
+                tokens = tokens[(tokens >= 0) & (tokens < len(producer))]
+                self.needs[i] = {int(p) for p in np.unique(producer[tokens]) if p >= 0}
+            if c.method in ALLOCS and isinstance(c.result, torch.Tensor):
+                r = c.result.reshape(-1).to(torch.int64).numpy()
+                producer[r[(r >= 0) & (r < len(producer))]] = i
+            elif c.method == "free_group_begin":
+                open_groups.append(i)
+            elif c.method == "free_group_end" and open_groups:
+                b = open_groups.pop()
+                self.partner[b], self.partner[i] = i, b
+        self.users: list[list[int]] = [[] for _ in range(n)]
+        for i, needs in enumerate(self.needs):
+            for p in needs:
+                self.users[p].append(i)
+
+    def without(self, kept: list[int], drop: Sequence[int]) -> list[int]:
+        """``kept`` less ``drop`` and everything that depends on a dropped call."""
+        gone: set[int] = set()
+        todo = list(drop)
+        while todo:
+            i = todo.pop()
+            if i in gone:
+                continue
+            gone.add(i)
+            todo.extend(self.users[i])
+            if i in self.partner:
+                todo.append(self.partner[i])
+        return [i for i in kept if i not in gone]
+
+    def cone(self, i: int) -> set[int]:
+        """Call ``i`` and every call it transitively depends on (group partners included)."""
+        out: set[int] = set()
+        todo = [i]
+        while todo:
+            j = todo.pop()
+            if j in out:
+                continue
+            out.add(j)
+            todo.extend(self.needs[j])
+            if j in self.partner:
+                todo.append(self.partner[j])
+        return out
+
+    def groups(self, kept: list[int]) -> list[list[int]]:
+        """``kept`` split into groups tied by dependencies (union-find), in trace order."""
+        parent = {i: i for i in kept}
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for i in kept:
+            for j in [*self.needs[i], *([self.partner[i]] if i in self.partner else [])]:
+                if j in parent:
+                    parent[find(i)] = find(j)
+        by_root: dict[int, list[int]] = {}
+        for i in kept:
+            by_root.setdefault(find(i), []).append(i)
+        return sorted(by_root.values(), key=lambda g: g[0])
+
+
+class Subject:
+    """A trace, a build and the failure to keep; ``fails`` replays a subset."""
+
+    def __init__(self, trace: str | Path, build: str, device: str = "cpu", reference: str | None = None) -> None:
+        if build.startswith("git:") or (reference or "").startswith("git:"):
+            raise BadInput("minimize replays thousands of candidates in-process; use a builtin:, py: or sglang "
+                           "build (for a git: revision, py:MODULE:CLASS on a checkout of it)")
+        self.trace = str(trace)
+        self.build = build
+        self.reference = reference
+        self.device = device
+        self.reader = TraceReader(trace)
+        self.meta = self.reader.meta
+        self.calls: list[TopCall] = []  # decoded up to the failure by first_failure
+        self.deps: Dependencies | None = None
+        self.tests = 0
+
+    def _replayer(self, check: bool = True, build: str | None = None) -> Replayer:
+        return Replayer(self.trace, build or self.build, mode="remap", device=self.device, keep=1 << 30,
+                        check=check)
+
+    def first_failure(self, invariant: str | None = None) -> tuple[Failure, int]:
+        """The failure of the trace to keep, and the position of the call showing it.
+        Calls are decoded only up to there: nothing after it can matter."""
+        r = self._replayer()
+        log = r.checker.log
+        found = None
+        for i, tc in enumerate(top_calls(self.reader)):
+            self.calls.append(tc)
+            r.step(tc)
+            if len(log.kept) and (invariant is None or any(v.invariant == invariant for v in log.kept)):
+                found = i
+                break
+        if found is None and self.calls:
+            r.checker.finish(self.calls[-1].call.seq)
+        main = r.view.subs["full"] if "full" in r.view.subs else r.view.subs["pool"]
+        self.deps = Dependencies(self.calls, main.capacity + main.page_size, main.page_size)
+        position = {tc.call.seq: i for i, tc in enumerate(self.calls)}
+        vs = sorted(log.kept, key=lambda v: (v.detected_seq, v.seq))
+        if invariant is not None:
+            vs = [v for v in vs if v.invariant == invariant]
+        if vs:
+            v = vs[0]
+            return Failure("violation", v.invariant, method_kind(v.method)), position.get(v.detected_seq,
+                                                                                           len(self.calls) - 1)
+        if invariant is None and r.divergences:
+            d = min(r.divergences, key=lambda d: d.seq)
+            return Failure("divergence", d.kind, method_kind(d.method)), position[d.seq]
+        what = f"no {invariant} violation" if invariant else "no violation and no divergence (remap mode)"
+        raise BadInput(f"{Path(self.trace).name} on {self.build}: {what}, so there is nothing to minimize")
+
+    def fails(self, kept: Sequence[int], failure: Failure) -> bool:
+        """Does the build still show ``failure`` on the calls at ``kept``, while the
+        reference build (when there is one) shows no failure of that id at all?"""
+        self.tests += 1
+        if not self._shows(self.build, kept, failure, any_method=False):
+            return False
+        return self.reference is None or not self._shows(self.reference, kept, failure, any_method=True)
+
+    def drive(self, r: Replayer, kept: Sequence[int]) -> Iterator[TopCall]:
+        """Issue the calls at ``kept`` on ``r``, yielding each one issued. An allocation
+        that hands out nothing (or another count than recorded) where the recording got
+        slots takes down the calls that name those slots: they are skipped."""
+        assert self.deps is not None
+        dead: set[int] = set()
+        needs = self.deps.needs
+        for i in kept:
+            if dead and not dead.isdisjoint(needs[i]):
+                dead.add(i)
+                continue
+            tc = self.calls[i]
+            result, _ = r.step(tc)
+            want = tc.call.result
+            if (tc.call.method in ALLOCS and isinstance(want, torch.Tensor)
+                    and not (isinstance(result, torch.Tensor) and result.numel() == want.numel())):
+                dead.add(i)
+            yield tc
+
+    def _shows(self, build: str, kept: Sequence[int], failure: Failure, *, any_method: bool) -> bool:
+        r = self._replayer(build=build)
+        log = r.checker.log
+
+        def hit(items: Sequence[Any]) -> bool:
+            return any(_matches(v, failure, any_method) for v in items)
+
+        seen = 0
+        last = -1
+        for tc in self.drive(r, kept):
+            last = tc.call.seq
+            if failure.kind == "violation":
+                if len(log.kept) > seen:
+                    if hit(log.kept[seen:]):
+                        return True
+                    seen = len(log.kept)
+            elif hit(r.divergences):
+                return True
+        if failure.kind == "violation":
+            r.checker.finish(last)
+            return hit(log.kept[seen:])
+        return False
+
+
+def _matches(v: Any, f: Failure, any_method: bool = False) -> bool:
+    """A violation (or divergence) with the failure's id, on the same kind of method."""
+    vid = v.invariant if f.kind == "violation" else v.kind
+    return vid == f.id and (any_method or method_kind(v.method) == f.method_kind)
+
+
+class _Clock:
+    def __init__(self, timeout_s: float | None) -> None:
+        self.t0 = time.perf_counter()
+        self.deadline = None if timeout_s is None else self.t0 + timeout_s
+
+    @property
+    def up(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def ddmin(units: list[list[int]], kept: list[int], test: Callable[[list[int]], bool],
+          without: Callable[[list[int], Sequence[int]], list[int]], clock: _Clock,
+          on_size: Callable[[int], None]) -> list[int]:
+    """Delta debugging over ``units`` (lists of call positions), removing complements:
+    split into n chunks, drop the first chunk whose removal keeps the failure, refine n."""
+    n = 2
+    while len(units) >= 2 and not clock.up:
+        size = max(1, len(units) // n)
+        chunks = [units[i:i + size] for i in range(0, len(units), size)]
+        reduced = False
+        for chunk in chunks:
+            if clock.up:
+                break
+            drop = [i for u in chunk for i in u]
+            candidate = without(kept, drop)
+            if len(candidate) < len(kept) and test(candidate):
+                kept = candidate
+                left = set(kept)
+                units = [u2 for u in units if (u2 := [i for i in u if i in left])]
+                n = max(n - 1, 2)
+                reduced = True
+                on_size(len(kept))
+                break
+        if not reduced:
+            if n >= len(units):
+                break
+            n = min(len(units), n * 2)
+    return kept
+
+
+def default_reference(build: str) -> str | None:
+    """The build a candidate must stay clean on: for a builtin variant, its base pool."""
+    if build.startswith("builtin:") and "@" in build:
+        return build.split("@")[0]
+    return None
+
+
+def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str | None = None,
+             reference: str | None = "auto",
+             emit_test: str | Path | None = None, timeout_s: float | None = None, device: str = "cpu",
+             progress: Callable[[int, int, float], None] | None = None) -> MinimizeResult:
+    """Write to ``out`` a smallest trace (that delta debugging finds) still showing
+    the failure of ``trace`` on ``build``; see the module docstring for how."""
+    out = Path(out)
+    if out.resolve() == Path(trace).resolve():
+        raise BadInput("-o must not be the input trace")
+    if not out.parent.is_dir():
+        raise BadInput(f"{out.parent}: no such directory for -o")
+    clock = _Clock(timeout_s)
+    ref = default_reference(build) if reference == "auto" else reference
+    subject = Subject(trace, build, device, ref)
+    failure, at = subject.first_failure(invariant)
+    if ref is not None and subject._shows(ref, range(at + 1), failure, any_method=True):
+        raise BadInput(f"the reference build {ref} shows the same {failure.id} failure on this trace; "
+                       "pick a reference that replays it clean (--reference) or none (--reference none)")
+    sizes: list[int] = []
+
+    def on_size(n: int) -> None:
+        sizes.append(n)
+        if progress is not None:
+            progress(n, subject.tests, clock.elapsed)
+
+    def test(candidate: list[int]) -> bool:
+        return subject.fails(candidate, failure)
+
+    deps = subject.deps
+    assert deps is not None
+    kept = list(range(at + 1))  # nothing after the failure can matter to it
+    on_size(len(kept))
+    for cut in (
+        [i for i in kept if subject.calls[i].call.method not in COUNTER_METHODS],
+        sorted(deps.cone(at)),
+    ):
+        if len(cut) < len(kept) and not clock.up and test(cut):
+            kept = cut
+            on_size(len(kept))
+    kept = ddmin(deps.groups(kept), kept, test, deps.without, clock, on_size)
+    kept = ddmin([[i] for i in kept], kept, test, deps.without, clock, on_size)
+    rebase(subject, kept, out, failure)
+    check = replay(out, build, mode="strict", device=device)
+    shows, failing_seq = _shown(check, failure)
+    total = sum(int(pc.equal(b.column(0), 0).true_count) for b in subject.reader.iter_batches(columns=["depth"]))
+    result = MinimizeResult(str(trace), build, str(out), failure, total, len(kept), subject.tests,
+                            clock.elapsed, clock.up, ref, shows, sizes=sizes)
+    if emit_test is not None:
+        from kvreplay.reproducer import write_reproducer
+
+        result.test_file = str(write_reproducer(out, emit_test, build=build, failure=failure, source=str(trace),
+                                                failing_seq=failing_seq, shows=shows.split(": ")[0]))
+    return result
+
+
+def _shown(report: Any, failure: Failure) -> tuple[str, int]:
+    """How the minimal trace shows the failure, and at which call."""
+    for v in report.violations:
+        if _matches(v, failure):
+            return f"{v.invariant}/{v.rule} at #{v.seq} {v.method}: {v.message}", v.seq
+    for d in report.divergences:
+        if _matches(d, failure):
+            return f"{d.kind} divergence at #{d.seq} {d.method}: {d.message}", d.seq
+    raise BadInput(f"the minimal trace no longer shows {failure} when replayed strict on {report.build}; "
+                   "the build may not be deterministic")
+
+
+def rebase(subject: Subject, kept: Sequence[int], out: Path, failure: Failure) -> Path:
+    """Replay the kept calls on the build with the recorder on: the written trace
+    holds the slots the build handed out, so it replays strict. Written beside
+    ``out`` and renamed, so a failure leaves no partial file."""
+    r = subject._replayer(check=False)  # the checker reads counters through the pool: they would be recorded
+    tmp = Path(tempfile.mkdtemp(prefix=".kvreplay-min-", dir=out.parent)) / out.name
+    extra = {"minimized_from": Path(subject.trace).name, "minimized_on": subject.build,
+             "minimized_failure": asdict(failure), "source_pool_class": subject.meta.pool_class}
+    rec = record(r.pool, tmp, writer="thread", extra=extra)
+    try:
+        for _ in subject.drive(r, kept):
+            pass
+    finally:
+        rec.close()
+    tmp.replace(out)
+    tmp.parent.rmdir()
+    return out
+
+
+__all__ = ["Dependencies", "Failure", "MinimizeResult", "Subject", "ddmin", "method_kind", "minimize", "rebase"]
