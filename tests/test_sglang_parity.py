@@ -10,6 +10,7 @@ that replays clean."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -102,3 +103,22 @@ def test_a_program_driving_real_sglang_under_kvreplay_record_leaves_a_clean_trac
         r = replay(trace, build, mode="strict", device="cpu")
         assert r.calls_replayed > 500
         assert r.status == "clean", (build, r.first_divergence, r.first_violation)
+
+
+def test_minimize_on_real_sglang_gives_a_short_reproducer_of_its_page0_bug(tmp_path):
+    """#38519 on the installed sglang: a few calls, a pytest file that fails on sglang
+    and passes on builtin:swa."""
+    from kvreplay.minimize import minimize
+
+    res = minimize(CORPUS / "radix-swa-800.parquet", "sglang", tmp_path / "m.parquet", reference="builtin:swa",
+                   emit_test=tmp_path / "test_page0.py")
+    assert res.calls_after <= 5 and res.failure.id == "ownership"
+    assert replay(tmp_path / "m.parquet", "sglang", device="cpu").first_violation.invariant == "ownership"
+
+    def run(build: str) -> int:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               str(tmp_path / "test_page0.py")], capture_output=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "KVREPLAY_BUILD": build}).returncode
+
+    assert run("sglang") == 1
+    assert run("builtin:swa") == 0

@@ -28,7 +28,8 @@ from kvreplay.errors import (
 
 EPILOG = (
     "Exit codes: 0 clean, 1 violation or divergence found, 2 bad input or usage, "
-    "125 build could not be loaded (git bisect skips it), >128 kvreplay crashed."
+    "125 build could not be tested: unloadable, crashed or timed out (git bisect skips it), "
+    "128 bad input under replay --git-bisect, >128 kvreplay crashed."
 )
 
 app = typer.Typer(
