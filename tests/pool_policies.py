@@ -53,3 +53,17 @@ class HighPagesFirstSWAPool(SWAPool):
         super().__init__(*a, **k)
         for sub in (self.full_attn_allocator, self.swa_attn_allocator):
             sub.free_pages = torch.flip(sub.free_pages, (0,))
+
+
+class SlotsStateSWAPool(SWAPool):
+    """Keeps its SWA mapping under another name: it cannot take a snapshot made on
+    the builtin pools (nothing to restore the mapping into)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.swa_of_full = self.__dict__.pop("full_to_swa_index_mapping")
+
+    def __getattr__(self, name):
+        if name == "full_to_swa_index_mapping":
+            return self.__dict__["swa_of_full"]
+        raise AttributeError(name)

@@ -76,8 +76,11 @@ typedef struct {
     PyObject *counters;   /* tuple of 3 callables or None */
     PyObject *flush;      /* callable, called after a top-level row once rows >= flush_rows */
     PyObject *fail;       /* callable exc -> None */
+    PyObject *raised;     /* callable or None: called after a top-level call that raised is recorded */
     int64_t cpu_id;
     Py_ssize_t flush_rows;
+    int64_t flush_ns;     /* also flush once the oldest pending row is this old (0: never) */
+    int64_t batch_t0;     /* when the oldest pending row finished */
     int64_t next_seq;
     int depth;
     int64_t stack_target[MAX_DEPTH], stack_seq[MAX_DEPTH];
@@ -397,8 +400,17 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
     }
     int64_t row[ROW_WIDTH] = {seq, parent, c->depth, w->target, w->method, t0, t1, exc_id,
                               counters[0], counters[1], counters[2]};
+    if (c->rows.len == 0) c->batch_t0 = t1;
     if (buf_push(&c->rows, row, ROW_WIDTH) < 0) return -1;
-    if (top && c->rows.len >= c->flush_rows * ROW_WIDTH && c->flush) {
+    if (!top) return 0;
+    if (exc && c->raised && c->raised != Py_None) {
+        PyObject *r = PyObject_CallNoArgs(c->raised);
+        if (!r) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    if ((c->rows.len >= c->flush_rows * ROW_WIDTH || (c->flush_ns > 0 && t1 - c->batch_t0 >= c->flush_ns))
+        && c->flush) {
         PyObject *r = PyObject_CallNoArgs(c->flush);
         if (!r) return -1;
         Py_DECREF(r);
@@ -495,12 +507,13 @@ static void values_free(Values *v) {
 
 static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dtypes", "cpu_id", "name_ids", "name_id", "slow_put", "counters", "flush",
-                             "flush_rows", "fail", NULL};
-    PyObject *dtypes, *name_ids, *name_id, *slow_put, *counters, *flush, *fail;
-    long long cpu_id;
+                             "flush_rows", "fail", "flush_ns", "raised", NULL};
+    PyObject *dtypes, *name_ids, *name_id, *slow_put, *counters, *flush, *fail, *raised = Py_None;
+    long long cpu_id, flush_ns = 0;
     Py_ssize_t flush_rows;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!LO!OOOOnO", kwlist, &PyDict_Type, &dtypes, &cpu_id, &PyDict_Type,
-                                     &name_ids, &name_id, &slow_put, &counters, &flush, &flush_rows, &fail))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!LO!OOOOnO|LO", kwlist, &PyDict_Type, &dtypes, &cpu_id,
+                                     &PyDict_Type, &name_ids, &name_id, &slow_put, &counters, &flush, &flush_rows,
+                                     &fail, &flush_ns, &raised))
         return -1;
     if (counters != Py_None && (!PyTuple_Check(counters) || PyTuple_GET_SIZE(counters) != 3)) {
         PyErr_SetString(PyExc_TypeError, "counters must be a 3-tuple or None");
@@ -516,8 +529,10 @@ static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     c->counters = Py_NewRef(counters);
     c->flush = Py_NewRef(flush);
     c->fail = Py_NewRef(fail);
+    c->raised = Py_NewRef(raised);
     c->cpu_id = cpu_id;
     c->flush_rows = flush_rows;
+    c->flush_ns = flush_ns;
     c->active = 1;
     return 0;
 }
@@ -533,6 +548,7 @@ static int capture_clear(Capture *c) {
     Py_CLEAR(c->counters);
     Py_CLEAR(c->flush);
     Py_CLEAR(c->fail);
+    Py_CLEAR(c->raised);
     return 0;
 }
 
@@ -547,6 +563,7 @@ static int capture_traverse(Capture *c, visitproc visit, void *arg) {
     Py_VISIT(c->counters);
     Py_VISIT(c->flush);
     Py_VISIT(c->fail);
+    Py_VISIT(c->raised);
     return 0;
 }
 
@@ -595,6 +612,13 @@ static PyObject *capture_take(Capture *c, PyObject *unused) {
                          values_take(&c->result), excs);
 }
 
+/* take(), but only between top-level calls (None inside one, or when nothing is
+ * pending): another thread can flush without splitting a call's rows. */
+static PyObject *capture_take_if_idle(Capture *c, PyObject *unused) {
+    if (c->depth || c->rows.len == 0) Py_RETURN_NONE;
+    return capture_take(c, NULL);
+}
+
 static PyObject *capture_reset_py(Capture *c, PyObject *unused) {
     capture_reset(c);
     Py_RETURN_NONE;
@@ -603,6 +627,8 @@ static PyObject *capture_reset_py(Capture *c, PyObject *unused) {
 static PyObject *capture_pending_rows(Capture *c, void *closure) { return PyLong_FromSsize_t(c->rows.len / ROW_WIDTH); }
 static PyObject *capture_get_next_seq(Capture *c, void *closure) { return PyLong_FromLongLong(c->next_seq); }
 static PyObject *capture_get_active(Capture *c, void *closure) { return PyBool_FromLong(c->active); }
+static PyObject *capture_get_depth(Capture *c, void *closure) { return PyLong_FromLong(c->depth); }
+static PyObject *capture_get_in_group(Capture *c, void *closure) { return PyBool_FromLong(c->in_group); }
 
 static int capture_set_active(Capture *c, PyObject *v, void *closure) {
     int t = v ? PyObject_IsTrue(v) : 0;
@@ -615,6 +641,8 @@ static PyMethodDef capture_methods[] = {
     {"wrap", (PyCFunction)capture_wrap, METH_VARARGS,
      "wrap(fn, target_id, method_id, param_ids, finish, name) -> a recording callable"},
     {"take", (PyCFunction)capture_take, METH_NOARGS, "take() -> captured buffers as bytes, emptied"},
+    {"take_if_idle", (PyCFunction)capture_take_if_idle, METH_NOARGS,
+     "take() between top-level calls with rows pending, else None (atomic under the GIL)"},
     {"reset", (PyCFunction)capture_reset_py, METH_NOARGS, "drop everything captured so far"},
     {NULL},
 };
@@ -623,6 +651,8 @@ static PyGetSetDef capture_getset[] = {
     {"next_seq", (getter)capture_get_next_seq, NULL, "sequence number of the next call", NULL},
     {"pending_rows", (getter)capture_pending_rows, NULL, "rows captured and not yet taken", NULL},
     {"active", (getter)capture_get_active, (setter)capture_set_active, "whether calls are recorded", NULL},
+    {"depth", (getter)capture_get_depth, NULL, "calls in progress", NULL},
+    {"in_group", (getter)capture_get_in_group, NULL, "inside a free group (top level)", NULL},
     {NULL},
 };
 

@@ -163,7 +163,8 @@ def _start(pool: Any) -> None:
         _out.mkdir(parents=True, exist_ok=True)
         rank = _rank()
         name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
-        record(pool, _out / name, rank=rank, extra={"autorecord": {"argv": sys.argv[:8]}})
+        record(pool, _out / name, rank=rank, extra={"autorecord": {"argv": sys.argv[:8]}},
+               snapshot=False)  # recorded from its constructor: nothing happened before
         _chain_sigterm()
     except Exception:
         _fail()

@@ -11,6 +11,7 @@ exists because the interpreter work per call is most of the recorder's overhead.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,8 @@ class Engine:
     """A capture engine plus the way to get a ``RowBatch`` out of it."""
 
     def __init__(self, backend: str, names: Names, counters: Counters, flush: Callable[[], None],
-                 flush_rows: int, fail: Callable[[BaseException], None]) -> None:
+                 flush_rows: int, fail: Callable[[BaseException], None], *, flush_ns: int = 0,
+                 raised: Callable[[], None] | None = None) -> None:
         if backend == "native" and _capture is None:
             raise RuntimeError("the native recorder is not built; reinstall kvreplay with a C compiler")
         self.backend = backend
@@ -58,7 +60,7 @@ class Engine:
         kwargs = dict(dtypes={d: (i, code) for code, (d, i) in enumerate(names.int_dtypes.items())},
                       cpu_id=names.device(torch.device("cpu")), name_ids=names.ids, name_id=names.id,
                       slow_put=lambda v: encode(v, names), counters=counters, flush=flush,
-                      flush_rows=flush_rows, fail=fail)
+                      flush_rows=flush_rows, fail=fail, flush_ns=flush_ns, raised=raised)
         self.impl: Any = _capture.Capture(**kwargs) if backend == "native" else PyCapture(**kwargs)
 
     def wrap(self, fn: Callable[..., Any], target: int, method: int, params: tuple[int, ...], finish: int,
@@ -84,6 +86,20 @@ class Engine:
             return RawBatch(rows, arg_count, RawValues(*args), RawValues(*result), excs, list(self.names.strings))
         return self.impl.take().raw()
 
+    def take_if_idle(self) -> RawBatch | None:
+        """``take()`` from another thread: only between top-level calls, else None."""
+        got = self.impl.take_if_idle()
+        if got is None:
+            return None
+        if self.backend != "native":
+            return got.raw()
+        rows, arg_count, args, result, excs = got
+        return RawBatch(rows, arg_count, RawValues(*args), RawValues(*result), excs, list(self.names.strings))
+
+    @property
+    def in_group(self) -> bool:
+        return bool(self.impl.in_group)
+
     def reset(self) -> None:
         self.impl.reset()
 
@@ -93,22 +109,35 @@ class PyCapture:
 
     def __init__(self, *, dtypes: dict[Any, tuple[int, int]], cpu_id: int, name_ids: dict[str, int],
                  name_id: Callable[[str], int], slow_put: Callable[[Any], Any], counters: Counters | None,
-                 flush: Callable[[], None], flush_rows: int, fail: Callable[[BaseException], None]) -> None:
+                 flush: Callable[[], None], flush_rows: int, fail: Callable[[BaseException], None],
+                 flush_ns: int = 0, raised: Callable[[], None] | None = None) -> None:
         self.names: Names = name_id.__self__  # type: ignore[attr-defined]
         self.batch = RowBatch(self.names)
         self.counters = counters
         self.flush = flush
         self.flush_at = flush_rows * ROW_WIDTH
+        self.flush_ns = flush_ns
+        self.raised = raised
+        self.batch_t0 = 0
         self.fail_cb = fail
         self.targets: list[int] = []  # targets of the calls in progress, innermost last
         self.seqs: list[int] = []
         self.next_seq = 0
         self.in_group = False
         self.active = True
+        self.busy = threading.Lock()  # held by the recorded thread for the length of a top-level call
 
     def take(self) -> RowBatch:
         b, self.batch = self.batch, RowBatch(self.names)
         return b
+
+    def take_if_idle(self) -> RowBatch | None:
+        if not self.busy.acquire(blocking=False):
+            return None
+        try:
+            return self.take() if len(self.batch) else None
+        finally:
+            self.busy.release()
 
     def reset(self) -> None:
         self.batch = RowBatch(self.names)  # a half-appended row would misalign the columns
@@ -127,9 +156,17 @@ class PyCapture:
         time_ns = time.time_ns
         end = self._end
 
+        busy = self.busy
+
         def recorded(*args: Any, **kwargs: Any) -> Any:
             if not cap.active or (targets and targets[-1] == tid):
                 return fn(*args, **kwargs)
+            if targets:
+                return record_call(args, kwargs)
+            with busy:  # a top-level call: take_if_idle from another thread waits it out
+                return record_call(args, kwargs)
+
+        def record_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             seq = cap.next_seq
             cap.next_seq = seq + 1
             parent = seqs[-1] if seqs else -1
@@ -180,8 +217,14 @@ class PyCapture:
                 finally:
                     self.active = True
             b = self.batch
+            if not b.rows:
+                self.batch_t0 = t1
             b.add(seq, parent, depth, tid, mid, t0, t1, result, exc, counters)
-            if not depth and len(b.rows) >= self.flush_at:
+            if depth:
+                return
+            if exc is not None and self.raised is not None:
+                self.raised()
+            elif len(b.rows) >= self.flush_at or (self.flush_ns and t1 - self.batch_t0 >= self.flush_ns):
                 self.flush()
         except Exception as err:  # never break the recorded program
             self._fail(err)

@@ -18,6 +18,7 @@ import inspect
 import logging
 import os
 import socket
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 import kvreplay
+from kvreplay.recorder import snapshot as pool_snapshot
+from kvreplay.recorder.batch_table import RawBatch
 from kvreplay.recorder.capture import (
     FINISH_CALL,
     FINISH_GROUP_BEGIN,
@@ -87,10 +90,14 @@ class Recording:
         rows_per_batch: int = 4096,
         backend: str | None = None,
         writer: str | None = None,
+        snapshot: bool | None = None,
+        flush_s: float = 0.25,
     ) -> None:
         from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
 
         self.pool = pool
+        if snapshot is None:  # attach: a pool already in use starts its trace with its state
+            snapshot = not is_fresh(pool)
         self.meta = TraceMeta(
             pool_class=pool_class_name(pool),
             family=family_of_pool(pool),
@@ -100,13 +107,15 @@ class Recording:
             pid=os.getpid(),
             rank=rank,
             start_time=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+            initial_state=pool_snapshot.take(pool) if snapshot else None,
             extra=dict(extra or {}),
         )
-        self._writer = _open_writer(writer or os.environ.get("KVREPLAY_WRITER", "process"), path, self.meta,
-                                    rows_per_group)
+        self._writer = self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"), path, rows_per_group)
         self._names = Names()
+        self._lock = threading.Lock()  # batches reach the writer in call order, from either thread
         self._engine = Engine(backend or default_backend(), self._names, self._counter_readers(pool),
-                              self._flush, rows_per_batch, self._failed)
+                              self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
+                              raised=self._raised)
         self._patched: list[tuple[Any, str]] = []
         self._patch(pool, "root")
         for target, attr in SUB_POOLS:
@@ -114,6 +123,12 @@ class Recording:
             if sub is not None and sub is not pool:
                 self._patch(sub, target)
         _open.add(self)
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if flush_s > 0:
+            self._flusher = threading.Thread(target=self._flush_when_idle, args=(flush_s,), daemon=True,
+                                             name="kvreplay-flusher")
+            self._flusher.start()
 
     @property
     def calls_recorded(self) -> int:
@@ -147,8 +162,28 @@ class Recording:
             setattr(obj, name, wrapped)
             self._patched.append((obj, name))
 
+    def _open(self, kind: str, path: str | os.PathLike[str], rows_per_group: int) -> Any:
+        return _open_writer(kind, path, self.meta, rows_per_group)
+
     def _flush(self) -> None:
-        self._writer.submit(self._engine.take())
+        with self._lock:
+            self._deliver(self._engine.take())
+
+    def _deliver(self, batch: RawBatch) -> None:
+        self._writer.submit(batch)
+
+    def _raised(self) -> None:
+        """A top-level call raised: get its row to the writer now (the program may be dying)."""
+        self._flush()
+
+    def _flush_when_idle(self, every_s: float) -> None:
+        # Calls finished while the program is idle (no next call to trigger a flush)
+        # still reach the writer within about every_s: a SIGKILL loses no older call.
+        while not self._stop.wait(every_s):
+            with self._lock:
+                batch = self._engine.take_if_idle()
+                if batch is not None:
+                    self._deliver(batch)
 
     def _failed(self, exc: BaseException) -> None:
         log.error("kvreplay recorder failed; recording disabled", exc_info=exc)
@@ -164,9 +199,12 @@ class Recording:
                     pass
             self._patched = []
         _open.discard(self)
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join()
         batch = self._engine.take()
         if len(batch):
-            self._writer.submit(batch)
+            self._deliver(batch)
         return self._writer.close()
 
     def __enter__(self) -> Recording:
@@ -174,6 +212,19 @@ class Recording:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def is_fresh(pool: Any) -> bool:
+    """Is the pool's state that of a new one built from the same arguments? (Then a
+    trace needs no snapshot: replay builds the same.) Unknown classes count as used."""
+    from kvreplay.replayer.builds import Build, ctor_args_of_pool, family_of_pool
+
+    try:
+        fresh = Build("", family_of_pool(pool), type(pool)).construct(ctor_args_of_pool(pool),
+                                                                     device=getattr(pool, "device", "cpu"))
+    except Exception:  # a class whose constructor is not the family's: snapshot to be safe
+        return False
+    return pool_snapshot.take(fresh) == pool_snapshot.take(pool)
 
 
 def _open_writer(kind: str, path: str | os.PathLike[str], meta: TraceMeta,

@@ -197,6 +197,19 @@ def load_build(spec: str, family: str, ctor: dict[str, Any], device: str, record
         raise BuildUnloadable(f"{spec} could not be constructed from the trace's arguments: {exc}") from None
 
 
+def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
+    """Put a trace's starting state (a mid-life attach, a flight-recorder dump) into the build."""
+    from kvreplay.recorder import snapshot
+
+    try:
+        missing = snapshot.restore(pool, state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"the trace's starting snapshot is unreadable: {exc}") from None
+    if missing:
+        raise BuildUnloadable(f"{spec} cannot start from the trace's snapshot: it keeps no "
+                              f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+
+
 class Replayer:
     """One replay of one trace against one build; ``run`` drives it to the end."""
 
@@ -211,8 +224,12 @@ class Replayer:
         self.mode = mode
         self.device = resolve_device(device)
         self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
+        if self.meta.initial_state is not None:
+            restore_snapshot(self.pool, self.meta.initial_state, build)
         self.view = view_of(self.pool, self.meta.family)
         self.checker = InvariantChecker(self.view, full_check_every=full_check_every, keep=keep) if check else None
+        if self.checker is not None and self.meta.initial_state is not None:
+            self.checker.adopt()
         self.capture = NestedCapture(self.pool) if mode == "strict" else None
         self.stop_at_first = stop_at_first
         self.divergences: list[Divergence] = []

@@ -226,6 +226,37 @@ class InvariantChecker:
         if self.swa:
             self.swa_owner = np.zeros(len(self.shadows["swa"].live_tok), dtype=np.int64)
 
+    def adopt(self) -> None:
+        """Start from the pool's state now, for a trace that begins with a snapshot.
+
+        Held pages are the ones not free. Tokens are known live only where the SWA
+        mapping gives them a peer (the snapshot does not say which slots of a held page
+        are in use), so from a snapshot the token-level checks start with those."""
+        for name, sh in self.shadows.items():
+            free = self.view.subs[name].free_pages()
+            owned = np.ones(sh.num_pages + 1, dtype=bool)
+            owned[0] = False
+            owned[free[(free >= 1) & (free <= sh.num_pages)]] = False
+            pending = self.view.pending_pages(name)  # freed in the group in progress: the caller let go
+            owned[pending[(pending >= 1) & (pending <= sh.num_pages)]] = False
+            sh.owned[:] = owned
+            sh.live_tok[:] = False
+            sh.owned_count = int(owned.sum())
+        if self.swa and self.view.mapping is not None:
+            full, swa = self.shadows["full"], self.shadows["swa"]
+            m = to_np(self.view.mapping)[: len(full.live_tok)]
+            toks = np.flatnonzero(m > 0)
+            toks = toks[full.owned[toks // full.ps]]
+            peers = m[toks]
+            ok = swa.in_range(peers)
+            toks, peers = toks[ok], peers[ok]
+            full.live_tok[toks] = True
+            swa.live_tok[peers] = True
+            self.swa_owner[peers] = toks
+        pool = self.view.pool
+        self.in_group = getattr(pool, "is_not_in_free_group", True) is False or \
+            isinstance(getattr(pool, "free_group", None), list)
+
     # -- reporting -------------------------------------------------------------
     def _flag(self, seq: int, method: str, invariant: str, rule: str, sub: str, idx: Any, msg: str,
               detected: int | None = None) -> None:

@@ -60,6 +60,19 @@ class SubPoolView:
                 parts.append(to_np(extra))
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
+    def pending_pages(self) -> np.ndarray:
+        """Pages freed inside the free group in progress, not yet back on the free list."""
+        return _group_pages(self.obj, "free_group", "free_page_ids_group", self.page_size)
+
+
+def _group_pages(obj: Any, tokens_attr: str, pages_attr: str, page_size: int) -> np.ndarray:
+    parts = []
+    for attr, per in ((tokens_attr, page_size), (pages_attr, 1)):
+        pending = getattr(obj, attr, None)
+        if isinstance(pending, list):
+            parts.extend(to_np(x) // per for x in pending)
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
 
 @dataclass
 class PoolView:
@@ -97,6 +110,15 @@ class PoolView:
             return m.item
         mapping = self.mapping
         return lambda i: int(mapping[i])
+
+    def pending_pages(self, name: str) -> np.ndarray:
+        """Pages of sub-pool ``name`` freed in the free group in progress (the SWA pool
+        also defers SWA frees at its top level)."""
+        pages = self.subs[name].pending_pages()
+        if name == "swa":
+            top = _group_pages(self.pool, "swa_free_group", "swa_page_ids_group", self.subs[name].page_size)
+            pages = np.concatenate([pages, top[top > 0]])
+        return pages
 
     def sub_available(self) -> dict[str, int]:
         return {name: sub.available() for name, sub in self.subs.items()}

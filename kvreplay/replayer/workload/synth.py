@@ -139,7 +139,7 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
     if command:
         extra["command"] = command
     t0 = time.perf_counter()
-    rec = record(pool, out, extra=extra)
+    rec = record(pool, out, extra=extra, snapshot=False)  # a new pool: replay builds the same
     try:
         stats = run_model(pool, cfg, sc, progress)
     except AssertionError as exc:
