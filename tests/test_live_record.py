@@ -94,3 +94,25 @@ def test_no_command_or_a_missing_one_is_a_one_line_error(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 2
         assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1
+
+
+def test_record_flight_writes_only_the_last_calls_when_the_server_fails(tmp_path):
+    res = _run(tmp_path, """
+        import sys
+        pool = SWAPool(256, 64, 4, need_sort=False)
+        for _ in range(400):
+            pool.free(pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4))
+        try:
+            pool.free_segment(t(1, 2), start_pos=1)  # not page-aligned: the pool raises
+        except AssertionError:
+            sys.exit(7)
+    """, "--flight", "100", "--json")
+    assert res.returncode == 7, res.stderr
+    traces = json.loads(res.stdout)["traces"]
+    assert len(traces) == 1 and "kvreplay-flight-" in traces[0]
+    dump = TraceReader(traces[0])
+    calls = list(dump.calls(top_level_only=True))
+    assert 100 <= len(calls) < 400 and calls[-1].exc_type == "AssertionError"
+    assert dump.meta.initial_state is not None
+    r = replay(traces[0], "builtin:swa", device="cpu")
+    assert r.divergences == [] and r.calls_replayed == len(calls)

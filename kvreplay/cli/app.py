@@ -540,6 +540,9 @@ def record(
         "Default: sglang's token, paged and SWA allocators."),
     print_env: bool = typer.Option(False, "--print-env",
                                    help="Print the environment variables to set instead of running anything."),
+    flight: int = typer.Option(0, "--flight", help="Flight-recorder mode: keep only each allocator's last N calls "
+                               "in memory and write kvreplay-flight-PID-N.parquet when a call raises or the process "
+                               "gets SIGUSR2 (kill -USR2 PID)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Run a decode server with every allocator it builds recorded.
@@ -556,15 +559,18 @@ def record(
     from kvreplay.recorder.live import record_command, record_env
 
     if print_env:
-        env = record_env(out_dir, classes)
-        keys = ["KVREPLAY_RECORD_DIR", "PYTHONPATH"] + (["KVREPLAY_RECORD_CLASSES"] if classes else [])
+        env = record_env(out_dir, classes, flight=flight)
+        keys = ["KVREPLAY_RECORD_DIR", "PYTHONPATH"] + (["KVREPLAY_RECORD_CLASSES"] if classes else []) + \
+            (["KVREPLAY_FLIGHT"] if flight > 0 else [])
         if as_json:
             _emit_json({k: env[k] for k in keys})
         else:
             for k in keys:
                 out.print(f"export {k}={shlex.quote(env[k])}", markup=False, highlight=False, soft_wrap=True)
         return
-    res = record_command(command or [], out_dir, classes)
+    if flight < 0:
+        raise KvreplayError("--flight N needs N > 0 (the number of calls to keep)")
+    res = record_command(command or [], out_dir, classes, flight=flight)
     if as_json:
         _emit_json(res.to_dict())
     else:

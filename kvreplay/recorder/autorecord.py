@@ -13,6 +13,10 @@ Targets: ``KVREPLAY_RECORD_CLASSES`` (comma-separated ``MODULE:CLASS``), by defa
 sglang's token, paged and SWA allocators. A target module imported later is patched
 when it is imported (an import hook); one already imported is patched at once.
 
+With ``KVREPLAY_FLIGHT=N`` each allocator gets a flight recorder instead, keeping
+its last N calls in memory and writing ``kvreplay-flight-<pid>-<n>.parquet`` only
+when an allocator call raises or the process gets SIGUSR2.
+
 Normal exit and Ctrl-C finish the traces (atexit); SIGTERM does too when the process
 has no handler of its own. Even a process killed outright keeps every batch its
 writer process had received. Any failure here is logged once and disables recording;
@@ -38,6 +42,7 @@ log = logging.getLogger("kvreplay.autorecord")
 DIR_ENV = "KVREPLAY_RECORD_DIR"
 CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
 RANK_ENV = "KVREPLAY_RANK"
+FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
 DEFAULT_CLASSES = (
     "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator",
     "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator",
@@ -162,8 +167,15 @@ def _start(pool: Any) -> None:
         assert _out is not None
         _out.mkdir(parents=True, exist_ok=True)
         rank = _rank()
+        extra = {"autorecord": {"argv": sys.argv[:8]}}
+        flight = int(os.environ.get(FLIGHT_ENV, "0") or 0)
+        if flight > 0:
+            from kvreplay.recorder.flight import flight_recorder
+
+            flight_recorder(pool, _out, calls=flight, rank=rank, extra=extra)
+            return
         name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
-        record(pool, _out / name, rank=rank, extra={"autorecord": {"argv": sys.argv[:8]}},
+        record(pool, _out / name, rank=rank, extra=extra,
                snapshot=False)  # recorded from its constructor: nothing happened before
         _chain_sigterm()
     except Exception:

@@ -188,8 +188,8 @@ class Recording:
     def _failed(self, exc: BaseException) -> None:
         log.error("kvreplay recorder failed; recording disabled", exc_info=exc)
 
-    def close(self) -> Path:
-        """Stop recording, restore the instance's methods, flush and finish the file."""
+    def _stop_capture(self) -> None:
+        """Restore the instance's methods and stop the idle flusher."""
         if self._patched:
             self._engine.active = False
             for obj, name in self._patched:
@@ -200,8 +200,12 @@ class Recording:
             self._patched = []
         _open.discard(self)
         self._stop.set()
-        if self._flusher is not None:
+        if self._flusher is not None and self._flusher is not threading.current_thread():
             self._flusher.join()
+
+    def close(self) -> Path:
+        """Stop recording, restore the instance's methods, flush and finish the file."""
+        self._stop_capture()
         batch = self._engine.take()
         if len(batch):
             self._deliver(batch)

@@ -66,19 +66,45 @@ def _decode(v: Any, device: torch.device | str) -> Any:
     return tuple(items) if v.get("tuple") else items
 
 
-def take(pool: Any) -> dict[str, Any]:
-    """The pool's state now (call it between allocator calls, never inside one)."""
-    state: dict[str, Any] = {}
+def capture(pool: Any) -> dict[str, dict[str, Any]]:
+    """The pool's state now, as copies that stay on the pool's device: no host sync,
+    cheap enough for a flight recorder's periodic snapshot. ``encode`` makes it JSON.
+    Call it between allocator calls, never inside one."""
+    state: dict[str, dict[str, Any]] = {}
     for name, obj in _objects(pool).items():
         attrs = {}
         for key, value in vars(obj).items():
             if key in _SKIP or callable(value) and not isinstance(value, torch.Tensor):
                 continue
-            enc = _encode(value)
-            if enc is not _UNSUPPORTED:
-                attrs[key] = enc
+            copied = _copy(value)
+            if copied is not _UNSUPPORTED:
+                attrs[key] = copied
         state[name] = attrs
-    return {"format": FORMAT, "objects": state}
+    return state
+
+
+def _copy(v: Any) -> Any:
+    if isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, (list, tuple)):
+        items = [_copy(x) for x in v]
+        if any(x is _UNSUPPORTED for x in items):
+            return _UNSUPPORTED
+        return tuple(items) if isinstance(v, tuple) else items
+    return _UNSUPPORTED
+
+
+def encode(captured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A ``capture`` as the JSON a trace's ``initial_state`` holds (copies to the host)."""
+    return {"format": FORMAT, "objects": {name: {k: _encode(v) for k, v in attrs.items()}
+                                          for name, attrs in captured.items()}}
+
+
+def take(pool: Any) -> dict[str, Any]:
+    """``encode(capture(pool))``: the pool's state now, as JSON."""
+    return encode(capture(pool))
 
 
 def restore(pool: Any, snapshot: dict[str, Any]) -> list[str]:
@@ -103,4 +129,4 @@ def restore(pool: Any, snapshot: dict[str, Any]) -> list[str]:
     return missing
 
 
-__all__ = ["FORMAT", "restore", "take"]
+__all__ = ["FORMAT", "capture", "encode", "restore", "take"]
