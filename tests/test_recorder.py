@@ -105,7 +105,7 @@ def test_a_failing_recorder_disables_itself_and_the_program_goes_on(tmp_path, ca
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ProcessTraceWriter, "submit", broken)
+    monkeypatch.setattr(ProcessTraceWriter, "offer", broken)
     first = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
     second = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
     assert first.tolist() == [4, 5, 6, 7] and second.tolist() == [8, 9, 10, 11]

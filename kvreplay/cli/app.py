@@ -246,6 +246,8 @@ def replay(
     device: str = typer.Option("auto", help="auto (cuda when available), cpu or cuda[:N]."),
     full_check_every: int = typer.Option(1000, help="Run the O(pool) checks every N calls (0: only at the end)."),
     stop_first: bool = typer.Option(False, "--stop-first/--go-on", help="Stop at the first violation or divergence."),
+    after_gap: bool = typer.Option(False, "--after-gap", help="For a trace where the recorder lost calls: replay "
+                                   "only the calls after the last gap, from the pool state recorded there."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     no_store: bool = typer.Option(False, "--no-store", help="Do not write the run to the database."),
     git_bisect: bool = typer.Option(False, "--git-bisect", help="For `git bisect run`: bad input exits 128 "
@@ -269,7 +271,8 @@ def replay(
             cb = (lambda done, total: bar.update(task, completed=done, total=total)) if bar else None
             extra = {"timeout_s": timeout} if build.startswith("git:") else {}
             res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
-                                   full_check_every=full_check_every, stop_at_first=stop_first, **extra)
+                                   full_check_every=full_check_every, stop_at_first=stop_first,
+                                   after_gap=after_gap, **extra)
     except KvreplayError as exc:
         if git_bisect and exc.exit_code == EXIT_BAD_INPUT:
             _fail(str(exc), EXIT_ABORT_BISECT)

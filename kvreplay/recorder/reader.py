@@ -18,6 +18,7 @@ from kvreplay.recorder.trace_format import (
     BOOL,
     COUNTERS,
     FLOAT,
+    GAP_TARGET,
     INT,
     INTS,
     NONE,
@@ -73,6 +74,18 @@ class TraceReader:
             yield from self._file.iter_batches(batch_size=batch_size, columns=columns)
         except (pa.ArrowException, OSError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
+
+    def gaps(self) -> list[Call]:
+        """The gap rows (where the recorder lost calls), in order; a cheap column scan
+        first, since almost every trace has none."""
+        found = False
+        for batch in self.iter_batches(columns=["target"]):
+            if GAP_TARGET in batch.column(0).to_pylist():
+                found = True
+                break
+        if not found:
+            return []
+        return [c for c in self.calls(top_level_only=True) if c.target == GAP_TARGET]
 
     def calls(self, *, top_level_only: bool = False, device: str | torch.device = "cpu",
               batch_size: int = 4096) -> Iterator[Call]:

@@ -15,10 +15,12 @@ from __future__ import annotations
 import atexit
 import datetime as _dt
 import inspect
+import json
 import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +40,8 @@ from kvreplay.recorder.capture import (
     default_backend,
 )
 from kvreplay.recorder.row_batch import Names
-from kvreplay.recorder.trace_format import TraceMeta
-from kvreplay.recorder.writer import TraceWriter
+from kvreplay.recorder.trace_format import GapRecord, TraceMeta
+from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of
 from kvreplay.recorder.writer_process import ProcessTraceWriter
 
 log = logging.getLogger("kvreplay.recorder")
@@ -92,6 +94,7 @@ class Recording:
         writer: str | None = None,
         snapshot: bool | None = None,
         flush_s: float = 0.25,
+        max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
     ) -> None:
         from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
 
@@ -110,9 +113,14 @@ class Recording:
             initial_state=pool_snapshot.take(pool) if snapshot else None,
             extra=dict(extra or {}),
         )
+        self.max_queued_rows = max_queued_rows
         self._writer = self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"), path, rows_per_group)
         self._names = Names()
         self._lock = threading.Lock()  # batches reach the writer in call order, from either thread
+        self._gap: GapRecord | None = None  # calls dropped, not yet marked in the trace
+        self._stopped_by: GapRecord | None = None
+        self._last_delivered = -1
+        self.lost_calls = 0
         self._engine = Engine(backend or default_backend(), self._names, self._counter_readers(pool),
                               self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
                               raised=self._raised)
@@ -163,14 +171,38 @@ class Recording:
             self._patched.append((obj, name))
 
     def _open(self, kind: str, path: str | os.PathLike[str], rows_per_group: int) -> Any:
-        return _open_writer(kind, path, self.meta, rows_per_group)
+        return _open_writer(kind, path, self.meta, rows_per_group, self.max_queued_rows)
 
     def _flush(self) -> None:
         with self._lock:
             self._deliver(self._engine.take())
 
     def _deliver(self, batch: RawBatch) -> None:
-        self._writer.submit(batch)
+        """Hand a batch to the writer without ever waiting for it. When its queue is
+        full the batch is dropped, and a gap row (with the pool's state now, right
+        after the dropped calls) goes in ahead of the next batch that fits."""
+        seq, depth = rows_of(batch)
+        top = seq[depth == 0]
+        if not len(top):
+            return
+        if self._gap is not None:
+            if not self._writer.offer(self._gap):
+                self._drop(top, "the trace writer's queue was full")
+                return
+            self._gap = None
+        if self._writer.offer(batch):
+            self._last_delivered = int(top[-1])
+        else:
+            self._drop(top, "the trace writer's queue was full")
+
+    def _drop(self, top_seqs: Any, reason: str) -> None:
+        try:
+            state = json.dumps(pool_snapshot.take(self.pool))
+        except Exception:  # a pool the snapshot cannot read: the gap is still marked
+            state = ""
+        gap = GapRecord(int(top_seqs[0]), int(top_seqs[-1]), len(top_seqs), reason, state, time.time_ns())
+        self._gap = gap if self._gap is None else self._gap.merged(gap)
+        self.lost_calls += len(top_seqs)
 
     def _raised(self) -> None:
         """A top-level call raised: get its row to the writer now (the program may be dying)."""
@@ -187,6 +219,9 @@ class Recording:
 
     def _failed(self, exc: BaseException) -> None:
         log.error("kvreplay recorder failed; recording disabled", exc_info=exc)
+        # Whatever was captured and not yet handed over is gone, and nothing more will be.
+        self._stopped_by = GapRecord(self._last_delivered + 1, -1, -1,
+                                     f"the recorder stopped: {type(exc).__name__}: {exc}", "", time.time_ns())
 
     def _stop_capture(self) -> None:
         """Restore the instance's methods and stop the idle flusher."""
@@ -209,6 +244,10 @@ class Recording:
         batch = self._engine.take()
         if len(batch):
             self._deliver(batch)
+        if self._gap is not None:
+            self._writer.submit(self._gap)
+        if self._stopped_by is not None:
+            self._writer.submit(self._stopped_by)
         return self._writer.close()
 
     def __enter__(self) -> Recording:
@@ -231,18 +270,18 @@ def is_fresh(pool: Any) -> bool:
     return pool_snapshot.take(fresh) == pool_snapshot.take(pool)
 
 
-def _open_writer(kind: str, path: str | os.PathLike[str], meta: TraceMeta,
-                 rows_per_group: int) -> TraceWriter | ProcessTraceWriter:
+def _open_writer(kind: str, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int,
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS) -> TraceWriter | ProcessTraceWriter:
     """``process`` (default): a child process writes the file; ``thread``: a thread
     of this process does (no child, but it competes with the program for the GIL)."""
     if kind == "process":
         try:
-            return ProcessTraceWriter(path, meta, rows_per_group)
+            return ProcessTraceWriter(path, meta, rows_per_group, max_queued_rows)
         except OSError as exc:  # no usable interpreter to start (an embedded Python)
             log.warning("kvreplay: cannot start the writer process (%s); writing from a thread", exc)
     elif kind != "thread":
         raise ValueError(f"unknown trace writer {kind!r}: use 'process' or 'thread'")
-    return TraceWriter(path, meta, rows_per_group)
+    return TraceWriter(path, meta, rows_per_group, max_queued_rows)
 
 
 def record(pool: Any, path: str | os.PathLike[str], **kwargs: Any) -> Recording:

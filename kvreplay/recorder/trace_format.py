@@ -156,6 +156,42 @@ class Call:
         return self.depth == 0
 
 
+# Where the recorder lost calls (its queue was full, the writer failed, the recorder
+# stopped), a row with this target and method stands in for them. Its arguments say
+# how many (``lost_calls``, -1 when unknown), which (``first_seq``..``last_seq``), why
+# (``reason``), and, when the recorder could take one, the pool's state right after
+# them (``state``, snapshot JSON), from which a replay can start.
+GAP_TARGET, GAP_METHOD = "recorder", "gap"
+
+
+@dataclass(frozen=True)
+class GapRecord:
+    first_seq: int
+    last_seq: int
+    lost_calls: int
+    reason: str
+    state: str = ""  # snapshot JSON after the lost calls, or "" if none was taken
+    t_ns: int = 0
+
+    def merged(self, later: GapRecord) -> GapRecord:
+        n = -1 if self.lost_calls < 0 or later.lost_calls < 0 else self.lost_calls + later.lost_calls
+        return GapRecord(self.first_seq, later.last_seq, n, later.reason, later.state or self.state, later.t_ns)
+
+    def to_table(self) -> pa.Table:
+        def arg(name: str, kind: str, **v: Any) -> dict[str, Any]:
+            return {"name": name, "kind": kind, **v}
+
+        row = {
+            "seq": self.last_seq, "parent": -1, "depth": 0, "target": GAP_TARGET, "method": GAP_METHOD,
+            "t_start_ns": self.t_ns, "t_end_ns": self.t_ns,
+            "args": [arg("lost_calls", INT, i=self.lost_calls), arg("first_seq", INT, i=self.first_seq),
+                     arg("last_seq", INT, i=self.last_seq), arg("reason", STR, s=self.reason[:2000]),
+                     arg("state", STR, s=self.state)],
+            "result": {"kind": NONE},
+        }
+        return pa.Table.from_pylist([row], schema=SCHEMA)
+
+
 @dataclass(frozen=True)
 class Opaque:
     """A value kvreplay could not record losslessly; replay refuses to pass it on."""

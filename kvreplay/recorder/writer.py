@@ -10,16 +10,33 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvreplay.recorder.batch_table import RawBatch
-from kvreplay.recorder.trace_format import PARQUET_OPTIONS, SCHEMA, TraceMeta
+from kvreplay.recorder.batch_table import ROW_WIDTH, RawBatch
+from kvreplay.recorder.trace_format import GAP_TARGET, PARQUET_OPTIONS, SCHEMA, GapRecord, TraceMeta
 
 STOP = object()  # the queue item that ends a writer thread
+
+
+def rows_of(item: RawBatch | GapRecord) -> tuple[np.ndarray, np.ndarray]:
+    """(seq, depth) of a batch's rows, read straight from its buffer."""
+    if isinstance(item, GapRecord):
+        return np.array([item.last_seq]), np.array([1])  # a lost gap row loses no call of its own
+    rows = np.frombuffer(item.rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
+    return rows[:, 0], rows[:, 2]
+
+
+def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    depth = table.column("depth").to_numpy().astype(np.int64)
+    target = table.column("target").to_pylist()
+    depth[[t == GAP_TARGET for t in target]] = 1  # gap rows are not calls
+    return table.column("seq").to_numpy(), depth
 
 
 class ParquetSink:
@@ -36,23 +53,50 @@ class ParquetSink:
                                         **PARQUET_OPTIONS)
         self._pending: list[pa.Table] = []
         self._rows = 0
+        self._gap: GapRecord | None = None  # lost calls not yet marked in the file
+        self.lost_calls = 0
 
-    def add(self, batch: RawBatch) -> None:
-        table = batch.to_table()
+    def add(self, item: RawBatch | GapRecord) -> None:
+        """Queue a batch (or a gap) for the file. A batch that cannot be converted or
+        written becomes a gap row: the calls are lost, the trace says so and goes on."""
+        try:
+            table = item.to_table()
+        except Exception as exc:
+            self._lose(rows_of(item), exc)
+            return
         self._pending.append(table)
         self._rows += table.num_rows
         if self._rows >= self.rows_per_group:
             self._flush()
 
+    def _lose(self, seqs_depths: tuple[np.ndarray, np.ndarray], exc: BaseException) -> None:
+        seq, depth = seqs_depths
+        top = seq[depth == 0]
+        gap = GapRecord(int(top[0]) if len(top) else -1, int(top[-1]) if len(top) else -1, len(top),
+                        f"trace writer: {type(exc).__name__}: {exc}", "", time.time_ns())
+        self.lost_calls += len(top)
+        self._gap = gap if self._gap is None else self._gap.merged(gap)
+
     def _flush(self) -> None:
+        if self._gap is not None:
+            self._pending.insert(0, self._gap.to_table())  # the gap goes where the lost calls were
+            self._gap = None
         if self._pending:
             table = pa.concat_tables(self._pending)
             self._pending, self._rows = [], 0
-            self._writer.write_table(table, row_group_size=table.num_rows)
+            try:
+                self._writer.write_table(table, row_group_size=table.num_rows)
+            except Exception as exc:  # e.g. the disk is full: these rows are lost, later ones may not be
+                self._lose(_table_rows(table), exc)
+                return
             self.rows_written += table.num_rows
 
     def finish(self) -> Path:
         self._flush()
+        if self._gap is not None:  # the last write failed: one more try for its gap row
+            self._pending.append(self._gap.to_table())
+            self._gap = None
+            self._flush()
         self._writer.close()
         os.replace(self.tmp, self.path)
         return self.path
@@ -65,21 +109,46 @@ class ParquetSink:
             pass
 
 
+DEFAULT_MAX_QUEUED_ROWS = 1 << 18  # about 64 default batches (~50 MB) waiting for the writer
+
+
 class QueuedWriter:
     """What both writers share: batches queue up for one daemon thread (``_run``);
-    ``_drain`` ends it once, after everything queued before it."""
+    ``_drain`` ends it once, after everything queued before it.
+
+    The queue is bounded in rows: ``offer`` refuses a batch that would overflow it
+    (the recording marks a gap and the program never waits); ``submit`` always queues."""
 
     thread_name = "kvreplay-writer"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS) -> None:
         self.path = Path(path)
         self.error: BaseException | None = None
+        self.max_queued_rows = max_queued_rows
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queued_rows = 0
+        self._count_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
-    def submit(self, batch: RawBatch) -> None:
-        self._queue.put(batch)
+    def offer(self, item: RawBatch | GapRecord) -> bool:
+        rows = _row_count(item)
+        with self._count_lock:
+            if self._queued_rows + rows > self.max_queued_rows:
+                return False
+            self._queued_rows += rows
+        self._queue.put((item, rows))
+        return True
+
+    def submit(self, item: RawBatch | GapRecord) -> None:
+        rows = _row_count(item)
+        with self._count_lock:
+            self._queued_rows += rows
+        self._queue.put((item, rows))
+
+    def _taken(self, rows: int) -> None:
+        with self._count_lock:
+            self._queued_rows -= rows
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -94,27 +163,38 @@ class QueuedWriter:
         return True
 
 
+def _row_count(item: RawBatch | GapRecord) -> int:
+    return 1 if isinstance(item, GapRecord) else len(item.rows) * item_size(item.rows) // (8 * ROW_WIDTH)
+
+
+def item_size(buf: Any) -> int:
+    return getattr(buf, "itemsize", 1)  # bytes from the C engine, array('q') from the Python one
+
+
 class TraceWriter(QueuedWriter):
     """Writes submitted batches from a daemon thread of the recording process.
 
     The thread competes with the recorded program for the GIL while it builds Arrow
     columns; ``ProcessTraceWriter`` avoids that and is the default."""
 
-    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS) -> None:
+        super().__init__(path, max_queued_rows)
         self._sink = ParquetSink(path, meta, rows_per_group)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is STOP:
+            got = self._queue.get()
+            if got is STOP:
                 return
+            item, rows = got
             if self.error is None:
                 try:
-                    self._sink.add(item)
+                    self._sink.add(item)  # a batch it cannot write becomes a gap row
                 except BaseException as exc:  # keep the recorded program alive; close() reports it
                     self.error = exc
+            self._taken(rows)
 
     def close(self) -> Path:
         """Flush everything queued, finish the file and move it to its final name."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvreplay.recorder.trace_format import TraceMeta
-from kvreplay.recorder.writer import STOP, QueuedWriter
+from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter
 
 _LEN = struct.Struct("<Q")
 
@@ -37,8 +37,9 @@ class ProcessTraceWriter(QueuedWriter):
 
     thread_name = "kvreplay-sender"
 
-    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS) -> None:
+        super().__init__(path, max_queued_rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvreplay.recorder.writer_process", str(self.path)],
@@ -49,15 +50,17 @@ class ProcessTraceWriter(QueuedWriter):
             env={**{k: v for k, v in os.environ.items() if k != "KVREPLAY_RECORD_DIR"},
                  "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
-        self._queue.put((meta, rows_per_group))
+        self._queue.put(((meta, rows_per_group), 0))
         self._thread.start()
 
     def _run(self) -> None:
         pipe = self._proc.stdin
         assert pipe is not None
         while True:
-            item = self._queue.get()
+            got = self._queue.get()
             buffers: list[pickle.PickleBuffer] = []
+            item, rows = (got, 0) if got is STOP else got
+            self._taken(rows)  # out of the queue: the pipe (and the child) hold it now
             if item is STOP:
                 payload = b""
             elif self.error is not None:

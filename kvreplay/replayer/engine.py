@@ -8,6 +8,7 @@ so a build with another free-slot policy replays; only semantic differences coun
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -20,7 +21,7 @@ import torch
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput, BuildUnloadable
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.recording import COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
-from kvreplay.recorder.trace_format import Call, Opaque
+from kvreplay.recorder.trace_format import GAP_TARGET, Call, Opaque
 from kvreplay.replayer import builds
 from kvreplay.replayer.invariants import ALLOCS, InvariantChecker, Violation
 from kvreplay.replayer.pool_view import view_of
@@ -197,6 +198,28 @@ def load_build(spec: str, family: str, ctor: dict[str, Any], device: str, record
         raise BuildUnloadable(f"{spec} could not be constructed from the trace's arguments: {exc}") from None
 
 
+def _start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, Any] | None]:
+    """(replay calls with seq above this, state to start from). A trace with gaps
+    (calls the recorder lost) replays only from after its last gap, from the pool
+    state recorded there, and only when asked to."""
+    gaps = reader.gaps()
+    if not gaps:
+        return -1, reader.meta.initial_state
+    last = gaps[-1]
+    lost = sum(g.args.get("lost_calls", 0) for g in gaps if g.args.get("lost_calls", 0) > 0)
+    where = f"{len(gaps)} gap(s) where the recorder lost calls ({lost or 'an unknown number'} lost; last: " \
+            f"{last.args.get('reason', '?')})"
+    if not after_gap:
+        raise BadInput(f"{reader.path.name} has {where}; replay --after-gap starts after the last one")
+    if not last.args.get("state"):
+        raise BadInput(f"{reader.path.name} has {where}; the last gap has no pool snapshot to start from")
+    try:
+        state = json.loads(last.args["state"])
+    except ValueError:
+        raise BadInput(f"{reader.path.name}: the last gap's pool snapshot is unreadable") from None
+    return last.seq, state
+
+
 def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
     """Put a trace's starting state (a mid-life attach, a flight-recorder dump) into the build."""
     from kvreplay.recorder import snapshot
@@ -215,20 +238,21 @@ class Replayer:
 
     def __init__(self, trace: str | Path, build: str, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
-                 keep: int = 20) -> None:
+                 keep: int = 20, after_gap: bool = False) -> None:
         if mode not in MODES:
             raise BadInput(f"unknown mode {mode!r}; use strict or remap")
         self.reader = TraceReader(trace)
         self.meta = self.reader.meta
+        self.start_after, start_state = _start_point(self.reader, after_gap)
         self.build_spec = build
         self.mode = mode
         self.device = resolve_device(device)
         self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
-        if self.meta.initial_state is not None:
-            restore_snapshot(self.pool, self.meta.initial_state, build)
+        if start_state is not None:
+            restore_snapshot(self.pool, start_state, build)
         self.view = view_of(self.pool, self.meta.family)
         self.checker = InvariantChecker(self.view, full_check_every=full_check_every, keep=keep) if check else None
-        if self.checker is not None and self.meta.initial_state is not None:
+        if self.checker is not None and start_state is not None:
             self.checker.adopt()
         self.capture = NestedCapture(self.pool) if mode == "strict" else None
         self.stop_at_first = stop_at_first
@@ -389,6 +413,8 @@ class Replayer:
         stopped = False
         rows = 0
         for tc in calls if calls is not None else top_calls(self.reader, device=self.device):
+            if tc.call.seq <= self.start_after or tc.call.target == GAP_TARGET:
+                continue
             self.step(tc)
             last_seq = tc.call.seq
             rows += 1 + len(tc.nested)

@@ -1,0 +1,159 @@
+"""Fault injection: whatever goes wrong in the recorder, the recorded program runs on
+with the same results, and the trace marks the calls it lost."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from kvreplay.errors import BadInput
+from kvreplay.recorder.batch_table import RawBatch
+from kvreplay.recorder.reader import TraceReader
+from kvreplay.recorder.recording import record
+from kvreplay.recorder.trace_format import GAP_TARGET
+from kvreplay.recorder.writer import ParquetSink
+from kvreplay.replayer.engine import replay
+from kvreplay.replayer.pools import SWAPool
+from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
+
+CFG = SynthConfig(scenario="disagg-mtp", out="unused.parquet", requests=120, full_size=512, swa_size=256)
+
+
+def _model(recorded: dict | None, path=None):
+    pool = SWAPool(512, 256, 4, need_sort=True)
+    rec = record(pool, path, **recorded) if recorded is not None else None
+    stats = run_model(pool, CFG, SCENARIOS["disagg-mtp"])
+    if rec is not None:
+        rec.close()
+    return stats, rec
+
+
+@pytest.fixture(scope="module")
+def unrecorded():
+    return _model(None)[0]
+
+
+@pytest.fixture(scope="module")
+def all_calls(tmp_path_factory):
+    """Top-level calls of the model, from a recording nothing went wrong with."""
+    path = tmp_path_factory.mktemp("clean") / "t.parquet"
+    _model(dict(writer="thread"), path)
+    return len(_calls(path))
+
+
+def _accounted(path, all_calls: int) -> None:
+    """Every call is either in the trace or counted by a gap that covers its place."""
+    gaps, seqs = _gaps(path), [c.seq for c in _calls(path)]
+    assert len(seqs) + sum(g.args["lost_calls"] for g in gaps) == all_calls
+    for g in gaps:
+        assert not any(g.args["first_seq"] <= s <= g.args["last_seq"] for s in seqs)
+
+
+def _gaps(path):
+    return TraceReader(path).gaps()
+
+
+def _calls(path):
+    return [c for c in TraceReader(path).calls(top_level_only=True) if c.target != GAP_TARGET]
+
+
+def test_a_full_writer_queue_drops_calls_without_blocking_and_marks_the_gap(tmp_path, monkeypatch, unrecorded,
+                                                                            all_calls):
+    import time
+
+    slow_add = ParquetSink.add
+
+    def slow(self, item):
+        time.sleep(0.02)  # a writer that cannot keep up
+        slow_add(self, item)
+
+    monkeypatch.setattr(ParquetSink, "add", slow)
+    path = tmp_path / "t.parquet"
+    stats, rec = _model(dict(writer="thread", rows_per_batch=16, max_queued_rows=64), path)
+    assert stats == unrecorded  # the program saw no difference
+    gaps = _gaps(path)
+    assert rec.lost_calls > 0 and gaps
+    assert sum(g.args["lost_calls"] for g in gaps) == rec.lost_calls
+    _accounted(path, all_calls)
+    assert all(g.args["state"] for g in gaps) and "queue was full" in gaps[0].args["reason"]
+
+    with pytest.raises(BadInput, match="gap"):
+        replay(path, "builtin:swa", device="cpu")
+    r = replay(path, "builtin:swa", device="cpu", after_gap=True)
+    after = [c for c in _calls(path) if c.seq > gaps[-1].seq]
+    assert r.calls_replayed == len(after) and r.status == "clean", (r.first_violation, r.first_divergence)
+
+
+def test_a_writer_that_raises_on_a_batch_loses_only_that_batch(tmp_path, monkeypatch, unrecorded, all_calls):
+    real = RawBatch.to_table
+    seen = {"n": 0}
+
+    def flaky(self):
+        seen["n"] += 1
+        if seen["n"] == 3:
+            raise ValueError("injected conversion failure")
+        return real(self)
+
+    monkeypatch.setattr(RawBatch, "to_table", flaky)
+    path = tmp_path / "t.parquet"
+    stats, _ = _model(dict(writer="thread", rows_per_batch=64), path)
+    assert stats == unrecorded
+    gaps = _gaps(path)
+    assert len(gaps) == 1 and "injected conversion failure" in gaps[0].args["reason"]
+    assert gaps[0].args["lost_calls"] > 0
+    _accounted(path, all_calls)
+    with pytest.raises(BadInput, match="no pool snapshot"):  # the writer cannot snapshot the pool
+        replay(path, "builtin:swa", device="cpu", after_gap=True)
+
+
+def test_a_full_disk_loses_the_row_group_it_could_not_write_and_the_trace_goes_on(tmp_path, monkeypatch,
+                                                                                  unrecorded, all_calls):
+    real = pq.ParquetWriter.write_table
+    seen = {"n": 0}
+
+    def full(self, table, *a, **k):
+        seen["n"] += 1
+        if seen["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, table, *a, **k)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", full)
+    path = tmp_path / "t.parquet"
+    pool = SWAPool(512, 256, 4, need_sort=True)
+    rec = record(pool, path, writer="thread", rows_per_group=256)
+    stats = run_model(pool, CFG, SCENARIOS["disagg-mtp"])
+    rec.close()
+    assert stats == unrecorded
+    gaps = _gaps(path)
+    assert len(gaps) == 1 and "No space left" in gaps[0].args["reason"] and gaps[0].args["lost_calls"] > 0
+    assert len(_calls(path)) > 100  # the row groups before and after are there
+    _accounted(path, all_calls)
+
+
+def test_a_recorder_that_stops_says_so_at_the_end_of_its_trace(tmp_path, monkeypatch):
+    from kvreplay.recorder.writer import TraceWriter
+
+    pool = SWAPool(64, 32, 4, need_sort=False)
+    rec = record(pool, tmp_path / "t.parquet", writer="thread", rows_per_batch=1)
+    import torch
+
+    t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
+
+    def broken(*a, **k):
+        raise OSError("writer gone")
+
+    monkeypatch.setattr(TraceWriter, "offer", broken)
+    second = pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4)
+    assert second.tolist() == [8, 9, 10, 11]
+    monkeypatch.undo()
+    rec.close()
+    gaps = _gaps(tmp_path / "t.parquet")
+    assert len(gaps) == 1 and gaps[0].args["lost_calls"] == -1 and "writer gone" in gaps[0].args["reason"]
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(tmp_path / "t.parquet"),
+                          "--build", "builtin:swa", "--no-store"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "gap" in res.stderr and res.stderr.count("\n") == 1
