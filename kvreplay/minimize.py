@@ -132,31 +132,26 @@ class Dependencies:
 
     def without(self, kept: list[int], drop: Sequence[int]) -> list[int]:
         """``kept`` less ``drop`` and everything that depends on a dropped call."""
-        gone: set[int] = set()
-        todo = list(drop)
-        while todo:
-            i = todo.pop()
-            if i in gone:
-                continue
-            gone.add(i)
-            todo.extend(self.users[i])
-            if i in self.partner:
-                todo.append(self.partner[i])
+        gone = self._reach(drop, self.users)
         return [i for i in kept if i not in gone]
 
     def cone(self, i: int) -> set[int]:
         """Call ``i`` and every call it transitively depends on (group partners included)."""
-        out: set[int] = set()
-        todo = [i]
+        return self._reach([i], self.needs)
+
+    def _reach(self, start: Sequence[int], edges: Sequence[Any]) -> set[int]:
+        """``start`` and all reachable from it along ``edges`` and free-group pairs."""
+        seen: set[int] = set()
+        todo = list(start)
         while todo:
-            j = todo.pop()
-            if j in out:
+            i = todo.pop()
+            if i in seen:
                 continue
-            out.add(j)
-            todo.extend(self.needs[j])
-            if j in self.partner:
-                todo.append(self.partner[j])
-        return out
+            seen.add(i)
+            todo.extend(edges[i])
+            if i in self.partner:
+                todo.append(self.partner[i])
+        return seen
 
     def groups(self, kept: list[int]) -> list[list[int]]:
         """``kept`` split into groups tied by dependencies (union-find), in trace order."""

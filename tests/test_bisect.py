@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from kvreplay.bisect import bisect, build_candidates, git_candidates
-from kvreplay.replayer.workload.synth import SynthConfig, synthesize
 
 N_COMMITS = 30  # after the good root commit
 BROKEN_AT = 15  # this commit does not import; the next one mends it
@@ -71,16 +70,14 @@ def history(tmp_path_factory):
     return repo, commits
 
 
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    out = tmp_path_factory.mktemp("t") / "t.parquet"
-    synthesize(SynthConfig(scenario="disagg-mtp", out=out, requests=80, full_size=512, swa_size=256))
-    return out
+@pytest.fixture
+def trace(swa_trace_80):
+    return swa_trace_80
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+def _cache(git_tree_cache):
+    pass
 
 
 def test_bisect_names_the_culprit_within_the_replay_budget_and_skips_the_broken_commit(history, trace, tmp_path):

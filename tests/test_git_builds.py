@@ -9,7 +9,6 @@ import sys
 import pytest
 
 from kvreplay.replayer.engine import replay
-from kvreplay.replayer.workload.synth import SynthConfig, synthesize
 
 GOOD = "from kvreplay.replayer.pools.swa import SWAPool as Pool\n"
 BUGGY = "from kvreplay.replayer.pools.variants import StaleTailSWAPool as Pool\n"
@@ -38,16 +37,14 @@ def repo(tmp_path_factory):
     return repo
 
 
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    out = tmp_path_factory.mktemp("t") / "t.parquet"
-    synthesize(SynthConfig(scenario="disagg-mtp", out=out, requests=80, full_size=512, swa_size=256))
-    return out
+@pytest.fixture
+def trace(swa_trace_80):
+    return swa_trace_80
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("KVREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+def _cache(git_tree_cache):
+    pass
 
 
 def test_two_revisions_replay_in_their_own_processes(repo, trace):

@@ -36,19 +36,33 @@ def _objects(pool: Any) -> dict[str, Any]:
     return out
 
 
-def _encode(v: Any) -> Any:
+def _walk(v: Any, tensor: Any, seq: Any) -> Any:
+    """``v`` rebuilt with ``tensor(t)`` for each tensor and ``seq(items, was_tuple)`` for
+    each list or tuple; _UNSUPPORTED when anything in it is not plain state."""
     if isinstance(v, _SCALARS):
         return v
     if isinstance(v, torch.Tensor):
-        a = v.detach().to("cpu").contiguous().numpy()
-        return {"tensor": str(v.dtype).removeprefix("torch."), "shape": list(a.shape),
-                "z": base64.b64encode(zlib.compress(a.tobytes(), 1)).decode()}
+        return tensor(v)
     if isinstance(v, (list, tuple)):
-        items = [_encode(x) for x in v]
+        items = [_walk(x, tensor, seq) for x in v]
         if any(x is _UNSUPPORTED for x in items):
             return _UNSUPPORTED
-        return {"list": items, "tuple": isinstance(v, tuple)}
+        return seq(items, isinstance(v, tuple))
     return _UNSUPPORTED
+
+
+def _tensor_json(v: torch.Tensor) -> dict[str, Any]:
+    a = v.detach().to("cpu").contiguous().numpy()
+    return {"tensor": str(v.dtype).removeprefix("torch."), "shape": list(a.shape),
+            "z": base64.b64encode(zlib.compress(a.tobytes(), 1)).decode()}
+
+
+def _encode(v: Any) -> Any:
+    return _walk(v, _tensor_json, lambda items, was_tuple: {"list": items, "tuple": was_tuple})
+
+
+def _copy(v: Any) -> Any:
+    return _walk(v, lambda t: t.detach().clone(), lambda items, was_tuple: tuple(items) if was_tuple else items)
 
 
 _UNSUPPORTED = object()
@@ -81,19 +95,6 @@ def capture(pool: Any) -> dict[str, dict[str, Any]]:
                 attrs[key] = copied
         state[name] = attrs
     return state
-
-
-def _copy(v: Any) -> Any:
-    if isinstance(v, _SCALARS):
-        return v
-    if isinstance(v, torch.Tensor):
-        return v.detach().clone()
-    if isinstance(v, (list, tuple)):
-        items = [_copy(x) for x in v]
-        if any(x is _UNSUPPORTED for x in items):
-            return _UNSUPPORTED
-        return tuple(items) if isinstance(v, tuple) else items
-    return _UNSUPPORTED
 
 
 def encode(captured: dict[str, dict[str, Any]]) -> dict[str, Any]:
