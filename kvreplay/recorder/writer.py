@@ -164,11 +164,8 @@ class QueuedWriter:
 
 
 def _row_count(item: RawBatch | GapRecord) -> int:
-    return 1 if isinstance(item, GapRecord) else len(item.rows) * item_size(item.rows) // (8 * ROW_WIDTH)
-
-
-def item_size(buf: Any) -> int:
-    return getattr(buf, "itemsize", 1)  # bytes from the C engine, array('q') from the Python one
+    # rows is bytes (C engine) or array('q') (Python engine): count bytes either way
+    return 1 if isinstance(item, GapRecord) else memoryview(item.rows).nbytes // (8 * ROW_WIDTH)
 
 
 class TraceWriter(QueuedWriter):
