@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvreplay.recorder.reader import TraceReader
-from kvreplay.recorder.trace_format import TraceMeta
+from kvreplay.recorder.trace_format import GAP_METHOD, TraceMeta
 
 _COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
             "available", "full_available", "swa_available"]
@@ -78,6 +78,13 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     notes = []
     if rows == 0:
         notes.append("trace holds no calls")
+    if meta.initial_state is not None:
+        notes.append("starts from a snapshot of a pool already in use (attach or flight-recorder dump)")
+    if methods.get(GAP_METHOD):
+        gaps = reader.gaps()
+        lost = sum(max(0, g.args.get("lost_calls", 0)) for g in gaps)
+        notes.append(f"{len(gaps)} gap(s): the recorder lost {lost or 'an unknown number of'} calls "
+                     f"(last: {gaps[-1].args.get('reason', '?')}); replay with --after-gap")
     size = reader.file_size
     return TraceSummary(
         path=str(reader.path), meta=asdict(meta), rows=rows, top_level_calls=top, nested_calls=rows - top,
