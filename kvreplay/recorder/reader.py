@@ -23,6 +23,7 @@ from kvreplay.recorder.trace_format import (
     INTS,
     NONE,
     OPAQUE,
+    PART_GLOB,
     SCHEMA,
     SCHEMA_VERSION,
     SEGMENTS,
@@ -40,12 +41,15 @@ class TraceReader:
         if not self.path.exists():
             raise TraceFormatError(f"{self.path}: no such file")
         if self.path.is_dir():
-            raise TraceFormatError(f"{self.path}: is a directory, not a trace file")
-        try:
-            self._file = pq.ParquetFile(str(self.path))
-        except (pa.ArrowException, OSError) as exc:
-            raise TraceFormatError(f"{self.path}: not a readable Parquet file ({_first_line(exc)})") from None
-        md = self._file.schema_arrow.metadata or {}
+            self.parts = sorted(self.path.glob(PART_GLOB))
+            if not self.parts:
+                raise TraceFormatError(f"{self.path}: is a directory without trace parts ({PART_GLOB}), "
+                                       "not a trace")
+        else:
+            self.parts = [self.path]
+        self._files = [self._open(p) for p in self.parts]
+        first = self._files[0]
+        md = first.schema_arrow.metadata or {}
         try:
             self.meta = TraceMeta.from_parquet_metadata(md)
         except (KeyError, ValueError, UnicodeDecodeError):
@@ -57,21 +61,29 @@ class TraceReader:
                 f"{self.path}: trace schema version {self.meta.schema_version} is newer than this "
                 f"kvreplay reads (up to {SCHEMA_VERSION}); upgrade kvreplay"
             )
-        missing = [f.name for f in SCHEMA if f.name not in self._file.schema_arrow.names]
-        if missing:
-            raise TraceFormatError(f"{self.path}: trace lacks columns {', '.join(missing)}")
+        for part, f in zip(self.parts, self._files, strict=True):
+            missing = [fl.name for fl in SCHEMA if fl.name not in f.schema_arrow.names]
+            if missing:
+                raise TraceFormatError(f"{part}: trace lacks columns {', '.join(missing)}")
+
+    def _open(self, part: Path) -> pq.ParquetFile:
+        try:
+            return pq.ParquetFile(str(part))
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceFormatError(f"{part}: not a readable Parquet file ({_first_line(exc)})") from None
 
     @property
     def num_rows(self) -> int:
-        return self._file.metadata.num_rows
+        return sum(f.metadata.num_rows for f in self._files)
 
     @property
     def file_size(self) -> int:
-        return self.path.stat().st_size
+        return sum(p.stat().st_size for p in self.parts)
 
     def iter_batches(self, columns: list[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         try:
-            yield from self._file.iter_batches(batch_size=batch_size, columns=columns)
+            for f in self._files:
+                yield from f.iter_batches(batch_size=batch_size, columns=columns)
         except (pa.ArrowException, OSError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
 

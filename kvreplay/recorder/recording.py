@@ -95,6 +95,8 @@ class Recording:
         snapshot: bool | None = None,
         flush_s: float = 0.25,
         max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
+        rotate_rows: int = 0,
+        rotate_s: float = 0.0,
     ) -> None:
         from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
 
@@ -114,6 +116,7 @@ class Recording:
             extra=dict(extra or {}),
         )
         self.max_queued_rows = max_queued_rows
+        self.rotation = (rotate_rows, rotate_s)  # either > 0: PATH is a directory of closed parts
         self._writer = self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"), path, rows_per_group)
         self._names = Names()
         self._lock = threading.Lock()  # batches reach the writer in call order, from either thread
@@ -171,7 +174,7 @@ class Recording:
             self._patched.append((obj, name))
 
     def _open(self, kind: str, path: str | os.PathLike[str], rows_per_group: int) -> Any:
-        return _open_writer(kind, path, self.meta, rows_per_group, self.max_queued_rows)
+        return _open_writer(kind, path, self.meta, rows_per_group, self.max_queued_rows, *self.rotation)
 
     def _flush(self) -> None:
         with self._lock:
@@ -271,17 +274,18 @@ def is_fresh(pool: Any) -> bool:
 
 
 def _open_writer(kind: str, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int,
-                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS) -> TraceWriter | ProcessTraceWriter:
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, part_rows: int = 0,
+                 part_s: float = 0.0) -> TraceWriter | ProcessTraceWriter:
     """``process`` (default): a child process writes the file; ``thread``: a thread
     of this process does (no child, but it competes with the program for the GIL)."""
     if kind == "process":
         try:
-            return ProcessTraceWriter(path, meta, rows_per_group, max_queued_rows)
+            return ProcessTraceWriter(path, meta, rows_per_group, max_queued_rows, part_rows, part_s)
         except OSError as exc:  # no usable interpreter to start (an embedded Python)
             log.warning("kvreplay: cannot start the writer process (%s); writing from a thread", exc)
     elif kind != "thread":
         raise ValueError(f"unknown trace writer {kind!r}: use 'process' or 'thread'")
-    return TraceWriter(path, meta, rows_per_group, max_queued_rows)
+    return TraceWriter(path, meta, rows_per_group, max_queued_rows, part_rows, part_s)
 
 
 def record(pool: Any, path: str | os.PathLike[str], **kwargs: Any) -> Recording:

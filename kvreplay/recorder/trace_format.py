@@ -156,6 +156,15 @@ class Call:
         return self.depth == 0
 
 
+# A trace recorded with rotation is a directory of closed parts, read in name order
+# as one trace; the first part's metadata is the trace's.
+PART_GLOB = "part-*.parquet"
+
+
+def part_name(n: int) -> str:
+    return f"part-{n:06d}.parquet"
+
+
 # Where the recorder lost calls (its queue was full, the writer failed, the recorder
 # stopped), a row with this target and method stands in for them. Its arguments say
 # how many (``lost_calls``, -1 when unknown), which (``first_seq``..``last_seq``), why

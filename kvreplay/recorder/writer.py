@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvreplay.recorder.batch_table import ROW_WIDTH, RawBatch
-from kvreplay.recorder.trace_format import GAP_TARGET, PARQUET_OPTIONS, SCHEMA, GapRecord, TraceMeta
+from kvreplay.recorder.trace_format import GAP_TARGET, PARQUET_OPTIONS, SCHEMA, GapRecord, TraceMeta, part_name
 
 STOP = object()  # the queue item that ends a writer thread
 
@@ -41,20 +42,63 @@ def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 class ParquetSink:
     """Turns batches into row groups of about ``rows_per_group`` rows in ``NAME.tmp``;
-    ``finish()`` closes the file and moves it to its final name."""
+    ``finish()`` closes the file and moves it to its final name.
 
-    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384) -> None:
+    With rotation (``part_rows`` or ``part_s``), NAME is a directory of parts
+    ``part-NNNNNN.parquet``, each closed and renamed once it holds ``part_rows`` rows or
+    has been open ``part_s`` seconds: a part under its final name is complete, so a
+    writer that dies (with its process, or of a full disk) loses only the open part."""
+
+    def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
+                 part_rows: int = 0, part_s: float = 0.0) -> None:
         self.path = Path(path)
+        self.meta = meta
         self.rows_per_group = rows_per_group
+        self.part_rows = part_rows
+        self.part_s = part_s
+        self.rotating = part_rows > 0 or part_s > 0
         self.rows_written = 0
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(meta.to_parquet_metadata()),
-                                        **PARQUET_OPTIONS)
+        self.parts = 0
+        if self.rotating:
+            if self.path.exists() and not self.path.is_dir():
+                raise FileExistsError(f"{self.path} is a file; a rotated trace is a directory of parts")
+            self.path.mkdir(parents=True, exist_ok=True)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer: pq.ParquetWriter | None = None
+        self._open_part()
         self._pending: list[pa.Table] = []
         self._rows = 0
         self._gap: GapRecord | None = None  # lost calls not yet marked in the file
         self.lost_calls = 0
+
+    def _open_part(self) -> None:
+        if self.rotating:
+            self.target = self.path / part_name(self.parts)
+            meta = self.meta if self.parts == 0 else replace(self.meta, initial_state=None)
+        else:
+            self.target, meta = self.path, self.meta
+        self.tmp = self.target.with_name(self.target.name + ".tmp")
+        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(meta.to_parquet_metadata()),
+                                        **PARQUET_OPTIONS)
+        self._part_t0 = time.monotonic()
+        self._part_rows_written = 0
+
+    def _close_part(self) -> None:
+        assert self._writer is not None
+        self._writer.close()
+        os.replace(self.tmp, self.target)
+        self.parts += 1
+
+    def _rotate_if_due(self) -> None:
+        if not self.rotating or not (self._part_rows_written or self._rows):
+            return
+        full = self.part_rows and self._part_rows_written + self._rows >= self.part_rows
+        old = self.part_s and time.monotonic() - self._part_t0 >= self.part_s
+        if full or old:
+            self._flush()
+            self._close_part()
+            self._open_part()
 
     def add(self, item: RawBatch | GapRecord) -> None:
         """Queue a batch (or a gap) for the file. A batch that cannot be converted or
@@ -68,6 +112,7 @@ class ParquetSink:
         self._rows += table.num_rows
         if self._rows >= self.rows_per_group:
             self._flush()
+        self._rotate_if_due()
 
     def _lose(self, seqs_depths: tuple[np.ndarray, np.ndarray], exc: BaseException) -> None:
         seq, depth = seqs_depths
@@ -90,6 +135,7 @@ class ParquetSink:
                 self._lose(_table_rows(table), exc)
                 return
             self.rows_written += table.num_rows
+            self._part_rows_written += table.num_rows
 
     def finish(self) -> Path:
         self._flush()
@@ -97,8 +143,12 @@ class ParquetSink:
             self._pending.append(self._gap.to_table())
             self._gap = None
             self._flush()
-        self._writer.close()
-        os.replace(self.tmp, self.path)
+        if self.rotating and self.parts and not self._part_rows_written:
+            assert self._writer is not None
+            self._writer.close()  # the part opened after the last rotation got nothing: drop it
+            self.tmp.unlink(missing_ok=True)
+            return self.path
+        self._close_part()
         return self.path
 
     def abort(self) -> None:
@@ -175,9 +225,9 @@ class TraceWriter(QueuedWriter):
     columns; ``ProcessTraceWriter`` avoids that and is the default."""
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
-                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS) -> None:
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, part_rows: int = 0, part_s: float = 0.0) -> None:
         super().__init__(path, max_queued_rows)
-        self._sink = ParquetSink(path, meta, rows_per_group)
+        self._sink = ParquetSink(path, meta, rows_per_group, part_rows, part_s)
         self._thread.start()
 
     def _run(self) -> None:

@@ -38,7 +38,7 @@ class ProcessTraceWriter(QueuedWriter):
     thread_name = "kvreplay-sender"
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
-                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS) -> None:
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, part_rows: int = 0, part_s: float = 0.0) -> None:
         super().__init__(path, max_queued_rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._proc = subprocess.Popen(
@@ -50,7 +50,7 @@ class ProcessTraceWriter(QueuedWriter):
             env={**{k: v for k, v in os.environ.items() if k != "KVREPLAY_RECORD_DIR"},
                  "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
-        self._queue.put(((meta, rows_per_group), 0))
+        self._queue.put(((meta, rows_per_group, part_rows, part_s), 0))
         self._thread.start()
 
     def _run(self) -> None:
@@ -139,8 +139,8 @@ def main(argv: list[str]) -> int:
     first = _read_frame(src)
     if first is None:
         return 0  # the recording never started
-    meta, rows_per_group = pickle.loads(first[0])
-    sink = ParquetSink(argv[0], meta, rows_per_group)
+    meta, rows_per_group, part_rows, part_s = pickle.loads(first[0])
+    sink = ParquetSink(argv[0], meta, rows_per_group, part_rows, part_s)
     try:
         while (frame := _read_frame(src)) is not None and frame[0]:
             sink.add(pickle.loads(frame[0], buffers=frame[1]))

@@ -21,10 +21,18 @@ from kvreplay.store.models import Build, DivergenceRow, Run, Trace, ViolationRow
 
 
 def file_hash(path: str | Path) -> str:
+    """Content hash of a trace file, or of a rotated trace's parts in order."""
+    from kvreplay.recorder.trace_format import PART_GLOB
+
+    path = Path(path)
+    files = sorted(path.glob(PART_GLOB)) if path.is_dir() else [path]
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for part in files:
+        if path.is_dir():
+            h.update(part.name.encode() + b"\0")
+        with open(part, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 
