@@ -85,7 +85,8 @@ def synth(
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Drive a pool the way an SGLang decode server does and record the trace.
+    """Drive a pool the way an SGLang decode server does and record the
+    trace.
 
     Example: kvreplay synth disagg-mtp --requests 2000 -o /tmp/t.parquet
     """
@@ -120,7 +121,9 @@ def inspect(
     trace: Path = typer.Argument(..., help="Trace file (Parquet)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    """Describe a trace: pool config, calls per method, time span, peak usage, size."""
+    """Describe a trace: pool config, calls per method, time span, peak
+    usage, size.
+    """
     from kvreplay.recorder.summary import summarize
 
     s = summarize(trace)
@@ -152,7 +155,9 @@ def inspect(
 
 @app.command("builds")
 def list_builds(as_json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
-    """List the pool builds kvreplay can construct (builtin pools and bug variants)."""
+    """List the pool builds kvreplay can construct (builtin pools and bug
+    variants).
+    """
     from kvreplay.replayer.builds import BUILTINS
 
     rows = [{"spec": f"builtin:{b.name}", "family": b.family, "summary": b.summary} for b in BUILTINS.values()]
@@ -258,10 +263,12 @@ def replay(
 ) -> None:
     """Replay a trace on a build, check every invariant, store the run.
 
-    Exit 0 when clean, 1 on a violation or divergence, 125 when the build cannot be tested
-    (it does not load, its worker crashed or timed out: git bisect run skips it). With
-    git bisect: `git bisect run kvreplay replay T.parquet --build git:.@HEAD:pkg.mod:Pool --no-store --git-bisect`.
-    A git: build runs in its own process; if it crashes or hangs the run says so.
+    Exit 0 when clean, 1 on a violation or divergence, 125 when the build
+    cannot be tested (it does not load, its worker crashed or timed out:
+    git bisect run skips it). With git bisect: `git bisect run kvreplay
+    replay T.parquet --build git:.@HEAD:pkg.mod:Pool --no-store
+    --git-bisect`. A git: build runs in its own process; if it crashes or
+    hangs the run says so.
     """
     from kvreplay.workflows import replay_and_store
 
@@ -352,14 +359,16 @@ def bisect_cmd(
 ) -> None:
     """Find the first commit (or build) where a trace starts failing.
 
-    Binary search over the first-parent commits after --good up to --bad, each replayed
-    as a git: build in its own process. A step is good when clean, bad when it shows the
-    failure the bad end shows (same invariant, or same divergence kind), and skipped when
-    it cannot be tested (unloadable, crashed, timeout) or fails differently. Results are
-    stored, so bisecting the same trace again replays nothing it has seen.
+    Binary search over the first-parent commits after --good up to --bad,
+    each replayed as a git: build in its own process. A step is good when
+    clean, bad when it shows the failure the bad end shows (same
+    invariant, or same divergence kind), and skipped when it cannot be
+    tested (unloadable, crashed, timeout) or fails differently. Results
+    are stored, so bisecting the same trace again replays nothing it has
+    seen.
 
-    Exit 0 when the first bad commit (or a range, when skips hide it) is named, 1 when
-    --good already fails, 2 on bad input.
+    Exit 0 when the first bad commit (or a range, when skips hide it) is
+    named, 1 when --good already fails, 2 on bad input.
     """
     from kvreplay.bisect import bisect, build_candidates, git_candidates
 
@@ -422,12 +431,14 @@ def minimize(
 ) -> None:
     """Shrink a failing trace to a few calls that still fail the same way.
 
-    Keeps the failure (same invariant on the same kind of method, or the same
-    divergence kind) while removing calls by delta debugging. Removing an allocation
-    removes the calls that name its slots; free groups stay balanced; the result is
-    re-recorded on the build, so it replays strict. --emit-test writes a pytest file that
-    builds the pool, makes the calls and asserts the invariant; run it on another build
-    with KVREPLAY_BUILD=... Exit 0 when written, 2 on bad input (e.g. a clean trace).
+    Keeps the failure (same invariant on the same kind of method, or the
+    same divergence kind) while removing calls by delta debugging.
+    Removing an allocation removes the calls that name its slots; free
+    groups stay balanced; the result is re-recorded on the build, so it
+    replays strict. --emit-test writes a pytest file that builds the pool,
+    makes the calls and asserts the invariant; run it on another build
+    with KVREPLAY_BUILD=... Exit 0 when written, 2 on bad input (e.g. a
+    clean trace).
     """
     from kvreplay.minimize import minimize as run_minimize
 
@@ -460,7 +471,8 @@ def runs(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
-    """List stored replay runs, newest first."""
+    """List stored replay runs, newest first.
+    """
     from kvreplay.store.db import open_store
     from kvreplay.store.runs import list_runs, run_to_dict
 
@@ -488,7 +500,8 @@ def show(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
-    """Show one stored run: its violations and divergences."""
+    """Show one stored run: its violations and divergences.
+    """
     from kvreplay.store.db import open_store
     from kvreplay.store.runs import get_run, run_to_dict
 
@@ -550,15 +563,19 @@ def record(
 ) -> None:
     """Run a decode server with every allocator it builds recorded.
 
-    Every Python process the command starts (sglang's scheduler subprocesses too)
-    records each allocator it constructs into OUT as kvreplay-PID[-RANK]-N.parquet.
-    Ctrl-C and SIGTERM are passed to the command; traces are finished on exit.
-    Exits with the command's exit code.
+    Every Python process the command starts (sglang's scheduler
+    subprocesses too) records each allocator it constructs into OUT as
+    kvreplay-PID[-RANK]-N.parquet. Ctrl-C and SIGTERM are passed to the
+    command; traces are finished on exit. Exits with the command's exit
+    code.
 
-    Example: kvreplay record --out traces/live -- python -m sglang.launch_server --model-path ...
+    Example: kvreplay record --out traces/live -- python -m
+    sglang.launch_server --model-path ...
 
-    Launching servers your own way: kvreplay record --out DIR --print-env prints the
-    variables (KVREPLAY_RECORD_DIR, PYTHONPATH) to export instead."""
+    Launching servers your own way: kvreplay record --out DIR --print-env
+    prints the variables (KVREPLAY_RECORD_DIR, PYTHONPATH) to export
+    instead.
+    """
     from kvreplay.recorder.live import record_command, record_env
 
     if print_env:
@@ -597,11 +614,14 @@ def corpus_ci(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
-    """Replay every corpus trace on a build and hold it to the manifest's expectations.
+    """Replay every corpus trace on a build and hold it to the manifest's
+    expectations.
 
-    Exit 0 only when every expectation holds: a trace the manifest says is clean must
-    replay clean, and a known-bad one must show its violations (an unexpected clean
-    replay fails too). Traces of another pool family are skipped."""
+    Exit 0 only when every expectation holds: a trace the manifest says is
+    clean must replay clean, and a known-bad one must show its violations
+    (an unexpected clean replay fails too). Traces of another pool family
+    are skipped.
+    """
     from kvreplay.corpus_ci import junit_xml, markdown_summary, ok, run_corpus
 
     def show(r: Any, done: int, total: int) -> None:
@@ -643,7 +663,9 @@ def corpus_add(
     max_mb: float = typer.Option(5.0, "--max-mb", help="Refuse traces larger than this."),
     as_json: bool = typer.Option(False, "--json", help="Print the new manifest entry as JSON."),
 ) -> None:
-    """Copy a trace into the corpus, replay it, and record provenance and expectations."""
+    """Copy a trace into the corpus, replay it, and record provenance and
+    expectations.
+    """
     from kvreplay.corpus import add_trace
 
     entry = add_trace(trace, name, corpus, builds or None, force=force, max_mb=max_mb)
@@ -663,7 +685,9 @@ def corpus_check(
     max_mb: float = typer.Option(5.0, "--max-mb", help="Largest trace allowed."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Every file readable and unchanged, every entry backed by a file, sizes within the limit."""
+    """Every file readable and unchanged, every entry backed by a file, sizes
+    within the limit.
+    """
     from kvreplay.corpus import check_corpus
 
     res = check_corpus(corpus, max_mb)
@@ -684,8 +708,10 @@ def demo(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
-    """The main job end to end: synth a disagg-mtp trace, replay it on builtin:swa
-    (clean) and builtin:swa@stale-tail (caught at the source call), show the stored run."""
+    """The main job end to end: synth a disagg-mtp trace, replay it on
+    builtin:swa (clean) and builtin:swa@stale-tail (caught at the source
+    call), show the stored run.
+    """
     from kvreplay.workflows import demo as run_demo
 
     res = run_demo(db=db, out_dir=out_dir, requests=requests,
