@@ -236,3 +236,39 @@ def test_the_native_capture_engine_is_built_and_is_the_default(backend):
     from kvreplay.recorder.capture import default_backend
 
     assert default_backend() == backend
+
+
+def test_device_copies_are_collected_by_the_writer_and_hold_the_value_at_call_time(tmp_path, monkeypatch):
+    """The path CUDA tensors take (a copy the writer waits for, never the caller),
+    forced on for CPU tensors that go through the encoder: same rows as copying on
+    the spot, and a tensor changed after the call is recorded as it was."""
+    from kvreplay.recorder import row_batch
+
+    values = [torch.arange(12).reshape(3, 4)[:, 1], torch.arange(40)[::3], torch.tensor([[1, 2], [3, 4]])[:, 0]]
+    made = []
+    real_init = row_batch.DeviceCopy.__init__
+
+    def counted(self, t):
+        made.append(1)
+        real_init(self, t)
+
+    monkeypatch.setattr(row_batch.DeviceCopy, "__init__", counted)
+    tables = []
+    for defer in (False, True):
+        monkeypatch.setattr(row_batch, "DEFER_ALL", defer)
+        pool = EchoPool(64)
+        rec = record(pool, tmp_path / f"{defer}.parquet", rows_per_batch=2)
+        native = rec.backend == "native"  # the Python engine copies every CPU tensor inline
+        for v in values:
+            pool.alloc(v.clone()[::1] if v.is_contiguous() else v)
+        changing = torch.arange(20)[::2].clone()[::1]
+        strided = torch.zeros(20, dtype=torch.int64)[::2]
+        strided.copy_(changing)
+        pool.alloc(strided)
+        strided.fill_(-7)  # after the call: the trace keeps what the call saw
+        rec.close()
+        tables.append(pq.read_table(tmp_path / f"{defer}.parquet", columns=CALL_COLUMNS))
+        got = list(TraceReader(tmp_path / f"{defer}.parquet").calls())
+        assert got[-1].result.tolist() == list(range(0, 20, 2))
+    assert tables[0].equals(tables[1])
+    assert (len(made) > 0) == native

@@ -76,7 +76,7 @@ def test_reader_streams_in_batches_and_never_reads_the_whole_file(tmp_path):
     w.close()
     r = TraceReader(path)
     assert r.num_rows == 10_000
-    assert r._file.metadata.num_row_groups == 10
+    assert r._files[0].metadata.num_row_groups == 10
     it = r.iter_batches(batch_size=256)
     first = next(it)
     assert first.num_rows == 256

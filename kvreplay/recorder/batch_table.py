@@ -19,6 +19,9 @@ from kvreplay.recorder.trace_format import ARG_TYPE, SCHEMA, VALUE_KINDS, VALUE_
 
 # Value kind codes: positions in VALUE_KINDS (the native capture uses the same numbers).
 K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_TENSOR, K_INTS, K_SEGMENTS, K_OPAQUE = range(9)
+# In capture buffers only: a tensor whose elements are still on their way from the
+# device; its object (``device_values()``) delivers them. ``resolve`` makes it K_TENSOR.
+K_DEFERRED = 9
 assert VALUE_KINDS[K_OPAQUE] == "opaque" and VALUE_KINDS[K_TENSOR] == "tensor"
 
 VALUE_WIDTH = 7  # kind, i, dtype id, device id, shape length, data length, name id
@@ -39,9 +42,33 @@ class RawValues:
     def __init__(self, head: Any, shape: Any, data: Any, objs: list[Any]) -> None:
         self.head, self.shape, self.data, self.objs = head, shape, data, objs
 
+    def resolve(self) -> None:
+        """Put the elements of deferred device copies into ``data``, waiting for each
+        copy to land. Runs on the writer's side (its thread, the sender thread, a
+        flight dump), never on the recorded program's thread."""
+        if not self.objs or not any(callable(getattr(o, "device_values", None)) for o in self.objs):
+            return
+        h = np.frombuffer(self.head, dtype=np.int64).reshape(-1, VALUE_WIDTH).copy()
+        deferred = np.flatnonzero(h[:, 0] == K_DEFERRED)
+        ndata = h[:, 5]
+        starts = np.cumsum(ndata) - ndata  # where each value's elements go once all are present
+        data = np.frombuffer(self.data, dtype=np.int64)
+        pieces, prev, missing = [], 0, 0
+        for r in deferred:
+            at = int(starts[r]) - missing  # in data as captured, deferred values are absent
+            values = self.objs[h[r, 1]].device_values()
+            pieces += [data[prev:at], values]
+            prev, missing = at, missing + int(ndata[r])
+            self.objs[h[r, 1]] = None
+            h[r, 0], h[r, 1] = K_TENSOR, 0
+        pieces.append(data[prev:])
+        self.data = np.concatenate(pieces).astype(np.int64, copy=False).tobytes()
+        self.head = h.tobytes()
+
     # PickleBuffer: with protocol 5 and a buffer_callback the buffers travel out of
     # band, so the writer process receives them without a copy into the pickle.
     def __getstate__(self) -> tuple[Any, ...]:
+        self.resolve()
         buffers = (pickle.PickleBuffer(self.head), pickle.PickleBuffer(self.shape), pickle.PickleBuffer(self.data))
         return (*buffers, self.objs)
 
@@ -51,6 +78,7 @@ class RawValues:
     def struct(self, strings: pa.Array, with_names: bool, order: np.ndarray | None = None) -> pa.StructArray:
         """The Arrow struct array of every value, in the order they were put, or
         permuted by ``order`` (done on the flat buffers, far cheaper than an Arrow take)."""
+        self.resolve()
         h = np.frombuffer(self.head, dtype=np.int64).reshape(-1, VALUE_WIDTH)
         kind, ival, dtype, device, nshape, ndata = (h[:, k] for k in range(6))
         # A 1-D tensor or int list has shape (n,) and keeps nothing in self.shape.

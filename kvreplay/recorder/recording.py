@@ -93,7 +93,7 @@ class Recording:
         backend: str | None = None,
         writer: str | None = None,
         snapshot: bool | None = None,
-        flush_s: float = 0.25,
+        flush_s: float = 0.1,
         max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
         rotate_rows: int = 0,
         rotate_s: float = 0.0,

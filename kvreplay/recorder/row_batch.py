@@ -19,6 +19,7 @@ import torch
 
 from kvreplay.recorder.batch_table import (
     K_BOOL,
+    K_DEFERRED,
     K_FLOAT,
     K_INT,
     K_INTS,
@@ -120,6 +121,36 @@ class ValueBuffer:
 
 Encoded = tuple[int, int, int, int, int, int, tuple[int, ...], bytes, Any]
 _NO_DATA = b""
+# Tests set this to send CPU tensors that take the encoder (not the inline copies)
+# through the device-copy path too, so it is exercised without a GPU.
+DEFER_ALL = False
+
+
+class DeviceCopy:
+    """An index tensor's value, copied off its device without making the caller wait.
+
+    On CUDA: a non-blocking copy into pinned host memory, queued on the current
+    stream, so it holds the value as of the call even if later kernels change the
+    tensor, and an event recorded after it. ``device_values()`` waits on the event:
+    the writer's thread calls it, never the recorded program's."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        flat = t.detach().reshape(-1)
+        if flat.device.type == "cuda":
+            self.host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.event: Any = torch.cuda.Event()
+            self.event.record()
+        else:  # CPU (DEFER_ALL in tests) or a device without events: an ordinary copy
+            self.host = flat.to("cpu", copy=True)
+            self.event = None
+
+    def device_values(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy().astype(np.int64, copy=False)
 
 
 def encode(v: Any, names: Names) -> Encoded:
@@ -134,8 +165,11 @@ def encode(v: Any, names: Names) -> Encoded:
         dtype = names.int_dtypes.get(v.dtype)
         if dtype is None:  # floating point or complex: not an index tensor
             return (K_OPAQUE, 0, names.dtype(v.dtype), -1, 0, 0, (), _NO_DATA, f"{v.dtype} tensor {tuple(v.shape)}")
-        host = v.detach().reshape(-1).cpu().numpy().astype(np.int64)
         nd = v.dim()
+        if v.device.type != "cpu" or DEFER_ALL:  # no host sync: the writer collects the copy later
+            return (K_DEFERRED, 0, dtype, names.device(v.device), nd, v.numel(),
+                    () if nd == 1 else tuple(v.shape), _NO_DATA, DeviceCopy(v))
+        host = v.detach().reshape(-1).cpu().numpy().astype(np.int64)
         return (K_TENSOR, 0, dtype, names.device(v.device), nd, len(host),
                 () if nd == 1 else tuple(v.shape), host.tobytes(), None)
     if v is None:
