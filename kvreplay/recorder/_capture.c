@@ -85,6 +85,7 @@ typedef struct {
     int depth;
     int64_t stack_target[MAX_DEPTH], stack_seq[MAX_DEPTH];
     int active, in_group;
+    int in_flight; /* recorded calls between their first argument and their finished row */
 } Capture;
 
 typedef struct {
@@ -428,7 +429,12 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
     }
     int64_t seq = c->next_seq++;
     int64_t parent = c->depth ? c->stack_seq[c->depth - 1] : -1;
+    /* From its first argument to its finished row a call is in flight: take_if_idle
+     * from another thread must not split it (counter reads in finish_row run Python
+     * code, where the GIL can pass to that thread). */
+    c->in_flight++;
     if (put_args(c, w, args, nargs, kwnames) < 0) {
+        c->in_flight--;
         capture_fail(c);
         return PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
     }
@@ -438,16 +444,23 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
     int64_t t0 = now_ns();
     PyObject *result = PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
     c->depth--;
-    if (!c->active) return result; /* disabled while this call was in progress */
+    if (!c->active) { /* disabled while this call was in progress */
+        c->in_flight--;
+        return result;
+    }
     if (result) {
-        if (finish_row(c, w, seq, parent, t0, result, NULL) < 0) capture_fail(c);
+        int bad = finish_row(c, w, seq, parent, t0, result, NULL) < 0;
+        c->in_flight--;
+        if (bad) capture_fail(c);
         return result;
     }
     PyObject *tp, *exc, *tb;
     PyErr_Fetch(&tp, &exc, &tb);
     PyErr_NormalizeException(&tp, &exc, &tb);
     if (tb) PyException_SetTraceback(exc, tb);
-    if (finish_row(c, w, seq, parent, t0, NULL, exc) < 0) capture_fail(c);
+    int bad = finish_row(c, w, seq, parent, t0, NULL, exc) < 0;
+    c->in_flight--;
+    if (bad) capture_fail(c);
     PyErr_Restore(tp, exc, tb); /* the program's exception, unchanged */
     return NULL;
 }
@@ -615,7 +628,7 @@ static PyObject *capture_take(Capture *c, PyObject *unused) {
 /* take(), but only between top-level calls (None inside one, or when nothing is
  * pending): another thread can flush without splitting a call's rows. */
 static PyObject *capture_take_if_idle(Capture *c, PyObject *unused) {
-    if (c->depth || c->rows.len == 0) Py_RETURN_NONE;
+    if (c->depth || c->in_flight || c->rows.len == 0) Py_RETURN_NONE;
     return capture_take(c, NULL);
 }
 

@@ -24,7 +24,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from kvreplay.recorder.trace_format import TraceMeta
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter
@@ -50,6 +50,7 @@ class ProcessTraceWriter(QueuedWriter):
             env={**{k: v for k, v in os.environ.items() if k != "KVREPLAY_RECORD_DIR"},
                  "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
+        _widen(self._proc.stdin)
         self._queue.put(((meta, rows_per_group, part_rows, part_s), 0))
         self._thread.start()
 
@@ -97,6 +98,20 @@ class ProcessTraceWriter(QueuedWriter):
         return self.path
 
 
+PIPE_BYTES = 1 << 20
+
+
+def _widen(pipe: Any) -> None:
+    """A larger pipe buffer (Linux): what sits in the kernel's pipe survives the death
+    of the recorded process, what still waits in its queue does not."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(pipe.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (OSError, ImportError, AttributeError, ValueError):
+        pass  # not Linux, or above /proc/sys/fs/pipe-max-size: the default buffer still works
+
+
 def _read_exact(src: BinaryIO, n: int) -> bytearray | None:
     out = bytearray(n)
     view, got = memoryview(out), 0
@@ -130,11 +145,8 @@ def _read_frame(src: BinaryIO) -> tuple[bytes, list[bytearray]] | None:
 def main(argv: list[str]) -> int:
     from kvreplay.recorder.writer import ParquetSink
 
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-
+    # Not niced: the crash-safety promise (calls a second old are with this process)
+    # holds only while it keeps up with the recorded program.
     src = sys.stdin.buffer
     first = _read_frame(src)
     if first is None:
