@@ -275,3 +275,33 @@ def test_device_copies_are_collected_by_the_writer_and_hold_the_value_at_call_ti
         assert got[-1].result.tolist() == list(range(0, 20, 2))
     assert tables[0].equals(tables[1])
     assert (len(made) > 0) == native
+
+
+def test_torchs_c_shim_reads_tensors_as_python_does(tmp_path, backend):
+    """The native engine reads tensors through torch's C shim when it can verify it;
+    the rows must be those of the Python reads, for every kind of tensor it meets."""
+    if backend != "native":
+        pytest.skip("only the native engine uses the shim")
+    from test_trace_format import VALUES
+
+    from kvreplay.recorder import _capture, capture, tensor_shim
+
+    if sys.platform == "linux":  # where the wheels put libtorch_cpu.so: it must be found and pass
+        assert capture.TENSOR_SHIM
+    values = [*VALUES, *ODD_VALUES, torch.arange(10)[:0], torch.tensor(5), torch.zeros(2, 0, dtype=torch.int32),
+              torch.arange(24).reshape(2, 3, 4).transpose(0, 2), [(torch.arange(4).reshape(2, 2).t(), 1)]]
+    tables = []
+    try:
+        for shim in (True, False):
+            if not shim:
+                _capture.set_tensor_shim(0, (), {}, 0)
+            pool = EchoPool(64)
+            rec = record(pool, tmp_path / f"{shim}.parquet")
+            for v in values:
+                pool.alloc(v)
+            rec.close()
+            tables.append(pq.read_table(tmp_path / f"{shim}.parquet", columns=CALL_COLUMNS))
+    finally:
+        capture.TENSOR_SHIM = tensor_shim.install(_capture)
+    assert tables[0].num_rows == len(values)
+    assert tables[0].equals(tables[1])

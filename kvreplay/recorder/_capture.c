@@ -24,6 +24,7 @@
 #define ROW_WIDTH 11
 #define MAX_DEPTH 64
 #define NULL_COUNTER INT64_MIN
+#define MAX_SCALAR_CODE 64 /* torch's ScalarType codes are below this */
 
 enum { K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_TENSOR, K_INTS, K_SEGMENTS, K_OPAQUE };
 enum { FINISH_CALL, FINISH_READ, FINISH_GROUP_BEGIN, FINISH_GROUP_END };
@@ -86,6 +87,9 @@ typedef struct {
     int64_t stack_target[MAX_DEPTH], stack_seq[MAX_DEPTH];
     int active, in_group;
     int in_flight; /* recorded calls between their first argument and their finished row */
+    int64_t code_dtype[MAX_SCALAR_CODE]; /* shim scalar type code -> dtype id, -1: not an index dtype */
+    int code_elem[MAX_SCALAR_CODE];
+    int use_shim;
 } Capture;
 
 typedef struct {
@@ -101,6 +105,31 @@ typedef struct {
 
 static PyObject *s_dtype, *s_is_cpu, *s_is_contiguous, *s_dim, *s_numel, *s_data_ptr, *s_shape, *s_name;
 static PyTypeObject *TensorType; /* torch.Tensor, set by set_tensor_type */
+
+/* torch's stable C shim (the aoti_torch_* functions libtorch exports for compiled
+ * models): reading a tensor's dtype, device, contiguity, size and data pointer through
+ * it costs a few nanoseconds each, where the same six Python attribute reads and
+ * method calls cost ~350 ns per tensor, most of the recorder's time on the decode
+ * model. A tensor object holds its at::Tensor at a fixed offset; capture.py finds it
+ * (checked against torch._C._tensor_impl_raw_handle), resolves the functions and
+ * verifies them on sample tensors before handing them over with set_tensor_shim.
+ * Without it (another torch, another platform) the Python reads are used. */
+typedef int32_t (*shim_i32_fn)(void *, int32_t *);
+typedef int32_t (*shim_i64_fn)(void *, int64_t *);
+typedef int32_t (*shim_bool_fn)(void *, unsigned char *);
+typedef int32_t (*shim_ptr_fn)(void *, void **);
+typedef int32_t (*shim_sizes_fn)(void *, int64_t **);
+static struct {
+    int on;
+    Py_ssize_t offset; /* of the at::Tensor inside a torch.Tensor object */
+    shim_i32_fn dtype, device_type;
+    shim_bool_fn is_contiguous;
+    shim_i64_fn dim, numel;
+    shim_ptr_fn data_ptr;
+    shim_sizes_fn sizes;
+    int32_t cpu_type;
+    PyObject *codes; /* dict torch.dtype -> scalar type code */
+} shim;
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -126,8 +155,24 @@ typedef struct {
 
 /* Returns 1 when v is a contiguous CPU integer tensor (view filled), 0 when it needs
  * the Python encoder, -1 on error. */
+static int tensor_view_shim(Capture *c, PyObject *v, TensorView *tv) {
+    void *h = (char *)v + shim.offset;
+    int32_t code, dev;
+    unsigned char contig;
+    if (shim.dtype(h, &code) || code < 0 || code >= MAX_SCALAR_CODE || c->code_dtype[code] < 0) return 0;
+    if (shim.device_type(h, &dev) || dev != shim.cpu_type) return 0;
+    if (shim.is_contiguous(h, &contig) || !contig) return 0;
+    void *ptr = NULL;
+    if (shim.dim(h, &tv->nd) || shim.numel(h, &tv->n) || (tv->n && shim.data_ptr(h, &ptr))) return 0;
+    tv->dtype_id = c->code_dtype[code];
+    tv->elem = c->code_elem[code];
+    tv->src = ptr;
+    return 1;
+}
+
 static int tensor_view(Capture *c, PyObject *v, TensorView *tv) {
     if (!TensorType || !Py_IS_TYPE(v, TensorType)) return 0;
+    if (c->use_shim) return tensor_view_shim(c, v, tv);
     PyObject *dt = PyObject_GetAttr(v, s_dtype);
     if (!dt) return -1;
     PyObject *entry = PyDict_GetItemWithError(c->dtypes, dt);
@@ -176,7 +221,11 @@ static int put_tensor(Capture *c, Values *vals, PyObject *v, int64_t name) {
     TensorView tv;
     int ok = tensor_view(c, v, &tv);
     if (ok <= 0) return ok;
-    if (tv.nd != 1) {
+    if (tv.nd != 1 && c->use_shim) {
+        int64_t *sizes;
+        if (shim.sizes((char *)v + shim.offset, &sizes)) return 0;
+        if (buf_push(&vals->shape, sizes, tv.nd) < 0) return -1;
+    } else if (tv.nd != 1) {
         PyObject *shape = PyObject_GetAttr(v, s_shape);
         if (!shape) return -1;
         PyObject *seq = PySequence_Fast(shape, "shape");
@@ -518,6 +567,23 @@ static void values_free(Values *v) {
     Py_CLEAR(v->objs);
 }
 
+/* The shim reports dtypes as scalar type codes: map each to this capture's dtype id
+ * and element code (its dtypes dict is keyed by torch.dtype). */
+static int fill_codes(Capture *c) {
+    for (int k = 0; k < MAX_SCALAR_CODE; k++) c->code_dtype[k] = -1;
+    PyObject *dt, *entry;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(c->dtypes, &pos, &dt, &entry)) {
+        PyObject *code = PyDict_GetItemWithError(shim.codes, dt);
+        if (!code) return PyErr_Occurred() ? -1 : 0;
+        long k = PyLong_AsLong(code);
+        if (k < 0 || k >= MAX_SCALAR_CODE) { PyErr_Clear(); return -1; }
+        c->code_dtype[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0));
+        c->code_elem[k] = (int)PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dtypes", "cpu_id", "name_ids", "name_id", "slow_put", "counters", "flush",
                              "flush_rows", "fail", "flush_ns", "raised", NULL};
@@ -544,6 +610,7 @@ static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     c->fail = Py_NewRef(fail);
     c->raised = Py_NewRef(raised);
     c->cpu_id = cpu_id;
+    c->use_shim = shim.on && fill_codes(c) == 0;
     c->flush_rows = flush_rows;
     c->flush_ns = flush_ns;
     c->active = 1;
@@ -693,8 +760,66 @@ static PyObject *set_tensor_type(PyObject *mod, PyObject *tp) {
     Py_RETURN_NONE;
 }
 
+/* set_tensor_shim(offset, (dtype, device_type, is_contiguous, dim, numel, data_ptr, sizes),
+ *                 codes, cpu_type): function addresses as ints; offset 0 switches it off.
+ * Captures built afterwards use it. */
+static PyObject *set_tensor_shim(PyObject *mod, PyObject *args) {
+    Py_ssize_t offset;
+    PyObject *fns, *codes;
+    int cpu_type;
+    if (!PyArg_ParseTuple(args, "nO!O!i", &offset, &PyTuple_Type, &fns, &PyDict_Type, &codes, &cpu_type)) return NULL;
+    if (offset <= 0) {
+        shim.on = 0;
+        Py_RETURN_NONE;
+    }
+    if (PyTuple_GET_SIZE(fns) != 7 || !TensorType || offset + (Py_ssize_t)sizeof(void *) > TensorType->tp_basicsize) {
+        PyErr_SetString(PyExc_ValueError, "set_tensor_shim: 7 functions and an offset inside torch.Tensor");
+        return NULL;
+    }
+    void *f[7];
+    for (int k = 0; k < 7; k++) {
+        f[k] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fns, k));
+        if (!f[k]) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "set_tensor_shim: null function");
+            return NULL;
+        }
+    }
+    shim.dtype = (shim_i32_fn)f[0];
+    shim.device_type = (shim_i32_fn)f[1];
+    shim.is_contiguous = (shim_bool_fn)f[2];
+    shim.dim = (shim_i64_fn)f[3];
+    shim.numel = (shim_i64_fn)f[4];
+    shim.data_ptr = (shim_ptr_fn)f[5];
+    shim.sizes = (shim_sizes_fn)f[6];
+    shim.offset = offset;
+    shim.cpu_type = cpu_type;
+    Py_XSETREF(shim.codes, Py_NewRef(codes));
+    shim.on = 1;
+    Py_RETURN_NONE;
+}
+
+/* What the shim sees in one tensor, for capture.py's check before it trusts it:
+ * (dtype code, device type, contiguous, dim, numel, data pointer, sizes) or None. */
+static PyObject *shim_probe(PyObject *mod, PyObject *v) {
+    if (!shim.on || !TensorType || !Py_IS_TYPE(v, TensorType)) Py_RETURN_NONE;
+    void *h = (char *)v + shim.offset;
+    int32_t code, dev;
+    unsigned char contig;
+    int64_t nd, n, *sizes;
+    void *ptr = NULL;
+    if (shim.dtype(h, &code) || shim.device_type(h, &dev) || shim.is_contiguous(h, &contig) || shim.dim(h, &nd)
+        || shim.numel(h, &n) || shim.data_ptr(h, &ptr) || shim.sizes(h, &sizes)) Py_RETURN_NONE;
+    PyObject *shape = PyTuple_New(nd);
+    if (!shape) return NULL;
+    for (int64_t k = 0; k < nd; k++) PyTuple_SET_ITEM(shape, k, PyLong_FromLongLong(sizes[k]));
+    return Py_BuildValue("iiiLLKN", code, dev, (int)contig, (long long)nd, (long long)n,
+                         (unsigned long long)(uintptr_t)ptr, shape);
+}
+
 static PyMethodDef module_methods[] = {
     {"set_tensor_type", set_tensor_type, METH_O, "tell the module which type is torch.Tensor"},
+    {"set_tensor_shim", set_tensor_shim, METH_VARARGS, "read tensors through torch's C shim"},
+    {"shim_probe", shim_probe, METH_O, "what the shim reads from one tensor"},
     {NULL},
 };
 
