@@ -7,6 +7,7 @@ import errno
 import subprocess
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -110,28 +111,59 @@ def test_a_writer_that_raises_on_a_batch_loses_only_that_batch(tmp_path, monkeyp
         replay(path, "builtin:swa", device="cpu", after_gap=True)
 
 
-def test_a_full_disk_loses_the_row_group_it_could_not_write_and_the_trace_goes_on(tmp_path, monkeypatch,
-                                                                                  unrecorded, all_calls):
-    real = pq.ParquetWriter.write_table
-    seen = {"n": 0}
+class _FullDisk:
+    """pyarrow's ParquetWriter as a full disk leaves it: the write that fails raises
+    ENOSPC and closes the writer, so every later write on it fails too (what a real
+    full tmpfs does), and the file under it has no footer."""
 
-    def full(self, table, *a, **k):
-        seen["n"] += 1
-        if seen["n"] == 2:
+    def __init__(self, monkeypatch, fail_at: set[int]):
+        self.real, self.n, self.fail_at, self.dead = pq.ParquetWriter.write_table, 0, fail_at, set()
+        monkeypatch.setattr(pq.ParquetWriter, "write_table", self)
+
+    def __get__(self, writer, owner):
+        return lambda table, *a, **k: self.write(writer, table, *a, **k)
+
+    def write(self, writer, table, *a, **k):
+        self.n += 1
+        if id(writer) in self.dead:
+            raise pa.ArrowInvalid("Operation on closed file")
+        if self.n in self.fail_at:
+            self.dead.add(id(writer))
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, table, *a, **k)
+        return self.real(writer, table, *a, **k)
 
-    monkeypatch.setattr(pq.ParquetWriter, "write_table", full)
-    path = tmp_path / "t.parquet"
+
+@pytest.mark.parametrize("rotate_rows", [0, 400])
+def test_a_full_disk_costs_at_most_the_open_part_and_the_trace_goes_on(tmp_path, monkeypatch, unrecorded,
+                                                                       all_calls, rotate_rows):
+    disk = _FullDisk(monkeypatch, fail_at={4, 9})
+    path = tmp_path / "t"
     pool = SWAPool(512, 256, 4, need_sort=True)
-    rec = record(pool, path, writer="thread", rows_per_group=256)
+    rec = record(pool, path, writer="thread", rows_per_group=128, rows_per_batch=64, rotate_rows=rotate_rows)
     stats = run_model(pool, CFG, SCENARIOS["disagg-mtp"])
     rec.close()
     assert stats == unrecorded
+    assert disk.n > 9 and len(disk.dead) == 2
     gaps = _gaps(path)
-    assert len(gaps) == 1 and "No space left" in gaps[0].args["reason"] and gaps[0].args["lost_calls"] > 0
-    assert len(_calls(path)) > 100  # the row groups before and after are there
-    _accounted(path, all_calls)
+    assert gaps and all("No space left" in g.args["reason"] for g in gaps)
+    _accounted(path, all_calls)  # every file there reads, and nothing is lost unmarked
+    assert len(_calls(path)) > 100  # the calls written after the failures are there
+    lost = sum(g.args["lost_calls"] for g in gaps)
+    if rotate_rows:  # only the open part (at most ~400 rows, some nested) and the failed group
+        assert lost < 400 * 2 and len(list(path.glob("part-*.parquet"))) > 3
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_disk_that_stays_full_leaves_no_unreadable_file(tmp_path, monkeypatch, unrecorded):
+    _FullDisk(monkeypatch, fail_at=set(range(2, 10_000)))
+    path = tmp_path / "t.parquet"
+    pool = SWAPool(512, 256, 4, need_sort=True)
+    rec = record(pool, path, writer="thread", rows_per_group=128, rows_per_batch=64)
+    stats = run_model(pool, CFG, SCENARIOS["disagg-mtp"])
+    with pytest.raises(RuntimeError, match="No space left|could not write"):
+        rec.close()
+    assert stats == unrecorded
+    assert not path.exists() and not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_recorder_that_stops_says_so_at_the_end_of_its_trace(tmp_path, monkeypatch):

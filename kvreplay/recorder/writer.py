@@ -47,7 +47,13 @@ class ParquetSink:
     With rotation (``part_rows`` or ``part_s``), NAME is a directory of parts
     ``part-NNNNNN.parquet``, each closed and renamed once it holds ``part_rows`` rows or
     has been open ``part_s`` seconds: a part under its final name is complete, so a
-    writer that dies (with its process, or of a full disk) loses only the open part."""
+    writer that dies (with its process, or of a full disk) loses only the open part.
+
+    A failed write (a full disk) leaves pyarrow's writer closed and its file without a
+    footer, unreadable. So the open part (the whole file, without rotation) is deleted,
+    which also frees its space, and started again; the calls it held and the batch
+    that failed become one gap row at the start of the new part. Rotation bounds what
+    a full disk can cost to one part."""
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
                  part_rows: int = 0, part_s: float = 0.0) -> None:
@@ -66,11 +72,11 @@ class ParquetSink:
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._writer: pq.ParquetWriter | None = None
-        self._open_part()
         self._pending: list[pa.Table] = []
         self._rows = 0
         self._gap: GapRecord | None = None  # lost calls not yet marked in the file
         self.lost_calls = 0
+        self._open_part()
 
     def _open_part(self) -> None:
         if self.rotating:
@@ -79,10 +85,31 @@ class ParquetSink:
         else:
             self.target, meta = self.path, self.meta
         self.tmp = self.target.with_name(self.target.name + ".tmp")
-        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(meta.to_parquet_metadata()),
-                                        **PARQUET_OPTIONS)
         self._part_t0 = time.monotonic()
         self._part_rows_written = 0
+        self._part_holds: GapRecord | None = None  # what losing this part would lose, as a gap
+        self._part_calls = 0
+        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(meta.to_parquet_metadata()),
+                                        **PARQUET_OPTIONS)
+
+    def _restart_part(self, exc: BaseException) -> None:
+        """The open part cannot be finished: delete it and open it again, its calls a gap."""
+        if self._part_holds is not None:
+            lost = replace(self._part_holds, reason=f"trace writer: {type(exc).__name__}: {exc}")
+            self.lost_calls += self._part_calls
+            self._gap = lost if self._gap is None else lost.merged(self._gap)
+            self.rows_written -= self._part_rows_written
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        except Exception:
+            pass  # closed by the failure already
+        self._writer = None
+        self.tmp.unlink(missing_ok=True)
+        try:
+            self._open_part()
+        except Exception:  # still no room: the next flush tries again
+            self._writer = None
 
     def _close_part(self) -> None:
         assert self._writer is not None
@@ -97,7 +124,13 @@ class ParquetSink:
         old = self.part_s and time.monotonic() - self._part_t0 >= self.part_s
         if full or old:
             self._flush()
-            self._close_part()
+            if self._writer is None or not self._part_rows_written:
+                return  # nothing of this part reached the disk: nothing to close
+            try:
+                self._close_part()
+            except Exception as exc:  # the footer did not fit: the part is lost
+                self._restart_part(exc)
+                return
             self._open_part()
 
     def add(self, item: RawBatch | GapRecord) -> None:
@@ -117,34 +150,50 @@ class ParquetSink:
     def _lose(self, seqs_depths: tuple[np.ndarray, np.ndarray], exc: BaseException) -> None:
         seq, depth = seqs_depths
         top = seq[depth == 0]
+        if not len(top):
+            return  # only a gap row was lost, and its caller keeps that gap
         gap = GapRecord(int(top[0]) if len(top) else -1, int(top[-1]) if len(top) else -1, len(top),
                         f"trace writer: {type(exc).__name__}: {exc}", "", time.time_ns())
         self.lost_calls += len(top)
         self._gap = gap if self._gap is None else self._gap.merged(gap)
 
     def _flush(self) -> None:
-        if self._gap is not None:
-            self._pending.insert(0, self._gap.to_table())  # the gap goes where the lost calls were
-            self._gap = None
-        if self._pending:
-            table = pa.concat_tables(self._pending)
-            self._pending, self._rows = [], 0
-            try:
-                self._writer.write_table(table, row_group_size=table.num_rows)
-            except Exception as exc:  # e.g. the disk is full: these rows are lost, later ones may not be
-                self._lose(_table_rows(table), exc)
-                return
-            self.rows_written += table.num_rows
-            self._part_rows_written += table.num_rows
+        if not self._pending and self._gap is None:
+            return
+        gap, self._gap = self._gap, None
+        if gap is not None:
+            self._pending.insert(0, gap.to_table())  # the gap goes where the lost calls were
+        table = pa.concat_tables(self._pending)
+        self._pending, self._rows = [], 0
+        try:
+            if self._writer is None:  # the last restart could not open the part
+                self._open_part()
+            assert self._writer is not None
+            self._writer.write_table(table, row_group_size=table.num_rows)
+        except Exception as exc:  # e.g. the disk is full: these rows are lost, later ones may not be
+            self._gap = gap
+            self._lose(_table_rows(table), exc)
+            self._restart_part(exc)
+            return
+        self.rows_written += table.num_rows
+        self._part_rows_written += table.num_rows
+        seq, depth = _table_rows(table)
+        top = seq[depth == 0]
+        held = gap
+        if len(top):
+            self._part_calls += len(top)
+            calls = GapRecord(int(top[0]), int(top[-1]), len(top), "", "", time.time_ns())
+            held = calls if held is None else held.merged(calls)
+        if held is not None:
+            self._part_holds = held if self._part_holds is None else self._part_holds.merged(held)
 
     def finish(self) -> Path:
         self._flush()
         if self._gap is not None:  # the last write failed: one more try for its gap row
-            self._pending.append(self._gap.to_table())
-            self._gap = None
             self._flush()
+        if self._gap is not None or self._writer is None:
+            raise OSError(f"could not write {self.tmp}: {self._gap.reason if self._gap else 'no writer'}")
         if self.rotating and self.parts and not self._part_rows_written:
-            assert self._writer is not None
             self._writer.close()  # the part opened after the last rotation got nothing: drop it
             self.tmp.unlink(missing_ok=True)
             return self.path
@@ -152,11 +201,14 @@ class ParquetSink:
         return self.path
 
     def abort(self) -> None:
-        """Give up: close what can be closed and leave no file under the final name."""
+        """Give up: close what can be closed and leave no file under the final name
+        (nor the unfinished one: without its footer it cannot be read)."""
         try:
-            self._writer.close()
+            if self._writer is not None:
+                self._writer.close()
         except Exception:
             pass
+        self.tmp.unlink(missing_ok=True)
 
 
 DEFAULT_MAX_QUEUED_ROWS = 1 << 18  # about 64 default batches (~50 MB) waiting for the writer
