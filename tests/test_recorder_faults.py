@@ -189,3 +189,27 @@ def test_a_recorder_that_stops_says_so_at_the_end_of_its_trace(tmp_path, monkeyp
     res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(tmp_path / "t.parquet"),
                           "--build", "builtin:swa", "--no-store"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "gap" in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_a_dropped_batchs_snapshot_is_encoded_on_the_writers_side(tmp_path):
+    """The program's thread only captures the pool (device copies); the gap's JSON is
+    made where the writer takes it, and a merged gap keeps the newest state."""
+    import pickle
+
+    from kvreplay.recorder.trace_format import GapRecord
+    from kvreplay.recorder.writer import settled
+
+    calls = []
+
+    def later_state() -> str:
+        calls.append(1)
+        return '{"format": 1}'
+
+    first = GapRecord(0, 4, 5, "queue full", "", 1, pending_state=lambda: '{"old": 1}')
+    gap = first.merged(GapRecord(5, 9, 5, "queue full", "", 2, pending_state=later_state))
+    assert not calls and (gap.first_seq, gap.last_seq, gap.lost_calls) == (0, 9, 10)
+    done = settled(gap)
+    assert calls == [1] and done.state == '{"format": 1}' and done.pending_state is None
+    assert pickle.loads(pickle.dumps(done)) == done  # what the process writer sends
+    broken = GapRecord(0, 0, 1, "x", pending_state=lambda: 1 / 0).settled()
+    assert broken.state == "" and broken.lost_calls == 1

@@ -84,19 +84,17 @@ class Engine:
 
     def take(self) -> RawBatch:
         """Everything captured since the last take, for the writer."""
-        if self.backend == "native":
-            rows, arg_count, args, result, excs = self.impl.take()
-            return RawBatch(rows, arg_count, RawValues(*args), RawValues(*result), excs, list(self.names.strings))
-        return self.impl.take().raw()
+        return self._raw(self.impl.take())
 
     def take_if_idle(self) -> RawBatch | None:
         """``take()`` from another thread: only between top-level calls, else None."""
         got = self.impl.take_if_idle()
-        if got is None:
-            return None
+        return None if got is None else self._raw(got)
+
+    def _raw(self, got: Any) -> RawBatch:
         if self.backend != "native":
             return got.raw()
-        rows, arg_count, args, result, excs = got
+        rows, arg_count, args, result, excs = got  # the native engine's buffers, as bytes
         return RawBatch(rows, arg_count, RawValues(*args), RawValues(*result), excs, list(self.names.strings))
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
+import functools
 import inspect
 import json
 import logging
@@ -199,11 +200,11 @@ class Recording:
             self._drop(top, "the trace writer's queue was full")
 
     def _drop(self, top_seqs: Any, reason: str) -> None:
-        try:
-            state = json.dumps(pool_snapshot.take(self.pool))
+        try:  # device copies only: the writer's side encodes them (GapRecord.settled)
+            pending = functools.partial(_state_json, pool_snapshot.capture(self.pool))
         except Exception:  # a pool the snapshot cannot read: the gap is still marked
-            state = ""
-        gap = GapRecord(int(top_seqs[0]), int(top_seqs[-1]), len(top_seqs), reason, state, time.time_ns())
+            pending = None
+        gap = GapRecord(int(top_seqs[0]), int(top_seqs[-1]), len(top_seqs), reason, "", time.time_ns(), pending)
         self._gap = gap if self._gap is None else self._gap.merged(gap)
         self.lost_calls += len(top_seqs)
 
@@ -258,6 +259,10 @@ class Recording:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _state_json(captured: dict[str, dict[str, Any]]) -> str:
+    return json.dumps(pool_snapshot.encode(captured))
 
 
 def is_fresh(pool: Any) -> bool:

@@ -8,7 +8,8 @@ any kind (None, bool, int, float, str, integer/bool tensor, list of ints, list o
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -181,10 +182,25 @@ class GapRecord:
     reason: str
     state: str = ""  # snapshot JSON after the lost calls, or "" if none was taken
     t_ns: int = 0
+    # The state not yet encoded: a call that returns its JSON. The recorded program's
+    # thread only captures (device copies, no host sync); the writer's side encodes.
+    pending_state: Callable[[], str] | None = field(default=None, compare=False, repr=False)
 
     def merged(self, later: GapRecord) -> GapRecord:
         n = -1 if self.lost_calls < 0 or later.lost_calls < 0 else self.lost_calls + later.lost_calls
-        return GapRecord(self.first_seq, later.last_seq, n, later.reason, later.state or self.state, later.t_ns)
+        newest = later if later.state or later.pending_state else self
+        return GapRecord(self.first_seq, later.last_seq, n, later.reason, newest.state, later.t_ns,
+                         newest.pending_state)
+
+    def settled(self) -> GapRecord:
+        """This gap with its state encoded (off the recorded program's thread)."""
+        if self.pending_state is None:
+            return self
+        try:
+            state = self.pending_state()
+        except Exception:  # the snapshot could not be encoded: the gap is still marked
+            state = ""
+        return replace(self, state=state, pending_state=None)
 
     def to_table(self) -> pa.Table:
         def arg(name: str, kind: str, **v: Any) -> dict[str, Any]:

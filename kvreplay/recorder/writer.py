@@ -265,6 +265,11 @@ class QueuedWriter:
         return True
 
 
+def settled(item: RawBatch | GapRecord) -> RawBatch | GapRecord:
+    """A gap with its state encoded, on the writer's side of the queue."""
+    return item.settled() if isinstance(item, GapRecord) else item
+
+
 def _row_count(item: RawBatch | GapRecord) -> int:
     # rows is bytes (C engine) or array('q') (Python engine): count bytes either way
     return 1 if isinstance(item, GapRecord) else memoryview(item.rows).nbytes // (8 * ROW_WIDTH)
@@ -290,7 +295,7 @@ class TraceWriter(QueuedWriter):
             item, rows = got
             if self.error is None:
                 try:
-                    self._sink.add(item)  # a batch it cannot write becomes a gap row
+                    self._sink.add(settled(item))  # a batch it cannot write becomes a gap row
                 except BaseException as exc:  # keep the recorded program alive; close() reports it
                     self.error = exc
             self._taken(rows)

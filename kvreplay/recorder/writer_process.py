@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvreplay.recorder.trace_format import TraceMeta
-from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter
+from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, settled
 
 _LEN = struct.Struct("<Q")
 
@@ -67,7 +67,7 @@ class ProcessTraceWriter(QueuedWriter):
             elif self.error is not None:
                 continue
             else:
-                payload = pickle.dumps(item, protocol=5, buffer_callback=buffers.append)
+                payload = pickle.dumps(settled(item), protocol=5, buffer_callback=buffers.append)
             try:
                 views = [b.raw() for b in buffers]
                 pipe.write(_LEN.pack(len(payload)) + _LEN.pack(len(views))
