@@ -35,12 +35,14 @@ def one(cfg: SynthConfig, recorded: bool, out: Path) -> tuple[float, int, int]:
     sc = SCENARIOS[cfg.scenario]
     pool, _ = make_pool(cfg, sc)
     gc.collect()
+    # Starting a recording compares the pool with a fresh one (attach mid-life), which
+    # reads it back once: a start-up cost, kept out of the per-call figures.
+    rec = record(pool, out) if recorded else None
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
-        rec = record(pool, out) if recorded else None
         run_model(pool, cfg, sc)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0

@@ -20,7 +20,8 @@ from kvreplay.recorder.trace_format import ARG_TYPE, SCHEMA, VALUE_KINDS, VALUE_
 # Value kind codes: positions in VALUE_KINDS (the native capture uses the same numbers).
 K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_TENSOR, K_INTS, K_SEGMENTS, K_OPAQUE = range(9)
 # In capture buffers only: a tensor whose elements are still on their way from the
-# device; its object (``device_values()``) delivers them. ``resolve`` makes it K_TENSOR.
+# device; its object (``device_values()``) delivers them. ``resolve`` makes it the
+# object's ``kind``: K_TENSOR, or K_SEGMENTS for a list of (tensor, start) pairs.
 K_DEFERRED = 9
 assert VALUE_KINDS[K_OPAQUE] == "opaque" and VALUE_KINDS[K_TENSOR] == "tensor"
 
@@ -56,11 +57,11 @@ class RawValues:
         pieces, prev, missing = [], 0, 0
         for r in deferred:
             at = int(starts[r]) - missing  # in data as captured, deferred values are absent
-            values = self.objs[h[r, 1]].device_values()
-            pieces += [data[prev:at], values]
+            copy = self.objs[h[r, 1]]
+            pieces += [data[prev:at], copy.device_values()]
             prev, missing = at, missing + int(ndata[r])
             self.objs[h[r, 1]] = None
-            h[r, 0], h[r, 1] = K_TENSOR, 0
+            h[r, 0], h[r, 1] = getattr(copy, "kind", K_TENSOR), 0
         pieces.append(data[prev:])
         self.data = np.concatenate(pieces).astype(np.int64, copy=False).tobytes()
         self.head = h.tobytes()

@@ -134,9 +134,10 @@ class DeviceCopy:
     tensor, and an event recorded after it. ``device_values()`` waits on the event:
     the writer's thread calls it, never the recorded program's."""
 
-    __slots__ = ("host", "event")
+    __slots__ = ("host", "event", "kind")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, kind: int = K_TENSOR) -> None:
+        self.kind = kind  # what the value becomes once its elements are in: a tensor or segments
         flat = t.detach().reshape(-1)
         if flat.device.type == "cuda":
             self.host = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
@@ -192,6 +193,14 @@ def encode(v: Any, names: Names) -> Encoded:
         # (tensor, start_pos) pairs: the shape holds n0, start0, n1, start1, ...
         dtypes = [str(t.dtype) for t, _ in v]
         dtype = names.id(",".join(dtypes) if len(set(dtypes)) > 1 else dtypes[0])
+        device = v[0][0].device
+        if (device.type != "cpu" or DEFER_ALL) and all(t.device == device for t, _ in v):
+            # One int64 concatenation on the device (kernels queued, no wait), copied
+            # off it like a single tensor; the starts are plain ints.
+            flat = torch.cat([t.detach().reshape(-1).to(torch.int64) for t, _ in v])
+            extra = tuple(x for t, start in v for x in (t.numel(), int(start)))
+            return (K_DEFERRED, 0, dtype, names.device(device), len(extra), flat.numel(), extra, _NO_DATA,
+                    DeviceCopy(flat, K_SEGMENTS))
         parts = [t.detach().reshape(-1).cpu().numpy().astype(np.int64) for t, _ in v]
         extra = tuple(x for p, (_, start) in zip(parts, v, strict=True) for x in (len(p), int(start)))
         data = np.concatenate(parts) if parts else np.empty(0, np.int64)
