@@ -75,6 +75,9 @@ class ProcessTraceWriter(QueuedWriter):
                 pipe.write(payload)
                 for v in views:  # large writes go straight to the pipe, GIL released
                     pipe.write(v)
+                # Small pieces stay in the BufferedWriter until something pushes them out;
+                # a frame whose tail waited there was lost with a killed process.
+                pipe.flush()
                 if item is STOP:
                     pipe.close()
                     return
