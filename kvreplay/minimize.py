@@ -30,7 +30,7 @@ import torch
 from kvreplay.errors import BadInput
 from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.recording import COUNTER_METHODS, record
-from kvreplay.replayer.engine import Replayer, TopCall, replay, top_calls
+from kvreplay.replayer.engine import Replayer, TopCall, replay, start_point, top_calls
 from kvreplay.replayer.invariants import ALLOCS, FREES
 from kvreplay.replayer.remap import FULL_TOKEN_ARGS
 
@@ -186,13 +186,14 @@ class Subject:
         self.device = device
         self.reader = TraceReader(trace)
         self.meta = self.reader.meta
+        self.start = start_point(self.reader, after_gap=False)  # once, not per candidate
         self.calls: list[TopCall] = []  # decoded up to the failure by first_failure
         self.deps: Dependencies | None = None
         self.tests = 0
 
     def _replayer(self, check: bool = True, build: str | None = None) -> Replayer:
         return Replayer(self.trace, build or self.build, mode="remap", device=self.device, keep=1 << 30,
-                        check=check)
+                        check=check, reader=self.reader, start=self.start)
 
     def first_failure(self, invariant: str | None = None) -> tuple[Failure, int]:
         """The failure of the trace to keep, and the position of the call showing it.

@@ -65,7 +65,7 @@ class FlightRecorder(Recording):
         self._kept_calls = 0
         # Snapshots fall on batch boundaries: batches well under a snapshot interval.
         kwargs.setdefault("rows_per_batch", max(32, min(1024, self.snapshot_every // 2)))
-        super().__init__(pool, self.dump_dir / "unused.parquet", snapshot=False, **kwargs)
+        super().__init__(pool, None, snapshot=False, **kwargs)
         self._previous_handler: Any = None
         self._signal = signal
         if signal is not None:
@@ -73,9 +73,6 @@ class FlightRecorder(Recording):
                 self._previous_handler = signals.signal(signal, self._on_signal)
             except ValueError:  # not the main thread: dumps on demand and on raise only
                 self._signal = None
-
-    def _open(self, kind: str, path: str | os.PathLike[str], rows_per_group: int) -> Any:
-        return None  # nothing is written until a dump
 
     def _deliver(self, batch: RawBatch) -> None:
         n = top_level_calls(batch)

@@ -85,7 +85,7 @@ class Recording:
     def __init__(
         self,
         pool: Any,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None,
         *,
         rank: str = "",
         extra: dict[str, Any] | None = None,
@@ -118,7 +118,9 @@ class Recording:
         )
         self.max_queued_rows = max_queued_rows
         self.rotation = (rotate_rows, rotate_s)  # either > 0: PATH is a directory of closed parts
-        self._writer = self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"), path, rows_per_group)
+        # No path: the batches stay with a subclass (the flight recorder keeps them in memory).
+        self._writer = None if path is None else self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"),
+                                                            path, rows_per_group)
         self._names = Names()
         self._lock = threading.Lock()  # batches reach the writer in call order, from either thread
         self._gap: GapRecord | None = None  # calls dropped, not yet marked in the trace
@@ -305,4 +307,4 @@ def close_all() -> None:
         try:
             rec.close()
         except Exception:
-            log.exception("kvreplay: could not finish trace %s", rec._writer.path)
+            log.exception("kvreplay: could not finish trace %s", getattr(rec._writer, "path", "in memory"))

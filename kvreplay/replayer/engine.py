@@ -198,7 +198,7 @@ def load_build(spec: str, family: str, ctor: dict[str, Any], device: str, record
         raise BuildUnloadable(f"{spec} could not be constructed from the trace's arguments: {exc}") from None
 
 
-def _start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, Any] | None]:
+def start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, Any] | None]:
     """(replay calls with seq above this, state to start from). A trace with gaps
     (calls the recorder lost) replays only from after its last gap, from the pool
     state recorded there, and only when asked to."""
@@ -238,12 +238,15 @@ class Replayer:
 
     def __init__(self, trace: str | Path, build: str, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
-                 keep: int = 20, after_gap: bool = False) -> None:
+                 keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
+                 start: tuple[int, dict[str, Any] | None] | None = None) -> None:
+        """``reader`` and ``start`` (``start_point``'s answer) let a caller that replays
+        one trace many times (minimize) open it and scan it for gaps once."""
         if mode not in MODES:
             raise BadInput(f"unknown mode {mode!r}; use strict or remap")
-        self.reader = TraceReader(trace)
+        self.reader = reader or TraceReader(trace)
         self.meta = self.reader.meta
-        self.start_after, start_state = _start_point(self.reader, after_gap)
+        self.start_after, start_state = start or start_point(self.reader, after_gap)
         self.build_spec = build
         self.mode = mode
         self.device = resolve_device(device)
