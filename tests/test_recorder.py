@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import kill_a_second_after_its_mark
 
 from kvreplay.recorder.capture import native_available
 from kvreplay.recorder.reader import TraceReader
@@ -175,17 +175,7 @@ def test_sigkill_loses_no_call_older_than_a_second(tmp_path, backend, then):
         time.sleep(600)
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        done = int(child.stdout.readline())
-        time.sleep(1.05)
-        child.kill()  # SIGKILL: no atexit, no flush
-        child.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)  # the writer process finishes the file once its pipe closes
-    finally:
-        child.kill()
+    done = kill_a_second_after_its_mark(script, wait_for=path)
     calls = list(TraceReader(path).calls(top_level_only=True))
     assert done > 100 and len(calls) >= 2 * done, (done, len(calls))
     assert [c.method for c in calls[: 2 * done]] == ["alloc", "free"] * done
@@ -215,17 +205,7 @@ def test_sigkill_keeps_a_small_last_batch(tmp_path):
         time.sleep(600)
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        done = int(child.stdout.readline())
-        time.sleep(1.05)
-        child.kill()
-        child.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        child.kill()
+    done = kill_a_second_after_its_mark(script, wait_for=path)
     calls = list(TraceReader(path).calls(top_level_only=True))
     assert len(calls) == 2 * done
 

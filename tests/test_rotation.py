@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
-import time
 
 import pyarrow as pa
 import pytest
+from conftest import kill_a_second_after_its_mark
 
 from kvreplay.errors import TraceFormatError
 from kvreplay.recorder.reader import TraceReader
@@ -63,14 +61,7 @@ def test_killed_with_its_writer_a_rotated_trace_keeps_its_closed_parts(tmp_path)
             pool.free(pool.alloc(8))
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        done = int(child.stdout.readline())
-        time.sleep(1.05)
-        child.kill()
-        child.wait(timeout=30)
-    finally:
-        child.kill()
+    done = kill_a_second_after_its_mark(script)
     reader = TraceReader(path)
     calls = list(reader.calls(top_level_only=True))
     assert len(reader.parts) >= 3
