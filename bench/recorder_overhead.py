@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from kvreplay.recorder.capture import TENSOR_SHIM, native_available
+from kvreplay.recorder import tensor_shim
+from kvreplay.recorder.capture import TENSOR_SHIM, _capture, native_available
 from kvreplay.recorder.flight import flight_recorder
 from kvreplay.recorder.recording import record
 from kvreplay.recorder.summary import summarize
@@ -49,6 +50,7 @@ from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, make_pool, 
 
 SETUPS = {  # name: (capture engine, writer: a trace writer, or "flight" for the flight recorder)
     "native capture, writer process": ("native", "process"),
+    "  same, tensors read via Python": ("native-noshim", "process"),
     "native capture, writer thread": ("native", "thread"),
     "python capture, writer process": ("python", "process"),
     "flight recorder, N = 100,000": ("native", "flight"),
@@ -63,6 +65,10 @@ def one(cfg: SynthConfig, setup: tuple[str, str] | None, out: Path) -> tuple[flo
     # Start every run, recorded or not, with the previous run's garbage collected: a
     # full collection landing inside one run costs ~4% and would decide the ratio.
     gc.collect()
+    shim_off = setup is not None and setup[0] == "native-noshim"
+    if shim_off:  # what torch's C shim saves: the same engine reading tensors through Python
+        _capture.set_tensor_shim(0, (), {}, 0)
+        setup = ("native", setup[1])
     t0 = time.perf_counter()
     rec: Any = None
     if setup and setup[1] == "flight":
@@ -74,6 +80,8 @@ def one(cfg: SynthConfig, setup: tuple[str, str] | None, out: Path) -> tuple[flo
     t2 = time.perf_counter()
     if rec is not None:
         rec.close()
+    if shim_off:
+        tensor_shim.install(_capture)
     return t2 - t1, t1 - t0, time.perf_counter() - t2
 
 
@@ -87,7 +95,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     out = tmp / "t.parquet"
     cfg = SynthConfig(scenario=a.scenario, out=out, requests=a.requests)
-    setups = {k: v for k, v in SETUPS.items() if v[0] == "python" or native_available()}
+    setups = {k: v for k, v in SETUPS.items()
+              if v[0] == "python" or native_available() and (TENSOR_SHIM or v[0] != "native-noshim")}
     plain: list[float] = []
     runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in setups}
     pairs: dict[str, list[float]] = {k: [] for k in setups}
