@@ -51,6 +51,7 @@ from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, make_pool, 
 SETUPS = {  # name: (capture engine, writer: a trace writer, or "flight" for the flight recorder)
     "native capture, writer process": ("native", "process"),
     "  same, tensors read via Python": ("native-noshim", "process"),
+    "  same, counters every 16th call": ("native-every16", "process"),
     "native capture, writer thread": ("native", "thread"),
     "python capture, writer process": ("python", "process"),
     "flight recorder, N = 100,000": ("native", "flight"),
@@ -69,12 +70,15 @@ def one(cfg: SynthConfig, setup: tuple[str, str] | None, out: Path) -> tuple[flo
     if shim_off:  # what torch's C shim saves: the same engine reading tensors through Python
         _capture.set_tensor_shim(0, (), {}, 0)
         setup = ("native", setup[1])
+    extra: dict[str, Any] = {}
+    if setup is not None and setup[0] == "native-every16":  # what reading the pool's counters costs
+        extra, setup = {"counters_every": 16}, ("native", setup[1])
     t0 = time.perf_counter()
     rec: Any = None
     if setup and setup[1] == "flight":
         rec = flight_recorder(pool, out.parent / "dumps", calls=FLIGHT_CALLS, backend=setup[0], signal=None)
     elif setup:
-        rec = record(pool, out, backend=setup[0], writer=setup[1])
+        rec = record(pool, out, backend=setup[0], writer=setup[1], **extra)
     t1 = time.perf_counter()
     run_model(pool, cfg, sc)
     t2 = time.perf_counter()
@@ -102,15 +106,15 @@ def main() -> None:
     pairs: dict[str, list[float]] = {k: [] for k in setups}
     one(cfg, None, out)  # warm-up: first-call costs (imports, allocator pools) belong to no set-up
     for _ in range(a.repeat):
-        for name, setup in setups.items():
+        for k, (name, setup) in enumerate(setups.items()):
             before = one(cfg, None, out)[0]
-            got = one(cfg, setup, out)
+            got = one(cfg, setup, tmp / f"setup{k}.parquet")
             after = one(cfg, None, out)[0]
             plain += [before, after]
             runs[name].append(got)
             pairs[name].append(got[0] / ((before + after) / 2))
     p = min(plain)
-    s = summarize(out)
+    s = summarize(tmp / "setup0.parquet")  # the default set-up's trace
     print(f"{a.scenario}, {a.requests} requests: {s.rows} rows ({s.top_level_calls} top-level)")
     print(f"workload model alone (fastest)    {p:.3f} s")
     print(f"{'':34s}{'fastest':>9s}  {'ratio':>6s}  {'median pair ratio':>17s}  {'start':>7s}  {'close':>7s}")

@@ -325,3 +325,25 @@ def test_torchs_c_shim_reads_tensors_as_python_does(tmp_path, backend):
         capture.TENSOR_SHIM = tensor_shim.install(_capture)
     assert tables[0].num_rows == len(values)
     assert tables[0].equals(tables[1])
+
+
+def test_counters_every_n_reads_the_pool_after_every_nth_call_and_replays_clean(tmp_path, backend):
+    """counters_every=4: the pool's counters are read after every 4th state-changing
+    top-level call outside a free group (the others carry none), the same in both
+    engines, and the trace replays clean."""
+    cfg = SynthConfig(scenario="disagg-mtp", out=tmp_path / "unused", requests=40, full_size=512, swa_size=256)
+    got = {}
+    for every in (1, 4):
+        pool = SWAPool(512, 256, 4, need_sort=True)
+        path = tmp_path / f"every{every}.parquet"
+        rec = record(pool, path, counters_every=every)
+        run_model(pool, cfg, SCENARIOS["disagg-mtp"])
+        rec.close()
+        got[every] = pq.read_table(path, columns=["seq", "depth", "method", "available"]).to_pylist()
+        report = replay(path, "builtin:swa", device="cpu")
+        assert report.status == "clean", (report.first_violation, report.first_divergence)
+    full = [r for r in got[1] if r["available"] is not None]  # the calls whose counters are read at all
+    sampled = [r["seq"] for r in got[4] if r["available"] is not None]
+    assert len(full) > 100 and sampled == [r["seq"] for r in full[3::4]]
+    by_seq = {r["seq"]: r["available"] for r in full}
+    assert all(r["available"] == by_seq[r["seq"]] for r in got[4] if r["available"] is not None)

@@ -75,6 +75,7 @@ typedef struct {
     PyObject *name_id;    /* callable str -> id */
     PyObject *slow_put;   /* callable value -> encoded tuple (row_batch.encode) */
     PyObject *counters;   /* tuple of 3 callables or None */
+    Py_ssize_t counters_every, counter_tick; /* read them after every Nth eligible call (0: never) */
     PyObject *flush;      /* callable, called after a top-level row once rows >= flush_rows */
     PyObject *fail;       /* callable exc -> None */
     PyObject *raised;     /* callable or None: called after a top-level call that raised is recorded */
@@ -431,7 +432,11 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
         c->in_group = w->finish == FINISH_GROUP_BEGIN && exc == NULL;
     }
     int64_t counters[3] = {NULL_COUNTER, NULL_COUNTER, NULL_COUNTER};
-    if (top && !c->in_group && w->finish != FINISH_READ && read_counters(c, counters) < 0) return -1;
+    if (top && !c->in_group && w->finish != FINISH_READ && c->counters_every > 0
+        && ++c->counter_tick >= c->counters_every) {
+        c->counter_tick = 0;
+        if (read_counters(c, counters) < 0) return -1;
+    }
     if (put_value(c, &c->result, result ? result : Py_None, -1) < 0) return -1;
     int64_t exc_id = -1;
     if (exc) {
@@ -586,13 +591,13 @@ static int fill_codes(Capture *c) {
 
 static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dtypes", "cpu_id", "name_ids", "name_id", "slow_put", "counters", "flush",
-                             "flush_rows", "fail", "flush_ns", "raised", NULL};
+                             "flush_rows", "fail", "flush_ns", "raised", "counters_every", NULL};
     PyObject *dtypes, *name_ids, *name_id, *slow_put, *counters, *flush, *fail, *raised = Py_None;
     long long cpu_id, flush_ns = 0;
-    Py_ssize_t flush_rows;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!LO!OOOOnO|LO", kwlist, &PyDict_Type, &dtypes, &cpu_id,
+    Py_ssize_t flush_rows, counters_every = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!LO!OOOOnO|LOn", kwlist, &PyDict_Type, &dtypes, &cpu_id,
                                      &PyDict_Type, &name_ids, &name_id, &slow_put, &counters, &flush, &flush_rows,
-                                     &fail, &flush_ns, &raised))
+                                     &fail, &flush_ns, &raised, &counters_every))
         return -1;
     if (counters != Py_None && (!PyTuple_Check(counters) || PyTuple_GET_SIZE(counters) != 3)) {
         PyErr_SetString(PyExc_TypeError, "counters must be a 3-tuple or None");
@@ -606,6 +611,8 @@ static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     c->name_id = Py_NewRef(name_id);
     c->slow_put = Py_NewRef(slow_put);
     c->counters = Py_NewRef(counters);
+    c->counters_every = counters_every;
+    c->counter_tick = 0;
     c->flush = Py_NewRef(flush);
     c->fail = Py_NewRef(fail);
     c->raised = Py_NewRef(raised);

@@ -54,7 +54,7 @@ class Engine:
 
     def __init__(self, backend: str, names: Names, counters: Counters, flush: Callable[[], None],
                  flush_rows: int, fail: Callable[[BaseException], None], *, flush_ns: int = 0,
-                 raised: Callable[[], None] | None = None) -> None:
+                 raised: Callable[[], None] | None = None, counters_every: int = 1) -> None:
         if backend == "native" and _capture is None:
             raise RuntimeError("the native recorder is not built; reinstall kvreplay with a C compiler")
         self.backend = backend
@@ -63,7 +63,8 @@ class Engine:
         kwargs = dict(dtypes={d: (i, code) for code, (d, i) in enumerate(names.int_dtypes.items())},
                       cpu_id=names.device(torch.device("cpu")), name_ids=names.ids, name_id=names.id,
                       slow_put=lambda v: encode(v, names), counters=counters, flush=flush,
-                      flush_rows=flush_rows, fail=fail, flush_ns=flush_ns, raised=raised)
+                      flush_rows=flush_rows, fail=fail, flush_ns=flush_ns, raised=raised,
+                      counters_every=counters_every)
         self.impl: Any = _capture.Capture(**kwargs) if backend == "native" else PyCapture(**kwargs)
 
     def wrap(self, fn: Callable[..., Any], target: int, method: int, params: tuple[int, ...], finish: int,
@@ -111,8 +112,10 @@ class PyCapture:
     def __init__(self, *, dtypes: dict[Any, tuple[int, int]], cpu_id: int, name_ids: dict[str, int],
                  name_id: Callable[[str], int], slow_put: Callable[[Any], Any], counters: Counters | None,
                  flush: Callable[[], None], flush_rows: int, fail: Callable[[BaseException], None],
-                 flush_ns: int = 0, raised: Callable[[], None] | None = None) -> None:
+                 flush_ns: int = 0, raised: Callable[[], None] | None = None, counters_every: int = 1) -> None:
         self.names: Names = name_id.__self__  # type: ignore[attr-defined]
+        self.counters_every = counters_every
+        self.counter_tick = 0
         self.batch = RowBatch(self.names)
         self.counters = counters
         self.flush = flush
@@ -200,6 +203,13 @@ class PyCapture:
         recorded.__name__ = name
         return recorded
 
+    def _counter_due(self) -> bool:
+        self.counter_tick += 1
+        if self.counter_tick < self.counters_every:
+            return False
+        self.counter_tick = 0
+        return self.counters is not None
+
     def _end(self, finish: int, seq: int, parent: int, tid: int, mid: int, t0: int, result: Any,
              exc: BaseException | None) -> None:
         if not self.active:
@@ -210,7 +220,8 @@ class PyCapture:
             if not depth and finish >= FINISH_GROUP_BEGIN:
                 self.in_group = finish == FINISH_GROUP_BEGIN and exc is None
             counters = _NO_COUNTERS
-            if not depth and not self.in_group and finish != FINISH_READ and self.counters is not None:
+            if (not depth and not self.in_group and finish != FINISH_READ and self.counters_every > 0
+                    and self._counter_due()):
                 # Counter methods call each other; none of that is the program's call.
                 self.active = False
                 try:

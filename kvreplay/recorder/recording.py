@@ -98,6 +98,7 @@ class Recording:
         max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
         rotate_rows: int = 0,
         rotate_s: float = 0.0,
+        counters_every: int = 1,
     ) -> None:
         from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
 
@@ -129,7 +130,7 @@ class Recording:
         self.lost_calls = 0
         self._engine = Engine(backend or default_backend(), self._names, self._counter_readers(pool),
                               self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
-                              raised=self._raised)
+                              raised=self._raised, counters_every=counters_every)
         self._patched: list[tuple[Any, str]] = []
         self._patch(pool, "root")
         for target, attr in SUB_POOLS:
