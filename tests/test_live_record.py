@@ -116,3 +116,17 @@ def test_record_flight_writes_only_the_last_calls_when_the_server_fails(tmp_path
     assert dump.meta.initial_state is not None
     r = replay(traces[0], "builtin:swa", device="cpu")
     assert r.divergences == [] and r.calls_replayed == len(calls)
+
+
+def test_record_counters_every_reaches_each_recorded_process(tmp_path):
+    import pyarrow.parquet as pq
+
+    res = _run(tmp_path, """
+        work(8)
+    """, "--counters-every", "4", "--json")
+    assert res.returncode == 0, res.stderr
+    (trace,) = json.loads(res.stdout)["traces"]
+    rows = pq.read_table(trace, columns=["depth", "available"]).to_pylist()
+    top = [r for r in rows if r["depth"] == 0]
+    assert len(top) == 16 and [r["available"] is not None for r in top] == [False, False, False, True] * 4
+    assert replay(trace, "builtin:swa", device="cpu").status == "clean"

@@ -559,6 +559,10 @@ def record(
     flight: int = typer.Option(0, "--flight", help="Flight-recorder mode: keep only each allocator's last N calls "
                                "in memory and write kvreplay-flight-PID-N.parquet when a call raises or the process "
                                "gets SIGUSR2 (kill -USR2 PID)."),
+    counters_every: int = typer.Option(1, "--counters-every", metavar="N",
+                                       help="Read the pool's counters (available sizes) after every Nth "
+                                       "state-changing call instead of every one, for less overhead; replay "
+                                       "compares them where they were read. 0: never."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Run a decode server with every allocator it builds recorded.
@@ -578,10 +582,12 @@ def record(
     """
     from kvreplay.recorder.live import record_command, record_env
 
+    if counters_every < 0:
+        raise KvreplayError("--counters-every N needs N >= 0 (0: never read the counters)")
     if print_env:
-        env = record_env(out_dir, classes, flight=flight)
+        env = record_env(out_dir, classes, flight=flight, counters_every=counters_every)
         keys = ["KVREPLAY_RECORD_DIR", "PYTHONPATH"] + (["KVREPLAY_RECORD_CLASSES"] if classes else []) + \
-            (["KVREPLAY_FLIGHT"] if flight > 0 else [])
+            (["KVREPLAY_FLIGHT"] if flight > 0 else []) + (["KVREPLAY_COUNTERS_EVERY"] if counters_every != 1 else [])
         if as_json:
             _emit_json({k: env[k] for k in keys})
         else:
@@ -590,7 +596,7 @@ def record(
         return
     if flight < 0:
         raise KvreplayError("--flight N needs N > 0 (the number of calls to keep)")
-    res = record_command(command or [], out_dir, classes, flight=flight)
+    res = record_command(command or [], out_dir, classes, flight=flight, counters_every=counters_every)
     if as_json:
         _emit_json(res.to_dict())
     else:

@@ -43,6 +43,7 @@ DIR_ENV = "KVREPLAY_RECORD_DIR"
 CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
 RANK_ENV = "KVREPLAY_RANK"
 FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
+COUNTERS_ENV = "KVREPLAY_COUNTERS_EVERY"  # N: read the pool's counters after every Nth call (0: never)
 DEFAULT_CLASSES = (
     "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator",
     "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator",
@@ -169,13 +170,14 @@ def _start(pool: Any) -> None:
         rank = _rank()
         extra = {"autorecord": {"argv": sys.argv[:8]}}
         flight = int(os.environ.get(FLIGHT_ENV, "0") or 0)
+        every = int(os.environ.get(COUNTERS_ENV, "1") or 1)
         if flight > 0:
             from kvreplay.recorder.flight import flight_recorder
 
-            flight_recorder(pool, _out, calls=flight, rank=rank, extra=extra)
+            flight_recorder(pool, _out, calls=flight, rank=rank, extra=extra, counters_every=every)
             return
         name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
-        record(pool, _out / name, rank=rank, extra=extra,
+        record(pool, _out / name, rank=rank, extra=extra, counters_every=every,
                snapshot=False)  # recorded from its constructor: nothing happened before
         _chain_sigterm()
     except Exception:
