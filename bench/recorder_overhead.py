@@ -36,6 +36,7 @@ import gc
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,43 +49,48 @@ from kvreplay.recorder.recording import record
 from kvreplay.recorder.summary import summarize
 from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, make_pool, run_model
 
-SETUPS = {  # name: (capture engine, writer: a trace writer, or "flight" for the flight recorder)
-    "native capture, writer process": ("native", "process"),
-    "  same, tensors read via Python": ("native-noshim", "process"),
-    "  same, counters every 16th call": ("native-every16", "process"),
-    "native capture, writer thread": ("native", "thread"),
-    "python capture, writer process": ("python", "process"),
-    "flight recorder, N = 100,000": ("native", "flight"),
+
+@dataclass(frozen=True)
+class Setup:
+    engine: str  # capture engine: native or python
+    writer: str  # a trace writer (process, thread), or "flight" for the flight recorder
+    shim: bool = True  # torch's C shim for tensor reads (native engine)
+    options: dict[str, Any] = field(default_factory=dict)  # more record() arguments
+
+
+SETUPS = {
+    "native capture, writer process": Setup("native", "process"),
+    "  same, tensors read via Python": Setup("native", "process", shim=False),  # what the shim saves
+    "  same, counters every 16th call": Setup("native", "process", options={"counters_every": 16}),
+    "native capture, writer thread": Setup("native", "thread"),
+    "python capture, writer process": Setup("python", "process"),
+    "flight recorder, N = 100,000": Setup("native", "flight"),
 }
 FLIGHT_CALLS = 100_000
 
 
-def one(cfg: SynthConfig, setup: tuple[str, str] | None, out: Path) -> tuple[float, float, float]:
+def one(cfg: SynthConfig, setup: Setup | None, out: Path) -> tuple[float, float, float]:
     """(seconds the model ran, seconds to start recording, seconds to close) for one run."""
     sc = SCENARIOS[cfg.scenario]
     pool, _ = make_pool(cfg, sc)
     # Start every run, recorded or not, with the previous run's garbage collected: a
     # full collection landing inside one run costs ~4% and would decide the ratio.
     gc.collect()
-    shim_off = setup is not None and setup[0] == "native-noshim"
-    if shim_off:  # what torch's C shim saves: the same engine reading tensors through Python
-        _capture.set_tensor_shim(0, (), {}, 0)
-        setup = ("native", setup[1])
-    extra: dict[str, Any] = {}
-    if setup is not None and setup[0] == "native-every16":  # what reading the pool's counters costs
-        extra, setup = {"counters_every": 16}, ("native", setup[1])
+    if setup is not None and not setup.shim:
+        tensor_shim.uninstall(_capture)
     t0 = time.perf_counter()
     rec: Any = None
-    if setup and setup[1] == "flight":
-        rec = flight_recorder(pool, out.parent / "dumps", calls=FLIGHT_CALLS, backend=setup[0], signal=None)
-    elif setup:
-        rec = record(pool, out, backend=setup[0], writer=setup[1], **extra)
+    if setup is not None and setup.writer == "flight":
+        rec = flight_recorder(pool, out.parent / "dumps", calls=FLIGHT_CALLS, backend=setup.engine, signal=None,
+                              **setup.options)
+    elif setup is not None:
+        rec = record(pool, out, backend=setup.engine, writer=setup.writer, **setup.options)
     t1 = time.perf_counter()
     run_model(pool, cfg, sc)
     t2 = time.perf_counter()
     if rec is not None:
         rec.close()
-    if shim_off:
+    if setup is not None and not setup.shim:
         tensor_shim.install(_capture)
     return t2 - t1, t1 - t0, time.perf_counter() - t2
 
@@ -100,7 +106,7 @@ def main() -> None:
     out = tmp / "t.parquet"
     cfg = SynthConfig(scenario=a.scenario, out=out, requests=a.requests)
     setups = {k: v for k, v in SETUPS.items()
-              if v[0] == "python" or native_available() and (TENSOR_SHIM or v[0] != "native-noshim")}
+              if v.engine == "python" or native_available() and (TENSOR_SHIM or v.shim)}
     plain: list[float] = []
     runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in setups}
     pairs: dict[str, list[float]] = {k: [] for k in setups}

@@ -314,7 +314,7 @@ def test_torchs_c_shim_reads_tensors_as_python_does(tmp_path, backend):
     try:
         for shim in (True, False):
             if not shim:
-                _capture.set_tensor_shim(0, (), {}, 0)
+                tensor_shim.uninstall(_capture)
             pool = EchoPool(64)
             rec = record(pool, tmp_path / f"{shim}.parquet")
             for v in values:

@@ -585,9 +585,11 @@ def record(
     if counters_every < 0:
         raise KvreplayError("--counters-every N needs N >= 0 (0: never read the counters)")
     if print_env:
+        from kvreplay.recorder.autorecord import CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV
+
         env = record_env(out_dir, classes, flight=flight, counters_every=counters_every)
-        keys = ["KVREPLAY_RECORD_DIR", "PYTHONPATH"] + (["KVREPLAY_RECORD_CLASSES"] if classes else []) + \
-            (["KVREPLAY_FLIGHT"] if flight > 0 else []) + (["KVREPLAY_COUNTERS_EVERY"] if counters_every != 1 else [])
+        keys = [DIR_ENV, "PYTHONPATH"] + [k for k, asked in ((CLASSES_ENV, bool(classes)), (FLIGHT_ENV, flight > 0),
+                                                              (COUNTERS_ENV, counters_every != 1)) if asked]
         if as_json:
             _emit_json({k: env[k] for k in keys})
         else:

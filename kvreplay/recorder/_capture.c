@@ -154,8 +154,7 @@ typedef struct {
     const void *src;
 } TensorView;
 
-/* Returns 1 when v is a contiguous CPU integer tensor (view filled), 0 when it needs
- * the Python encoder, -1 on error. */
+/* tensor_view through torch's C shim: 1 (view filled) or 0, never an error. */
 static int tensor_view_shim(Capture *c, PyObject *v, TensorView *tv) {
     void *h = (char *)v + shim.offset;
     int32_t code, dev;
@@ -171,6 +170,8 @@ static int tensor_view_shim(Capture *c, PyObject *v, TensorView *tv) {
     return 1;
 }
 
+/* Returns 1 when v is a contiguous CPU integer tensor (view filled), 0 when it needs
+ * the Python encoder, -1 on error. */
 static int tensor_view(Capture *c, PyObject *v, TensorView *tv) {
     if (!TensorType || !Py_IS_TYPE(v, TensorType)) return 0;
     if (c->use_shim) return tensor_view_shim(c, v, tv);
@@ -573,20 +574,31 @@ static void values_free(Values *v) {
 }
 
 /* The shim reports dtypes as scalar type codes: map each to this capture's dtype id
- * and element code (its dtypes dict is keyed by torch.dtype). */
+ * and element code (its dtypes dict is keyed by torch.dtype). A dtype the shim has no
+ * code for stays unmapped (its tensors take the Python encoder); -1, with no Python
+ * error left set, when the table cannot be trusted at all. */
 static int fill_codes(Capture *c) {
     for (int k = 0; k < MAX_SCALAR_CODE; k++) c->code_dtype[k] = -1;
     PyObject *dt, *entry;
     Py_ssize_t pos = 0;
-    while (PyDict_Next(c->dtypes, &pos, &dt, &entry)) {
+    int bad = 0;
+    while (!bad && PyDict_Next(c->dtypes, &pos, &dt, &entry)) {
         PyObject *code = PyDict_GetItemWithError(shim.codes, dt);
-        if (!code) return PyErr_Occurred() ? -1 : 0;
+        if (!code) {
+            bad = PyErr_Occurred() != NULL;
+            continue;
+        }
         long k = PyLong_AsLong(code);
-        if (k < 0 || k >= MAX_SCALAR_CODE) { PyErr_Clear(); return -1; }
+        if (k < 0 || k >= MAX_SCALAR_CODE) {
+            bad = 1;
+            continue;
+        }
         c->code_dtype[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 0));
         c->code_elem[k] = (int)PyLong_AsLong(PyTuple_GET_ITEM(entry, 1));
+        bad = PyErr_Occurred() != NULL;
     }
-    return PyErr_Occurred() ? -1 : 0;
+    if (bad) PyErr_Clear();
+    return bad ? -1 : 0;
 }
 
 static int capture_init(Capture *c, PyObject *args, PyObject *kw) {

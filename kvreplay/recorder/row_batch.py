@@ -193,16 +193,15 @@ def encode(v: Any, names: Names) -> Encoded:
         # (tensor, start_pos) pairs: the shape holds n0, start0, n1, start1, ...
         dtypes = [str(t.dtype) for t, _ in v]
         dtype = names.id(",".join(dtypes) if len(set(dtypes)) > 1 else dtypes[0])
+        extra = tuple(x for t, start in v for x in (t.numel(), int(start)))
         device = v[0][0].device
         if (device.type != "cpu" or DEFER_ALL) and all(t.device == device for t, _ in v):
             # One int64 concatenation on the device (kernels queued, no wait), copied
             # off it like a single tensor; the starts are plain ints.
             flat = torch.cat([t.detach().reshape(-1).to(torch.int64) for t, _ in v])
-            extra = tuple(x for t, start in v for x in (t.numel(), int(start)))
             return (K_DEFERRED, 0, dtype, names.device(device), len(extra), flat.numel(), extra, _NO_DATA,
                     DeviceCopy(flat, K_SEGMENTS))
         parts = [t.detach().reshape(-1).cpu().numpy().astype(np.int64) for t, _ in v]
-        extra = tuple(x for p, (_, start) in zip(parts, v, strict=True) for x in (len(p), int(start)))
         data = np.concatenate(parts) if parts else np.empty(0, np.int64)
         return (K_SEGMENTS, 0, dtype, names.device(v[0][0].device), len(extra), len(data), extra, data.tobytes(), None)
     return (K_OPAQUE, 0, -1, -1, 0, 0, (), _NO_DATA, repr(v)[:200])

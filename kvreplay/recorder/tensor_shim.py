@@ -56,9 +56,10 @@ def _impl_pointer(t: torch.Tensor) -> int | None:
 def _offset(samples: list[torch.Tensor]) -> int | None:
     if not hasattr(torch._C, "_tensor_impl_raw_handle"):
         return None
+    impls = [(id(t), _impl_pointer(t)) for t in samples]
     head = object.__basicsize__  # the Python object header
     for off in range(head, torch.Tensor.__basicsize__ - ctypes.sizeof(ctypes.c_void_p) + 1, 8):
-        if all(ctypes.c_void_p.from_address(id(t) + off).value == _impl_pointer(t) for t in samples):
+        if all(ctypes.c_void_p.from_address(obj + off).value == impl for obj, impl in impls):
             return off
     return None
 
@@ -74,6 +75,11 @@ def _samples() -> list[torch.Tensor]:
 def _python_view(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.dtype, t.device.type == "cpu", t.is_contiguous(), t.dim(), t.numel(),
             t.data_ptr() if t.numel() else None, tuple(t.shape))
+
+
+def uninstall(native: Any) -> None:
+    """Back to the Python reads, for captures built from now on."""
+    native.set_tensor_shim(0, (), {}, 0)
 
 
 def install(native: Any) -> bool:
@@ -97,21 +103,23 @@ def install(native: Any) -> bool:
         codes = {d: code(f"aoti_torch_dtype_{n}") for d, n in _DTYPES.items()}
         cpu = code("aoti_torch_device_type_cpu")
         native.set_tensor_shim(off, fns, codes, cpu)
-        names = {v: k for k, v in codes.items()}
+        dtype_of = {v: k for k, v in codes.items()}
         for t in samples:
             got = native.shim_probe(t)
             want = _python_view(t)
-            seen = None if got is None else (names.get(got[0], t.dtype if t.dtype not in codes else None),
-                                             got[1] == cpu, bool(got[2]), got[3], got[4],
-                                             got[5] if got[4] else None, got[6])
+            seen = None
+            if got is not None:
+                # Only index dtypes have a code to check; another dtype only must not read as one.
+                dtype = dtype_of.get(got[0], None if t.dtype in codes else t.dtype)
+                seen = (dtype, got[1] == cpu, bool(got[2]), got[3], got[4], got[5] if got[4] else None, got[6])
             if seen != want:
-                native.set_tensor_shim(0, (), {}, 0)
+                uninstall(native)
                 log.debug("kvreplay: torch's C shim reads %s as %s, Python as %s; not used", t, seen, want)
                 return False
         return True
     except (AttributeError, OSError, ValueError, TypeError) as exc:  # another torch, another platform
         try:
-            native.set_tensor_shim(0, (), {}, 0)
+            uninstall(native)
         except Exception:
             pass
         log.debug("kvreplay: torch's C shim not used: %s", exc)

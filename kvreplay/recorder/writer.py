@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.recorder.batch_table import ROW_WIDTH, RawBatch
@@ -34,9 +35,9 @@ def rows_of(item: RawBatch | GapRecord) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(seq, depth) of a written table's rows, gap rows given depth 1: they are not calls."""
     depth = table.column("depth").to_numpy().astype(np.int64)
-    target = table.column("target").to_pylist()
-    depth[[t == GAP_TARGET for t in target]] = 1  # gap rows are not calls
+    depth[pc.equal(table.column("target"), GAP_TARGET).to_numpy(zero_copy_only=False)] = 1
     return table.column("seq").to_numpy(), depth
 
 
@@ -152,8 +153,8 @@ class ParquetSink:
         top = seq[depth == 0]
         if not len(top):
             return  # only a gap row was lost, and its caller keeps that gap
-        gap = GapRecord(int(top[0]) if len(top) else -1, int(top[-1]) if len(top) else -1, len(top),
-                        f"trace writer: {type(exc).__name__}: {exc}", "", time.time_ns())
+        gap = GapRecord(int(top[0]), int(top[-1]), len(top), f"trace writer: {type(exc).__name__}: {exc}", "",
+                        time.time_ns())
         self.lost_calls += len(top)
         self._gap = gap if self._gap is None else self._gap.merged(gap)
 

@@ -25,10 +25,10 @@ def file_hash(path: str | Path) -> str:
     from kvreplay.recorder.trace_format import PART_GLOB
 
     path = Path(path)
-    files = sorted(path.glob(PART_GLOB)) if path.is_dir() else [path]
+    rotated = path.is_dir()
     h = hashlib.sha256()
-    for part in files:
-        if path.is_dir():
+    for part in sorted(path.glob(PART_GLOB)) if rotated else [path]:
+        if rotated:
             h.update(part.name.encode() + b"\0")
         with open(part, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
