@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvreplay.cli.app import app
-
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -49,13 +47,8 @@ def test_recorder_overhead_prints_a_ratio_for_every_setup_and_the_trace_size():
     assert "bytes/index" in got.stdout
 
 
-def test_replay_overhead_prints_both_modes_clean(tmp_path):
-    from typer.testing import CliRunner
-
-    trace = tmp_path / "t.parquet"
-    made = CliRunner().invoke(app, ["synth", "disagg-mtp", "--requests", "15", "-o", str(trace)])
-    assert made.exit_code == 0, made.output
-    got = run_bench(str(BENCH / "replay_overhead.py"), str(trace), "--repeat", "1")
+def test_replay_overhead_prints_both_modes_clean(swa_trace_80):
+    got = run_bench(str(BENCH / "replay_overhead.py"), str(swa_trace_80), "--repeat", "1")
     assert got.returncode == 0, got.stderr
     assert "replay strict + checks" in got.stdout and "(clean)" in got.stdout
     assert "replay remap  + checks" in got.stdout
