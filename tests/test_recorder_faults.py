@@ -114,10 +114,11 @@ def test_a_writer_that_raises_on_a_batch_loses_only_that_batch(tmp_path, monkeyp
 class _FullDisk:
     """pyarrow's ParquetWriter as a full disk leaves it: the write that fails raises
     ENOSPC and closes the writer, so every later write on it fails too (what a real
-    full tmpfs does), and the file under it has no footer."""
+    full tmpfs does), and the file under it has no footer. Dead writers are kept, not
+    their id()s: a new writer could reuse a freed one's id and be taken for dead."""
 
     def __init__(self, monkeypatch, fail_at: set[int]):
-        self.real, self.n, self.fail_at, self.dead = pq.ParquetWriter.write_table, 0, fail_at, set()
+        self.real, self.n, self.fail_at, self.dead = pq.ParquetWriter.write_table, 0, fail_at, []
         monkeypatch.setattr(pq.ParquetWriter, "write_table", self)
 
     def __get__(self, writer, owner):
@@ -125,10 +126,10 @@ class _FullDisk:
 
     def write(self, writer, table, *a, **k):
         self.n += 1
-        if id(writer) in self.dead:
+        if any(w is writer for w in self.dead):
             raise pa.ArrowInvalid("Operation on closed file")
         if self.n in self.fail_at:
-            self.dead.add(id(writer))
+            self.dead.append(writer)
             raise OSError(errno.ENOSPC, "No space left on device")
         return self.real(writer, table, *a, **k)
 
