@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvreplay.recorder.recording import record
-from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, make_pool, run_model
+from kvreplay.workload.synth import SCENARIOS, SynthConfig, make_pool, run_model
 
 
 def one(cfg: SynthConfig, recorded: bool, out: Path) -> tuple[float, int, int]:

@@ -48,8 +48,8 @@ from kvreplay.recorder import tensor_shim
 from kvreplay.recorder.capture import TENSOR_SHIM, _capture, native_available
 from kvreplay.recorder.flight import flight_recorder
 from kvreplay.recorder.recording import record
-from kvreplay.recorder.summary import summarize
-from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, make_pool, run_model
+from kvreplay.trace.summary import summarize
+from kvreplay.workload.synth import SCENARIOS, SynthConfig, make_pool, run_model
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def main() -> None:
             before = after
     p = min(plain)
     s = summarize(tmp / "setup0.parquet")  # the default set-up's trace
-    print(f"{a.scenario}, {a.requests} requests: {s.rows} rows ({s.top_level_calls} top-level)")
+    print(f"{a.scenario}, {a.requests} requests: {s.rows} rows ({s.calls} calls)")
     print(f"workload model alone (fastest)    {p:.3f} s")
     print(f"{'':34s}{'fastest':>9s}  {'ratio':>6s}  {'median pair ratio':>17s}  {'start':>7s}  {'close':>7s}")
     for k, (label, _) in enumerate(setups):

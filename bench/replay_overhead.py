@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kvreplay.recorder.reader import TraceReader
-from kvreplay.replayer.engine import Replayer, top_calls
+from kvreplay.replay.replayer import Replayer
+from kvreplay.trace.reader import TraceReader
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "traces" / "disagg-mtp-2000.parquet"
@@ -62,7 +62,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth", "disagg-mtp", "--requests", "2000",
                         "-o", str(trace)], check=True)
     t0 = time.perf_counter()
-    calls = list(top_calls(TraceReader(trace)))
+    calls = list(TraceReader(trace).top_calls())
     decode_s = time.perf_counter() - t0
     gc.freeze()  # the decoded calls live through every run; keep GC from rescanning them
     times: dict[str, list[float]] = {"bare": [], "strict": [], "remap": [], "strict-unchecked": []}

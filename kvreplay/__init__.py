@@ -1,3 +1,41 @@
-"""kvreplay: record, replay and check the KV-cache pool calls of LLM decode servers."""
+"""kvreplay: record, replay and check the KV-cache pool calls of LLM decode servers.
 
-__version__ = "0.1.0"
+The public API, for programs and notebooks::
+
+    from kvreplay import record, replay, diff, minimize, bisect, CheckedPool
+
+Names load on first use, so ``import kvreplay`` stays cheap (the pytest plugin and
+the recorder's import hook import the package in every process)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvreplay.version import __version__
+
+# public name -> (module, attribute)
+_API = {
+    "record": ("kvreplay.recorder.recording", "record"),
+    "flight_recorder": ("kvreplay.recorder.flight", "flight_recorder"),
+    "TraceReader": ("kvreplay.trace.reader", "TraceReader"),
+    "summarize": ("kvreplay.trace.summary", "summarize"),
+    "replay": ("kvreplay.replay.dispatch", "replay"),
+    "Replayer": ("kvreplay.replay.replayer", "Replayer"),
+    "diff": ("kvreplay.replay.diff", "diff_builds"),
+    "minimize": ("kvreplay.minimize", "minimize"),
+    "bisect": ("kvreplay.bisect", "bisect"),
+    "CheckedPool": ("kvreplay.checked_pool", "CheckedPool"),
+    "synthesize": ("kvreplay.workload.synth", "synthesize"),
+}
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'kvreplay' has no attribute {name!r}")
+    module, attr = _API[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

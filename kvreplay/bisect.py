@@ -21,19 +21,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
-
-from kvreplay import __version__
+from kvreplay.builds.git_tree import resolve_commit
+from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable
-from kvreplay.recorder.reader import TraceReader
-from kvreplay.replayer.engine import UNTESTABLE, ReplayReport
-from kvreplay.replayer.git_build import GitSpec, resolve_commit
-from kvreplay.store.db import Store, open_store
-from kvreplay.store.models import Build, Run, Trace
-from kvreplay.store.runs import file_hash
-from kvreplay.workflows import replay_and_store
-
-CACHEABLE = frozenset({"clean", "violation", "divergence", "unloadable"})  # not crashed/timeout: may be flaky
+from kvreplay.replay.report import UNTESTABLE, Failure, ReplayReport, describe
+from kvreplay.store.db import open_store
+from kvreplay.store.models import Run
+from kvreplay.store.runs import cached_run
+from kvreplay.stored_replay import replay_and_store
+from kvreplay.trace.hashing import content_hash
+from kvreplay.trace.reader import TraceReader
+from kvreplay.version import __version__
 
 
 @dataclass
@@ -62,47 +60,29 @@ class Outcome:
     first: str  # one line: the first violation or divergence, or why it could not run
     detail: str = ""  # that violation's or divergence's message
     calls_replayed: int = 0
-    first_invariant: str | None = None
-    first_divergence_kind: str | None = None
+    failure: Failure | None = None  # the failure it shows first
 
     @classmethod
     def of_report(cls, r: ReplayReport) -> Outcome:
-        first, detail = _describe(r.first_violation, r.first_divergence, r.message)
-        return cls(r.status, sorted({k.split("/")[0] for k in r.violation_counts}), sorted(r.divergence_counts),
-                   first, detail, r.calls_replayed, r.first_violation.invariant if r.first_violation else None,
-                   r.first_divergence.kind if r.first_divergence else None)
+        item = r.first_violation or r.first_divergence
+        return cls(r.status, r.invariants, r.divergence_kinds, *_first(item, r.message), r.calls_replayed,
+                   Failure.first_in(r))
 
     @classmethod
     def of_run(cls, run: Run) -> Outcome:
-        first, detail = _describe(run.violations[0] if run.violations else None,
-                                  run.divergences[0] if run.divergences else None, run.message or "")
+        item = run.violations[0] if run.violations else run.divergences[0] if run.divergences else None
+        failure = None
+        if item is not None:
+            failure = Failure("violation", item.invariant) if run.violations else Failure("divergence", item.kind)
         return cls(run.status, sorted({k.split("/")[0] for k in run.violation_counts}),
-                   sorted(run.divergence_counts), first, detail, run.calls_replayed,
-                   run.violations[0].invariant if run.violations else None,
-                   run.divergences[0].kind if run.divergences else None)
+                   sorted(run.divergence_counts), *_first(item, run.message or ""), run.calls_replayed, failure)
 
 
-def _describe(v: Any, d: Any, message: str) -> tuple[str, str]:
-    """(one short line, the full message) for a first violation, else a first divergence."""
-    if v is not None:
-        return f"{v.invariant}/{v.rule} at #{v.seq} {v.method}", v.message
-    if d is not None:
-        return f"{d.kind} divergence at #{d.seq} {d.method}", d.message
+def _first(item: object, message: str) -> tuple[str, str]:
+    """(one short line, the full message) for a first violation or divergence, else why."""
+    if item is not None:
+        return describe(item), str(getattr(item, "message", ""))
     return message.splitlines()[0] if message else "", message
-
-
-@dataclass
-class Target:
-    """The failure a bad step must show: an invariant id, or a divergence kind."""
-
-    kind: str  # violation | divergence
-    id: str
-
-    def shown_by(self, o: Outcome) -> bool:
-        return self.id in (o.invariants if self.kind == "violation" else o.divergence_kinds)
-
-    def __str__(self) -> str:
-        return f"{self.id} {'violation' if self.kind == 'violation' else 'divergence'}"
 
 
 @dataclass
@@ -120,7 +100,7 @@ class Step:
 @dataclass
 class BisectResult:
     trace: str
-    target: Target | None
+    target: Failure | None
     verdict: str  # found | range | already-bad | no-failure
     first_bad: Candidate | None
     candidates: list[Candidate]  # the first bad is one of these (one when found)
@@ -188,20 +168,13 @@ def _git_subject(repo: Path, commit: str) -> str:
     return res.stdout.strip()
 
 
-def _cacheable(spec: str) -> bool:
-    if spec.startswith("git:"):
-        rev = GitSpec.parse(spec).rev
-        return len(rev) == 40 and all(ch in "0123456789abcdef" for ch in rev)
-    return spec.startswith("builtin:")
-
-
 class Prober:
     """Replays one trace on builds, through the store's cache."""
 
     def __init__(self, trace: str | Path, *, db: str | None, mode: str, device: str, timeout_s: float,
                  use_cache: bool = True) -> None:
         self.trace = str(trace)
-        self.hash = file_hash(trace)
+        self.hash = content_hash(trace)
         self.db = db
         self.mode = mode
         self.device = device
@@ -209,22 +182,13 @@ class Prober:
         self.use_cache = use_cache
 
     def cached(self, spec: str) -> Outcome | None:
-        if not (self.use_cache and _cacheable(spec)):
+        if not (self.use_cache and BuildSpec.parse(spec).exact):
             return None
-        from sqlalchemy.orm import selectinload
-
-        st: Store = open_store(self.db)
+        st = open_store(self.db)
         try:
-            with st.session() as s:
-                q = (select(Run).join(Run.trace).join(Run.build)
-                     .where(Trace.content_hash == self.hash, Build.spec == spec, Run.mode == self.mode,
-                            Run.status.in_(CACHEABLE))
-                     .options(selectinload(Run.violations), selectinload(Run.divergences))
-                     .order_by(Run.id.desc()).limit(1))
-                if spec.startswith("builtin:"):
-                    q = q.where(Run.kvreplay_version == __version__)
-                run = s.scalar(q)
-                return Outcome.of_run(run) if run is not None else None
+            version = __version__ if BuildSpec.parse(spec).kind == "builtin" else None
+            run = cached_run(st, self.hash, spec, self.mode, kvreplay_version=version)
+            return Outcome.of_run(run) if run is not None else None
         finally:
             st.close()
 
@@ -242,7 +206,7 @@ class Prober:
         return Outcome.of_report(stored.report), False, time.perf_counter() - t0
 
 
-def _verdict(o: Outcome, target: Target) -> tuple[str, str]:
+def _verdict(o: Outcome, target: Failure) -> tuple[str, str]:
     if o.status == "clean":
         return "good", "clean"
     if o.status in UNTESTABLE:
@@ -250,15 +214,6 @@ def _verdict(o: Outcome, target: Target) -> tuple[str, str]:
     if target.shown_by(o):
         return "bad", o.first
     return "skip", f"fails differently ({', '.join(o.invariants + o.divergence_kinds)}): {o.first}"
-
-
-def target_of(o: Outcome) -> Target | None:
-    """The failure at the bad end: its first violation's invariant, else its first divergence's kind."""
-    if o.first_invariant:
-        return Target("violation", o.first_invariant)
-    if o.first_divergence_kind:
-        return Target("divergence", o.first_divergence_kind)
-    return None
 
 
 def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: str | None = None,
@@ -273,7 +228,7 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
     steps: list[Step] = []
     remaining = max(1, (len(order) - 1).bit_length())
 
-    def run(i: int, cand: Candidate, target: Target | None) -> tuple[str, Outcome]:
+    def run(i: int, cand: Candidate, target: Failure | None) -> tuple[str, Outcome]:
         o, cached, wall = prober.probe(cand.spec)
         verdict, why = _verdict(o, target) if target else ("bad" if o.status in ("violation", "divergence")
                                                            else "good" if o.status == "clean" else "skip",
@@ -286,7 +241,7 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
 
     n = len(order)
     verdict, bad_o = run(n - 1, order[-1], None)
-    target = target_of(bad_o)
+    target = bad_o.failure
     if verdict != "bad" or target is None:
         why = "it replays clean there" if bad_o.status == "clean" else f"it could not be tested there ({bad_o.first})"
         raise BadInput(f"the bad end {order[-1].label} does not show a failure: {why}")
@@ -336,5 +291,5 @@ def build_candidates(specs: list[str]) -> tuple[Candidate, list[Candidate]]:
     return cands[0], cands[1:]
 
 
-__all__ = ["BisectResult", "Candidate", "Outcome", "Step", "Target", "bisect", "build_candidates",
+__all__ = ["BisectResult", "Candidate", "Outcome", "Step", "bisect", "build_candidates",
            "first_parent_commits", "git_candidates"]

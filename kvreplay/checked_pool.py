@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvreplay.recorder.recording import COUNTER_METHODS
-from kvreplay.replayer.engine import load_build
-from kvreplay.replayer.invariants import InvariantChecker
-from kvreplay.replayer.pool_view import view_of
-from kvreplay.replayer.translations import translate
+from kvreplay.builds.resolve import load_build
+from kvreplay.check.checked_call import checked_call, method_of
+from kvreplay.check.checker import InvariantChecker
+from kvreplay.check.pool_view import view_of
+from kvreplay.pool_api import COUNTER_METHODS
+from kvreplay.replay.report import describe
 
 
 class CheckedPool:
@@ -40,28 +41,15 @@ class CheckedPool:
 
     def call(self, method: str, **args: Any) -> Any:
         """Make one call on the pool (keyword arguments, as a trace records them) and check it."""
-        seq = self.calls
         self.calls += 1
-        fn = getattr(self.pool, method, None)
+        fn, _ = method_of(self.pool, method)
         if fn is None:
-            t = translate(self.pool, method)
-            if t is None:
-                raise AttributeError(f"{self.build} has no method {method} and no translation applies")
-            pool = self.pool
-            fn = lambda **a: t.call(pool, a)  # noqa: E731
+            raise AttributeError(f"{self.build} has no method {method} and no translation applies")
         if method in COUNTER_METHODS:
             return fn(**args)
-        pre = self.checker.before(method, args)
-        raised: BaseException | None = None
-        result = None
-        try:
-            result = fn(**args)
-        except Exception as exc:  # checked first, then re-raised: the state it left may be the finding
-            raised = exc
-        avail = None if self.checker.in_group and method != "free_group_end" else self.view.sub_available()
-        self.checker.after(seq, method, args, result, raised is not None, pre, avail)
+        result, raised, _ = checked_call(self.view, self.checker, self.calls, method, args, fn)
         self._assert_clean()
-        if raised is not None:
+        if raised is not None:  # checked first, then re-raised: the state it left may be the finding
             raise raised
         return result
 
@@ -76,8 +64,7 @@ class CheckedPool:
         new, self._reported = kept[self._reported:], len(kept)
         for v in new:
             if self.invariant is None or v.invariant == self.invariant:
-                raise AssertionError(f"{self.build}: invariant {v.invariant} ({v.rule}) broken by call {v.seq} "
-                                     f"{v.method}: {v.message}")
+                raise AssertionError(f"{self.build}: {describe(v, long=True)}")
 
 
 __all__ = ["CheckedPool"]

@@ -1,4 +1,4 @@
-"""Errors a user can cause, each with the exit code DESIGN.md documents.
+"""Errors a user can cause, each with its exit code (docs/design.md, "Exit codes").
 
 0 clean, 1 violation or divergence, 2 bad input or usage, 125 the build could not
 be tested: it does not load, or its worker crashed or timed out (``git bisect run``
@@ -6,6 +6,9 @@ skips it), 128 bad input under ``replay --git-bisect`` (git aborts the bisect),
 >128 kvreplay itself crashed."""
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
 
 EXIT_CLEAN = 0
 EXIT_FOUND = 1
@@ -42,3 +45,25 @@ class PoolFailed(KvreplayError):
     finding, reported like a violation."""
 
     exit_code = EXIT_FOUND
+
+
+class FamilyMismatch(BadInput):
+    """The trace records one pool family and the build is another: not this build's trace."""
+
+    def __init__(self, trace_family: str, build: str, build_family: str) -> None:
+        super().__init__(f"the trace records a {trace_family} pool but {build} is a {build_family} pool")
+        self.trace_family, self.build, self.build_family = trace_family, build, build_family
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest choice, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def one_of(what: str, value: str, choices: Iterable[str]) -> str:
+    """``value`` when it is one of ``choices``, else BadInput naming them and the closest."""
+    options = list(choices)
+    if value in options:
+        return value
+    raise BadInput(f"unknown {what} {value!r}{did_you_mean(value, options)}; use one of: {', '.join(options)}")

@@ -27,39 +27,15 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
+from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
-from kvreplay.recorder.reader import TraceReader
-from kvreplay.recorder.recording import COUNTER_METHODS, record
-from kvreplay.replayer.engine import Replayer, TopCall, replay, start_point, top_calls
-from kvreplay.replayer.invariants import ALLOCS, FREES
-from kvreplay.replayer.remap import FULL_TOKEN_ARGS
-
-GROUP_METHODS = frozenset({"free_group_begin", "free_group_end"})
-
-
-def method_kind(method: str) -> str:
-    if method in ALLOCS:
-        return "alloc"
-    if method in FREES:
-        return "free"
-    if method in GROUP_METHODS:
-        return "free-group"
-    if method in COUNTER_METHODS:
-        return "read"
-    return method
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What a candidate must still show: ``kind`` violation (``id`` an invariant) or
-    divergence (``id`` a divergence kind), on a call of ``method_kind``."""
-
-    kind: str
-    id: str
-    method_kind: str
-
-    def __str__(self) -> str:
-        return f"{self.id} {self.kind} on a{'n' if self.method_kind[0] in 'aeio' else ''} {self.method_kind} call"
+from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, method_kind
+from kvreplay.recorder.recording import record
+from kvreplay.replay.dispatch import replay
+from kvreplay.replay.replayer import Replayer, start_point
+from kvreplay.replay.report import Failure, describe
+from kvreplay.trace.format import TopCall
+from kvreplay.trace.reader import TraceReader
 
 
 @dataclass
@@ -177,7 +153,7 @@ class Subject:
     """A trace, a build and the failure to keep; ``fails`` replays a subset."""
 
     def __init__(self, trace: str | Path, build: str, device: str = "cpu", reference: str | None = None) -> None:
-        if build.startswith("git:") or (reference or "").startswith("git:"):
+        if not BuildSpec.parse(build).in_process or (reference and not BuildSpec.parse(reference).in_process):
             raise BadInput("minimize replays thousands of candidates in-process; use a builtin:, py: or sglang "
                            "build (for a git: revision, py:MODULE:CLASS on a checkout of it)")
         self.trace = str(trace)
@@ -201,27 +177,27 @@ class Subject:
         r = self._replayer()
         log = r.checker.log
         found = None
-        for i, tc in enumerate(top_calls(self.reader)):
+        for i, tc in enumerate(self.reader.top_calls()):
             self.calls.append(tc)
             r.step(tc)
             if len(log.kept) and (invariant is None or any(v.invariant == invariant for v in log.kept)):
                 found = i
                 break
         if found is None and self.calls:
-            r.checker.finish(self.calls[-1].call.seq)
+            r.checker.finish(self.calls[-1].number)
         main = r.view.subs["full"] if "full" in r.view.subs else r.view.subs["pool"]
         self.deps = Dependencies(self.calls, main.capacity + main.page_size, main.page_size)
-        position = {tc.call.seq: i for i, tc in enumerate(self.calls)}
-        vs = sorted(log.kept, key=lambda v: (v.detected_seq, v.seq))
+        position = {tc.number: i for i, tc in enumerate(self.calls)}
+        vs = sorted(log.kept, key=lambda v: (v.detected_call, v.call))
         if invariant is not None:
             vs = [v for v in vs if v.invariant == invariant]
         if vs:
             v = vs[0]
-            return Failure("violation", v.invariant, method_kind(v.method)), position.get(v.detected_seq,
+            return Failure("violation", v.invariant, method_kind(v.method)), position.get(v.detected_call,
                                                                                            len(self.calls) - 1)
         if invariant is None and r.divergences:
-            d = min(r.divergences, key=lambda d: d.seq)
-            return Failure("divergence", d.kind, method_kind(d.method)), position[d.seq]
+            d = min(r.divergences, key=lambda d: d.call)
+            return Failure("divergence", d.kind, method_kind(d.method)), position[d.call]
         what = f"no {invariant} violation" if invariant else "no violation and no divergence (remap mode)"
         raise BadInput(f"{Path(self.trace).name} on {self.build}: {what}, so there is nothing to minimize")
 
@@ -257,12 +233,12 @@ class Subject:
         log = r.checker.log
 
         def hit(items: Sequence[Any]) -> bool:
-            return any(_matches(v, failure, any_method) for v in items)
+            return failure.in_items(items, any_method=any_method)
 
         seen = 0
         last = -1
         for tc in self.drive(r, kept):
-            last = tc.call.seq
+            last = tc.number
             if failure.kind == "violation":
                 if len(log.kept) > seen:
                     if hit(log.kept[seen:]):
@@ -274,12 +250,6 @@ class Subject:
             r.checker.finish(last)
             return hit(log.kept[seen:])
         return False
-
-
-def _matches(v: Any, f: Failure, any_method: bool = False) -> bool:
-    """A violation (or divergence) with the failure's id, on the same kind of method."""
-    vid = v.invariant if f.kind == "violation" else v.kind
-    return vid == f.id and (any_method or method_kind(v.method) == f.method_kind)
 
 
 class _Clock:
@@ -328,9 +298,7 @@ def ddmin(units: list[list[int]], kept: list[int], test: Callable[[list[int]], b
 
 def default_reference(build: str) -> str | None:
     """The build a candidate must stay clean on: for a builtin variant, its base pool."""
-    if build.startswith("builtin:") and "@" in build:
-        return build.split("@")[0]
-    return None
+    return BuildSpec.parse(build).base
 
 
 def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str | None = None,
@@ -376,7 +344,7 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     kept = ddmin([[i] for i in kept], kept, test, deps.without, clock, on_size)
     rebase(subject, kept, out, failure)
     check = replay(out, build, mode="strict", device=device)
-    shows, failing_seq = _shown(check, failure)
+    shows, failing_call = _shown(check, failure)
     total = sum(int(pc.equal(b.column(0), 0).true_count) for b in subject.reader.iter_batches(columns=["depth"]))
     result = MinimizeResult(str(trace), build, str(out), failure, total, len(kept), subject.tests,
                             clock.elapsed, clock.up, ref, shows, sizes=sizes)
@@ -384,18 +352,15 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
         from kvreplay.reproducer import write_reproducer
 
         result.test_file = str(write_reproducer(out, emit_test, build=build, failure=failure, source=str(trace),
-                                                failing_seq=failing_seq, shows=shows.split(": ")[0]))
+                                                failing_call=failing_call, shows=shows.split(": ")[0]))
     return result
 
 
 def _shown(report: Any, failure: Failure) -> tuple[str, int]:
     """How the minimal trace shows the failure, and at which call."""
-    for v in report.violations:
-        if _matches(v, failure):
-            return f"{v.invariant}/{v.rule} at #{v.seq} {v.method}: {v.message}", v.seq
-    for d in report.divergences:
-        if _matches(d, failure):
-            return f"{d.kind} divergence at #{d.seq} {d.method}: {d.message}", d.seq
+    for item in [*report.violations, *report.divergences]:
+        if failure.matches(item):
+            return f"{describe(item)}: {item.message}", item.call
     raise BadInput(f"the minimal trace no longer shows {failure} when replayed strict on {report.build}; "
                    "the build may not be deterministic")
 
@@ -419,4 +384,4 @@ def rebase(subject: Subject, kept: Sequence[int], out: Path, failure: Failure) -
     return out
 
 
-__all__ = ["Dependencies", "Failure", "MinimizeResult", "Subject", "ddmin", "method_kind", "minimize", "rebase"]
+__all__ = ["Dependencies", "MinimizeResult", "Subject", "ddmin", "minimize", "rebase"]

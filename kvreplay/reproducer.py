@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from kvreplay.check.rules import INVARIANTS
 from kvreplay.errors import BadInput
-from kvreplay.recorder.reader import TraceReader
-from kvreplay.replayer.engine import TopCall, top_calls
-from kvreplay.replayer.invariants import ALLOCS, INVARIANTS
-from kvreplay.replayer.remap import FULL_TOKEN_ARGS
+from kvreplay.pool_api import ALLOCS, FULL_TOKEN_ARGS, RECORDED_METHODS
+from kvreplay.trace.format import TopCall
+from kvreplay.trace.reader import TraceReader
 
 MAX_LITERAL = 64  # longer literal tensors are written as ranges where they are ones
 
@@ -80,13 +80,23 @@ def _value(name: str, v: Any, slots: _Slots) -> str:
     return repr(v)
 
 
+def _comment(text: str) -> str:
+    """Text for a one-line comment: no line breaks (a newline would end the comment)."""
+    return " ".join(text.split())
+
+
 def _call_line(i: int, tc: TopCall, slots: _Slots, note: str = "") -> tuple[list[str], str | None]:
     c = tc.call
+    if c.method not in RECORDED_METHODS:
+        raise BadInput(f"call #{tc.number} names {c.method!r}, not a method of the allocator API")
+    bad = [k for k in c.args if not k.isidentifier() or keyword.iskeyword(k)]
+    if bad:
+        raise BadInput(f"call #{tc.number} has an argument named {bad[0]!r}, which is not a Python name")
     args = [f"{k}={_value(k, v, slots)}" for k, v in c.args.items()]
     var = f"r{i}" if c.method in ALLOCS and isinstance(c.result, torch.Tensor) else None
     head = f"    {var} = pool.{c.method}(" if var else f"    pool.{c.method}("
     one_line = head + ", ".join(args) + ")"
-    lines = [f"    # {note}"] if note else []
+    lines = [f"    # {_comment(note)}"] if note else []
     if len(one_line) <= 110:
         lines.append(one_line)
     else:
@@ -102,31 +112,31 @@ def _test_name(failure: Any) -> str:
     return name + "_" if keyword.iskeyword(name) else name
 
 
-def render(trace: str | Path, *, build: str, failure: Any, source: str = "", failing_seq: int | None = None,
+def render(trace: str | Path, *, build: str, failure: Any, source: str = "", failing_call: int | None = None,
            shows: str = "") -> str:
     """The pytest source for ``trace`` (a minimal one: every call becomes a line);
-    the call at ``failing_seq`` gets a comment saying what ``build`` does there."""
+    the call numbered ``failing_call`` gets a comment saying what ``build`` does there."""
     reader = TraceReader(trace)
     meta = reader.meta
-    calls = list(top_calls(reader))
+    calls = [tc for tc in reader.top_calls() if tc.number]
     if len(calls) > 500:
         raise BadInput(f"{Path(trace).name} has {len(calls)} calls; write a test from a minimized trace")
     slots = _Slots()
     body: list[str] = []
     for i, tc in enumerate(calls):
-        note = f"on {build}: {shows}" if tc.call.seq == failing_seq and shows else ""
+        note = f"on {build}: {shows}" if tc.number == failing_call and shows else ""
         lines, var = _call_line(i, tc, slots, note)
         body.extend(lines)
         if var:
             slots.learn(var, tc.call.result)
     rule = INVARIANTS.get(failure.id, failure.id)
-    origin = f" from {Path(source).name}" if source else ""
-    return f'''"""Reproducer written by `kvreplay minimize`{origin} ({len(calls)} calls).
+    # Every value that comes from the trace, its file name or the command line enters the
+    # file as a Python literal (repr) or a one-line comment: never as code or docstring text.
+    return f'''"""Reproducer written by `kvreplay minimize` ({len(calls)} calls).
 
-On {build} this fails: {failure}.
-  {rule}
-Run it on another build with KVREPLAY_BUILD, e.g. `KVREPLAY_BUILD=builtin:swa pytest {{this file}}`.
-The minimal trace beside it replays the same calls: kvreplay replay {Path(trace).name} --build {build}
+It fails on MINIMIZED_ON with FAILURE (RULE says what the invariant is). Run it on
+another build with KVREPLAY_BUILD, e.g. `KVREPLAY_BUILD=builtin:swa pytest THIS_FILE`;
+the minimal trace TRACE replays the same calls with `kvreplay replay`.
 """
 
 import os
@@ -135,7 +145,12 @@ import torch
 
 from kvreplay.checked_pool import CheckedPool
 
-BUILD = os.environ.get("KVREPLAY_BUILD", {build!r})
+SOURCE = {Path(source).name if source else ""!r}
+TRACE = {Path(trace).name!r}
+MINIMIZED_ON = {build!r}
+FAILURE = {str(failure)!r}
+RULE = {rule!r}
+BUILD = os.environ.get("KVREPLAY_BUILD", MINIMIZED_ON)
 CTOR = {meta.ctor_args!r}
 
 
@@ -147,11 +162,11 @@ def {_test_name(failure)}():
 
 
 def write_reproducer(trace: str | Path, path: str | Path, *, build: str, failure: Any, source: str = "",
-                     failing_seq: int | None = None, shows: str = "") -> Path:
+                     failing_call: int | None = None, shows: str = "") -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise BadInput(f"{path.parent}: no such directory for --emit-test")
-    text = render(trace, build=build, failure=failure, source=source, failing_seq=failing_seq, shows=shows)
+    text = render(trace, build=build, failure=failure, source=source, failing_call=failing_call, shows=shows)
     tmp = path.with_name(f".{path.name}.partial")
     tmp.write_text(text)
     tmp.replace(path)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from kvreplay.pools.swa import SWAPool
 from kvreplay.recorder.recording import record
-from kvreplay.replayer.pools import SWAPool
 
 
 def t(*v: int) -> torch.Tensor:

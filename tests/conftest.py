@@ -3,14 +3,42 @@ the recorder tests."""
 
 from __future__ import annotations
 
+import os
+
+# One intra-op thread for torch here and in every process a test starts (the CLI,
+# workers): the pools' tensors are small, and an idle OpenMP worker spinning on the
+# second core slows the whole suite. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from kvreplay.replayer.workload.synth import SynthConfig, synthesize
+from kvreplay.workload.synth import SynthConfig, synthesize
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the kvreplay command in this process (no interpreter or torch start-up):
+    ``cli("replay", ...)`` gives a CompletedProcess with its exit code and output."""
+    from kvreplay.cli.app import main
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        code = 0
+        try:
+            main(list(argv))
+        except SystemExit as e:
+            code = int(e.code or 0)
+        cap = capsys.readouterr()
+        return subprocess.CompletedProcess(list(argv), code, cap.out, cap.err)
+
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +72,20 @@ def kill_a_second_after_its_mark(script: str, wait_for: Path | None = None) -> i
     finally:
         child.kill()
     return done
+
+
+# Parametrized cases whose siblings keep the check in the fast tier: the SIGKILL
+# timing tests run every engine and state in the slow tier, one combination here.
+SLOW_CASES = {
+    "test_sigkill_loses_no_call_older_than_a_second[native-idle]",
+    "test_sigkill_loses_no_call_older_than_a_second[python-busy]",
+    "test_sigkill_loses_no_call_older_than_a_second[python-idle]",
+    "test_sigkill_keeps_a_small_last_batch[python]",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.name in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)

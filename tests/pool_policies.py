@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.replayer.pools import PagedPool, SWAPool
+from kvreplay.pools.paged import PagedPool
+from kvreplay.pools.swa import SWAPool
 
 
 class HighPagesFirstPagedPool(PagedPool):

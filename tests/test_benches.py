@@ -33,6 +33,7 @@ def setups_of_recorder_bench() -> list[str]:
     return [label for label, _ in mod.SETUPS]
 
 
+@pytest.mark.slow
 def test_recorder_overhead_prints_a_ratio_for_every_setup_and_the_trace_size():
     got = run_bench(str(BENCH / "recorder_overhead.py"), "--requests", "15", "--repeat", "1")
     assert got.returncode == 0, got.stderr

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvreplay.cli.app import main
-from kvreplay.recorder.trace_format import CALL_COLUMNS
+from kvreplay.trace.format import CALL_COLUMNS
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -43,7 +43,7 @@ def test_inspect_describes_a_trace(tmp_path, capsys):
     assert code == 0
     assert s["meta"]["family"] == "swa" and s["meta"]["ctor_args"]["need_sort"] is True
     assert s["calls_per_method"]["alloc_extend_swa_tail"] == 40
-    assert s["top_level_calls"] + s["nested_calls"] == s["rows"]
+    assert s["calls"] + s["nested_rows"] == s["rows"]
     assert 0 < s["peak_used"]["full"] <= 2048 and 0 < s["peak_used"]["swa"] <= 512
     assert s["time_span_s"] > 0 and s["file_bytes"] == p.stat().st_size
     assert 0 < s["bytes_per_index"] < 3
@@ -54,7 +54,7 @@ def test_inspect_describes_a_trace(tmp_path, capsys):
 
 def test_builds_lists_the_builtins_and_variants(capsys):
     code, out, _ = run(capsys, "builds", "--json")
-    specs = {b["spec"] for b in json.loads(out)}
+    specs = {b["build"] for b in json.loads(out)}
     assert code == 0 and {"builtin:swa", "builtin:swa@stale-tail", "builtin:swa@deferred-lookup"} <= specs
 
 
@@ -132,3 +132,80 @@ def test_synth_keeps_the_trace_when_the_pool_asserts(tmp_path):
     assert res.stderr.startswith("kvreplay: error: builtin:swa@unfiltered-page0 failed after")
     assert "AssertionError" in res.stderr and res.stderr.count("\n") == 1
     assert out.exists()  # the reproducer, up to and including the failing call
+
+
+def _no_reprs(value):
+    """Every string in a JSON document, none of them a Python repr of a value."""
+    if isinstance(value, dict):
+        for v in value.values():
+            _no_reprs(v)
+    elif isinstance(value, list):
+        for v in value:
+            _no_reprs(v)
+    elif isinstance(value, str):
+        assert not value.startswith(("tensor(", "'", "segments(")), value
+
+
+def test_replay_and_show_speak_one_json_vocabulary(swa_trace_80, tmp_path, cli):
+    db = str(tmp_path / "k.db")
+    replayed = json.loads(cli("replay", str(swa_trace_80), "-b", "builtin:swa@stale-tail", "--db", db,
+                              "--json").stdout)
+    shown = json.loads(cli("show", str(replayed["run_id"]), "--db", db, "--json").stdout)
+    listed = json.loads(cli("runs", "--db", db, "--json").stdout)[0]
+    for key in ("run_id", "build", "mode", "status", "exit_code", "calls_replayed", "violation_total",
+                "divergence_total", "violation_counts", "violations", "divergences", "first_violation",
+                "capacity_assert_call", "capacity_assert_after_calls"):
+        assert shown[key] == replayed[key], key
+    assert listed["run_id"] == replayed["run_id"]
+    assert listed["first_violation"] == {k: replayed["first_violation"][k] for k in ("call", "invariant", "method")}
+    first = replayed["first_violation"]
+    assert isinstance(first["call"], int) and 1 <= first["call"] <= replayed["calls_replayed"]
+    _no_reprs(replayed)
+    _no_reprs(shown)
+
+
+def test_divergence_values_are_json_values(tmp_path, cli):
+    trace = tmp_path / "d.parquet"
+    assert cli("synth", "decode", "-n", "20", "-o", str(trace)).returncode == 0
+    res = cli("replay", str(trace), "-b", "py:pool_policies:HighPagesFirstPagedPool", "--no-store", "--json")
+    first = json.loads(res.stdout)["first_divergence"]
+    assert first["kind"] == "result" and isinstance(first["expected"], list) and isinstance(first["actual"], list)
+    assert all(isinstance(x, int) for x in first["expected"])
+
+
+def test_calls_are_numbered_alike_in_synth_inspect_and_replay(tmp_path, cli):
+    trace = tmp_path / "t.parquet"
+    made = json.loads(cli("synth", "disagg-mtp", "-n", "30", "-o", str(trace), "--json").stdout)
+    seen = json.loads(cli("inspect", str(trace), "--json").stdout)
+    replayed = json.loads(cli("replay", str(trace), "-b", "builtin:swa", "--no-store", "--json").stdout)
+    assert made["calls"] == seen["calls"] == replayed["calls_replayed"] < made["rows"] == seen["rows"]
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["replay", "t.parquet", "-b", "builtin:swa@stale-tial"], "did you mean builtin:swa@stale-tail?"),
+    (["runs", "--status", "clen"], "did you mean clean?"),
+    (["minimize", "t.parquet", "-b", "builtin:swa@stale-tail", "-o", "m.parquet", "--invariant", "swa-maping"],
+     "did you mean swa-mapping?"),
+    (["replay", "t.parquet", "-b", "builtin:swa", "--failure", "ownersip"], "did you mean ownership?"),
+    (["synth", "disagg-mpt", "-o", "x.parquet"], "did you mean disagg-mtp?"),
+])
+def test_a_near_miss_gets_a_did_you_mean(argv, hint, cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = cli(*argv)
+    assert res.returncode == 2 and hint in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_a_usage_error_is_one_line(cli):
+    res = cli("replay", "--build")
+    assert res.returncode == 2 and res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1
+
+
+def test_long_work_reports_progress_lines_when_not_on_a_terminal(swa_trace_80, cli, monkeypatch):
+    monkeypatch.setattr("kvreplay.cli.base.PROGRESS_EVERY_S", 0.0)
+    res = cli("replay", str(swa_trace_80), "-b", "builtin:swa", "--no-store")
+    assert res.returncode == 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith(f"replay {swa_trace_80.name}: ")]
+    done, total = lines[-1].split(": ")[1].split()[0].split("/")
+    assert len(lines) >= 2 and done == total
+    res = cli("diff", str(swa_trace_80), "--base", "builtin:swa", "--candidate", "builtin:swa@stale-tail")
+    assert any(ln.startswith(f"diff {swa_trace_80.name}: ") for ln in res.stderr.splitlines())

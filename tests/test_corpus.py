@@ -9,13 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.recorder.summary import summarize
-from kvreplay.replayer.engine import replay
-from kvreplay.replayer.expectations import check_report, load_manifest, sha256_of
+from kvreplay.corpus.expectations import check_report
+from kvreplay.corpus.manifest import load_manifest
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.hashing import content_hash as sha256_of
+from kvreplay.trace.reader import TraceReader
+from kvreplay.trace.summary import summarize
 
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
 ENTRIES = load_manifest(CORPUS)
-CASES = [(e, x, mode) for e in ENTRIES for x in e.expect for mode in x.modes]
+# Traces of more calls than this replay in the slow tier (and in .ci/run's kvreplay ci step).
+SMALL_CALLS = 10_000
+CALLS = {e.name: TraceReader(e.file).count_calls() for e in ENTRIES}
+
+
+def _tier(name: str, *values: object) -> object:
+    return pytest.param(*values, marks=[pytest.mark.slow] if CALLS[name] > SMALL_CALLS else [])
+
+
+CASES = [_tier(e.name, e, x, mode) for e in ENTRIES for x in e.expect for mode in x.modes]
 
 
 def test_manifest_files_exist_match_their_hash_and_stay_small():
@@ -34,21 +46,23 @@ def test_corpus_has_a_disagg_mtp_trace_of_2000_requests():
     assert s.meta["extra"]["synth"]["requests"] == 2000
 
 
-@pytest.mark.parametrize("entry, exp, mode", CASES,
-                         ids=[f"{e.name}-{x.build.removeprefix('builtin:')}-{m}" for e, x, m in CASES])
+@pytest.mark.parametrize("entry, exp, mode", CASES, ids=[f"{e.name}-{x.build.removeprefix('builtin:')}-{m}"
+                                                         for e, x, m in (c.values for c in CASES)])
 def test_corpus_expectation(entry, exp, mode):
     report = replay(entry.file, exp.build, mode=mode, device="cpu")
     assert check_report(report, exp) == []
 
 
-BUGGY = sorted({(e.name, x.build) for e in ENTRIES for x in e.expect if x.status == "violation"})
+BUGGY = [_tier(n, n, b) for n, b in sorted({(e.name, x.build) for e in ENTRIES for x in e.expect
+                                             if x.status == "violation"})]
 
 
-@pytest.mark.parametrize("name, build", BUGGY, ids=[f"{n}-{b.removeprefix('builtin:')}" for n, b in BUGGY])
+@pytest.mark.parametrize("name, build", BUGGY,
+                         ids=[f"{n}-{b.removeprefix('builtin:')}" for n, b in (c.values for c in BUGGY)])
 def test_native_and_numpy_checkers_find_the_same_violations(name, build, monkeypatch):
     """The C index kernels are an optimisation: the numpy fallback must report the
     same violations, in the same order, with the same indices and counts."""
-    from kvreplay.replayer import invariants
+    from kvreplay.check import checker as invariants
 
     if invariants.native is None:
         pytest.skip("native shadow kernels not built")

@@ -26,13 +26,13 @@ def corpus(tmp_path):
     return tmp_path
 
 
-def _ci(corpus, build, *extra):
-    return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "ci", str(corpus), "--build", build,
-                           "--db", str(corpus / "k.db"), *extra], capture_output=True, text=True, timeout=600)
+def _ci(cli, corpus, build, *extra):
+    """``kvreplay ci`` in this process (the cases run in worker processes with -j 2)."""
+    return cli("ci", str(corpus), "--build", build, "--db", str(corpus / "k.db"), *extra)
 
 
-def test_the_correct_pool_passes_and_the_junit_file_is_well_formed(corpus):
-    res = _ci(corpus, "builtin:swa", "-j", "2", "--junit", str(corpus / "out.xml"), "--summary",
+def test_the_correct_pool_passes_and_the_junit_file_is_well_formed(corpus, cli):
+    res = _ci(cli, corpus, "builtin:swa", "-j", "2", "--junit", str(corpus / "out.xml"), "--summary",
               str(corpus / "s.md"))
     assert res.returncode == 0, res.stdout + res.stderr
     root = ET.parse(corpus / "out.xml").getroot()
@@ -48,47 +48,50 @@ def test_the_correct_pool_passes_and_the_junit_file_is_well_formed(corpus):
     assert "all expectations hold" in (corpus / "s.md").read_text()
 
 
-def test_a_bug_variant_passes_when_it_is_caught_where_the_manifest_says(corpus):
-    res = _ci(corpus, "builtin:swa@unfiltered-page0")
+def test_a_bug_variant_passes_when_it_is_caught_where_the_manifest_says(corpus, cli):
+    res = _ci(cli, corpus, "builtin:swa@unfiltered-page0")
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_a_wrong_expectation_fails_and_says_which(corpus):
+def test_a_wrong_expectation_fails_and_says_which(corpus, cli):
     manifest = json.loads((corpus / "manifest.json").read_text())
     page0 = next(e for e in manifest["traces"] if e["name"] == "sglang-0.5.23-swa-page0")
     bad = next(x for x in page0["expect"] if x["build"] == "builtin:swa@unfiltered-page0")
-    bad["violations"][0]["seq"] = 353
+    bad["violations"][0]["call"] = 222
     (corpus / "manifest.json").write_text(json.dumps(manifest))
-    res = _ci(corpus, "builtin:swa@unfiltered-page0", "--junit", str(corpus / "out.xml"))
+    res = _ci(cli, corpus, "builtin:swa@unfiltered-page0", "--junit", str(corpus / "out.xml"))
     assert res.returncode == 1
-    assert "sglang-0.5.23-swa-page0[strict]" in res.stdout and "#353" in res.stdout
+    assert "sglang-0.5.23-swa-page0[strict]" in res.stdout and "#222" in res.stdout
     failure = ET.parse(corpus / "out.xml").getroot().find("testsuite/testcase/failure")
-    assert failure is not None and "#353" in failure.get("message")
+    assert failure is not None and "#222" in failure.get("message")
 
 
-def test_a_known_bad_case_that_replays_clean_is_a_failure(corpus):
+def test_a_known_bad_case_that_replays_clean_is_a_failure(corpus, cli):
     """The checker must keep its teeth: an expected violation that does not show fails."""
     manifest = json.loads((corpus / "manifest.json").read_text())
     leak = next(e for e in manifest["traces"] if e["name"] == "sglang-0.5.23-decode-none-leak")
     leak["expect"].append({"build": "builtin:swa@stale-tail", "status": "violation",
                            "violations": [{"invariant": "swa-mapping"}]})
     (corpus / "manifest.json").write_text(json.dumps(manifest))
-    res = _ci(corpus, "builtin:swa@stale-tail", "--json")
+    res = _ci(cli, corpus, "builtin:swa@stale-tail", "--json")
     assert res.returncode == 1
     results = {r["case"]["trace"]: r for r in json.loads(res.stdout)["results"]}
     assert results["sglang-0.5.23-decode-none-leak"]["outcome"] == "fail"
 
 
 def test_the_pytest_plugin_makes_one_item_per_trace_and_mode(corpus, tmp_path_factory):
-    here = tmp_path_factory.mktemp("empty")  # no tests of its own: only the corpus items
+    here = tmp_path_factory.mktemp("project")
+    # a project with tests of its own: given only --kvreplay-corpus, pytest runs the corpus alone
+    (here / "test_unrelated.py").write_text("def test_unrelated():\n    raise AssertionError('collected')\n")
     res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "--kvreplay-corpus",
                           str(corpus), "--kvreplay-build", "builtin:swa"], cwd=here, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout[-2000:]
-    # node ids are SESSION-DIR::kvreplay::TRACE[MODE]
-    passed = sorted(line.split()[1].split("::", 1)[1] for line in res.stdout.splitlines()
-                    if line.startswith("PASSED "))
-    assert passed == [f"kvreplay::{t}[{m}]" for t in sorted(SMALL) for m in ("remap", "strict")]
+    # node ids are the manifest's path, then TRACE[MODE]
+    ids = [line.split()[1] for line in res.stdout.splitlines() if line.startswith("PASSED ")]
+    assert all(i.split("::")[0].endswith("manifest.json") for i in ids), ids
+    assert sorted(i.split("::", 1)[1] for i in ids) == [f"{t}[{m}]" for t in sorted(SMALL) for m in ("remap", "strict")]
+    assert "test_unrelated" not in res.stdout
 
 
 def test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold(corpus, tmp_path_factory):
@@ -106,8 +109,8 @@ def test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold(corpus,
 
 def test_every_builtin_bug_variant_is_expected_to_be_caught_somewhere():
     """Mutation score: each variant has at least one corpus trace where it must show."""
-    from kvreplay.replayer.builds import BUILTINS
-    from kvreplay.replayer.expectations import load_manifest
+    from kvreplay.corpus.manifest import load_manifest
+    from kvreplay.pools.registry import BUILTINS
 
     caught = {x.build for e in load_manifest(CORPUS) for x in e.expect if x.status == "violation"}
     variants = {f"builtin:{n}" for n in BUILTINS if "@" in n}
@@ -115,7 +118,7 @@ def test_every_builtin_bug_variant_is_expected_to_be_caught_somewhere():
 
 
 def test_corpus_add_records_provenance_and_expectations_and_check_finds_problems(tmp_path):
-    from kvreplay.corpus import add_trace, check_corpus
+    from kvreplay.corpus.manage import add_trace, check_corpus
     from kvreplay.errors import BadInput
 
     src = CORPUS / "sglang-0.5.23-swa-page0.parquet"
@@ -123,7 +126,7 @@ def test_corpus_add_records_provenance_and_expectations_and_check_finds_problems
     assert entry["command"].startswith("kvreplay synth radix-swa")  # provenance from the trace itself
     clean, caught = entry["expect"]
     assert clean == {"build": "builtin:swa", "status": "clean"}
-    assert caught["status"] == "violation" and caught["violations"][0]["seq"] == 354
+    assert caught["status"] == "violation" and caught["violations"][0]["call"] == 223
     assert check_corpus(tmp_path).ok
     with pytest.raises(BadInput, match="already in"):
         add_trace(src, "page0", tmp_path)

@@ -7,12 +7,13 @@ import signal
 
 import pytest
 
+from kvreplay.pools.swa import SWAPool
+from kvreplay.pools.variants import UnfilteredPage0SWAPool
 from kvreplay.recorder.flight import flight_recorder
-from kvreplay.recorder.reader import TraceReader
-from kvreplay.replayer.engine import Replayer, replay, top_calls
-from kvreplay.replayer.pools import SWAPool
-from kvreplay.replayer.pools.variants import UnfilteredPage0SWAPool
-from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
+from kvreplay.replay.dispatch import replay
+from kvreplay.replay.replayer import Replayer
+from kvreplay.trace.reader import TraceReader
+from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 
 
 def _drive(pool, scenario: str, requests: int, seed: int = 1) -> None:
@@ -38,14 +39,14 @@ def test_a_dump_at_a_raised_exception_replays_from_its_snapshot_to_the_same_exce
 
     r = Replayer(fr.dumps[0], "builtin:swa@unfiltered-page0", mode="strict")
     first_raise = None
-    for tc in top_calls(r.reader):
+    for tc in r.reader.top_calls():
         _, exc = r.step(tc)
         if exc is not None:
-            first_raise = (tc.call.seq, type(exc).__name__, str(exc).splitlines()[0])
+            first_raise = (tc.number, type(exc).__name__, str(exc).splitlines()[0])
             break
-    assert first_raise == (last.seq, "AssertionError", message)
+    assert first_raise == (len(calls), "AssertionError", message)  # calls are numbered 1..N: the last
     report = replay(fr.dumps[0], "builtin:swa@unfiltered-page0", device="cpu")
-    assert report.divergences == [] and report.capacity_assert_seq == last.seq
+    assert report.divergences == [] and report.capacity_assert_call == len(calls)
 
 
 def test_a_dump_of_a_correct_pool_replays_clean_from_its_snapshot(tmp_path):

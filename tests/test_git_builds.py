@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from kvreplay.replayer.engine import replay
+from kvreplay.replay.dispatch import replay
 
-GOOD = "from kvreplay.replayer.pools.swa import SWAPool as Pool\n"
-BUGGY = "from kvreplay.replayer.pools.variants import StaleTailSWAPool as Pool\n"
-BROKEN = "from kvreplay.replayer.pools.swa import SWAPool as Pool\nimport no_such_module_kvreplay\n"
-CRASH = "import os\nfrom kvreplay.replayer.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
+GOOD = "from kvreplay.pools.swa import SWAPool as Pool\n"
+BUGGY = "from kvreplay.pools.variants import StaleTailSWAPool as Pool\n"
+BROKEN = "from kvreplay.pools.swa import SWAPool as Pool\nimport no_such_module_kvreplay\n"
+CRASH = "import os\nfrom kvreplay.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
         "    def alloc_extend(self, *a, **k):\n        os.abort()\n"
-HANG = "import time\nfrom kvreplay.replayer.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
+HANG = "import time\nfrom kvreplay.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
        "    def alloc_extend(self, *a, **k):\n        time.sleep(600)\n"
 
 
@@ -76,7 +76,7 @@ def test_a_crashing_or_hanging_build_does_not_take_kvreplay_down(repo, trace):
 
 
 def test_the_tree_is_exported_once_per_commit_and_reused(repo, tmp_path_factory):
-    from kvreplay.replayer.git_build import tree_at
+    from kvreplay.builds.git_tree import tree_at
 
     commit, first = tree_at(repo, "good")
     again = tree_at(repo, "good")[1]

@@ -9,13 +9,13 @@ import sys
 import textwrap
 import time
 
-from kvreplay.recorder.reader import TraceReader
-from kvreplay.replayer.engine import replay
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.reader import TraceReader
 
-TARGET = "kvreplay.replayer.pools.swa:SWAPool"
+TARGET = "kvreplay.pools.swa:SWAPool"
 DRIVE = """
 import torch
-from kvreplay.replayer.pools.swa import SWAPool
+from kvreplay.pools.swa import SWAPool
 
 def t(*v):
     return torch.tensor(v, dtype=torch.int64)

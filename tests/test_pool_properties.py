@@ -8,7 +8,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvreplay.replayer.pools import PagedPool, SWAPool, TokenPool
+from kvreplay.pools.paged import PagedPool
+from kvreplay.pools.swa import SWAPool
+from kvreplay.pools.token import TokenPool
 
 PS = 4
 

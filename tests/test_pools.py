@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreplay.replayer.builds import BUILTINS, resolve
-from kvreplay.replayer.pools import PagedPool, SWAPool, TokenPool
+from kvreplay.builds.resolve import resolve
+from kvreplay.pools.paged import PagedPool
+from kvreplay.pools.registry import BUILTINS
+from kvreplay.pools.swa import SWAPool
+from kvreplay.pools.token import TokenPool
 
 
 def t(*v: int) -> torch.Tensor:
@@ -95,7 +98,7 @@ def test_free_group_defers_until_end_and_segments_must_be_page_disjoint():
 # -- SWA pool and the historical bugs --------------------------------------------
 
 def design_walkthrough(pool: SWAPool) -> dict:
-    """DESIGN.md's stale-tail sequence, page_size 4, need_sort on."""
+    """docs/design.md's stale-tail sequence, page_size 4, need_sort on."""
     a = pool.alloc_extend(t(0), t(0), t(6), t(6), t(-1), 6)  # request A prefills 6 tokens
     over = pool.alloc_extend(t(6), t(6), t(12), t(12), a[-1:], 6)  # MTP over-allocates to 12 slots
     row = torch.cat([a, over])

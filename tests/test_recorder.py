@@ -11,13 +11,14 @@ import pytest
 import torch
 from conftest import kill_a_second_after_its_mark
 
+from kvreplay.pools.swa import SWAPool
+from kvreplay.pools.token import TokenPool
 from kvreplay.recorder.capture import native_available
-from kvreplay.recorder.reader import TraceReader
 from kvreplay.recorder.recording import record
-from kvreplay.recorder.trace_format import CALL_COLUMNS
-from kvreplay.replayer.engine import replay
-from kvreplay.replayer.pools import SWAPool, TokenPool
-from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.format import CALL_COLUMNS
+from kvreplay.trace.reader import TraceReader
+from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])
@@ -136,7 +137,7 @@ def test_interpreter_exit_flushes_an_open_recording(tmp_path):
         f"""
         import torch
         from kvreplay.recorder.recording import record
-        from kvreplay.replayer.pools import PagedPool
+        from kvreplay.pools.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r})
         for _ in range(5):
@@ -160,7 +161,7 @@ def test_sigkill_loses_no_call_older_than_a_second(tmp_path, backend, then):
         f"""
         import time
         from kvreplay.recorder.recording import record
-        from kvreplay.replayer.pools import PagedPool
+        from kvreplay.pools.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r})  # default batch (4,096 rows): only time flushes this workload
         time.sleep(1.0)  # the writer process starting up (a server's start-up, not its steady state)
@@ -192,7 +193,7 @@ def test_sigkill_keeps_a_small_last_batch(tmp_path):
         f"""
         import time
         from kvreplay.recorder.recording import record
-        from kvreplay.replayer.pools import PagedPool
+        from kvreplay.pools.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r})
         time.sleep(1.0)  # the writer process starting up
@@ -263,7 +264,7 @@ def test_device_copies_are_collected_by_the_writer_and_hold_the_value_at_call_ti
     """The path CUDA tensors take (a copy the writer waits for, never the caller),
     forced on for CPU tensors that go through the encoder: same rows as copying on
     the spot, and a tensor changed after the call is recorded as it was."""
-    from kvreplay.recorder import row_batch
+    from kvreplay.recorder import py_buffers as row_batch
 
     values = [torch.arange(12).reshape(3, 4)[:, 1], torch.arange(40)[::3], torch.tensor([[1, 2], [3, 4]])[:, 0],
               [(torch.arange(12)[::2], 3), (torch.arange(5, dtype=torch.int32), 9)]]  # segments, as free_segments

@@ -12,14 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvreplay.errors import BadInput
-from kvreplay.recorder.batch_table import RawBatch
-from kvreplay.recorder.reader import TraceReader
+from kvreplay.pools.swa import SWAPool
+from kvreplay.recorder.raw_batch import RawBatch
 from kvreplay.recorder.recording import record
-from kvreplay.recorder.trace_format import GAP_TARGET
 from kvreplay.recorder.writer import ParquetSink
-from kvreplay.replayer.engine import replay
-from kvreplay.replayer.pools import SWAPool
-from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.format import GAP_TARGET
+from kvreplay.trace.reader import TraceReader
+from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 
 CFG = SynthConfig(scenario="disagg-mtp", out="unused.parquet", requests=120, full_size=512, swa_size=256)
 
@@ -197,8 +197,8 @@ def test_a_dropped_batchs_snapshot_is_encoded_on_the_writers_side(tmp_path):
     made where the writer takes it, and a merged gap keeps the newest state."""
     import pickle
 
-    from kvreplay.recorder.trace_format import GapRecord
     from kvreplay.recorder.writer import settled
+    from kvreplay.trace.format import GapRecord
 
     calls = []
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvreplay.corpus.expectations import check_report
+from kvreplay.corpus.manifest import Expectation, ExpectedViolation
 from kvreplay.errors import BadInput, BuildUnloadable
-from kvreplay.replayer.engine import replay
-from kvreplay.replayer.expectations import Expectation, ExpectedViolation, check_report
-from kvreplay.replayer.workload.synth import SynthConfig, synthesize
+from kvreplay.replay.dispatch import replay
+from kvreplay.workload.synth import SynthConfig, synthesize
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_other_free_policy_diverges_in_strict_and_replays_clean_in_remap(decode_
     # strict: the first allocation differs, and later recorded frees then name pages
     # the build never handed out, which the checker also reports
     assert strict.exit_code == 1 and strict.first_divergence.kind == "result"
-    assert strict.first_divergence.method == "alloc_extend" and strict.first_divergence.seq <= 1
+    assert strict.first_divergence.method == "alloc_extend" and strict.first_divergence.call <= 2
     remap = replay(decode_trace, "py:pool_policies:HighPagesFirstPagedPool", mode="remap", device="cpu")
     assert remap.status == "clean", (remap.violation_counts, remap.divergence_counts)
 
@@ -68,7 +69,7 @@ def test_stale_tail_is_flagged_at_the_source_calls(disagg_trace):
     assert r.status == "violation"
     first = r.first_violation
     assert (first.invariant, first.rule, first.method) == ("swa-mapping", "released-page-keeps-peer", "free_segments")
-    assert first.detected_seq >= first.seq  # found at its group's end, reported at the free
+    assert first.detected_call >= first.call  # found at its group's end, reported at the free
     rules = {(v.rule, v.method) for v in r.violations}
     assert ("tail-prealloc-nontail-mapped", "alloc_extend_swa_tail") in rules
     assert ("shared-swa-slot", "alloc_extend_swa_tail") in rules
@@ -78,7 +79,7 @@ def test_stop_first_stops_at_the_first_finding(disagg_trace):
     full = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu")
     first = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu", stop_at_first=True)
     assert first.stopped_early and first.calls_replayed < full.calls_replayed
-    assert first.first_violation.seq == full.first_violation.seq
+    assert first.first_violation.call == full.first_violation.call
 
 
 def test_go_on_keeps_every_rule_and_counts_repeats(disagg_trace):
@@ -95,8 +96,8 @@ def test_a_build_that_raises_where_the_recording_did_not_is_an_exception_diverge
     out = tmp_path / "walk.parquet"
     import torch
 
+    from kvreplay.pools.swa import SWAPool
     from kvreplay.recorder.recording import record
-    from kvreplay.replayer.pools import SWAPool
 
     def t(*v):
         return torch.tensor(v, dtype=torch.int64)
@@ -115,7 +116,7 @@ def test_a_build_that_raises_where_the_recording_did_not_is_an_exception_diverge
         pool.free(b)
         pool.free(c)
     r = replay(out, "builtin:swa@stale-tail", device="cpu")
-    # DESIGN.md: flagged at A's free (slot 11 keeps SWA slot 11) ...
+    # docs/design.md: flagged at A's free (slot 11 keeps SWA slot 11) ...
     fv = r.first_violation
     assert (fv.method, fv.rule, fv.indices) == ("free_segment", "released-page-keeps-peer", [11])
     # ... and again at B's tail preallocation, long before sglang's own assertion
@@ -123,7 +124,7 @@ def test_a_build_that_raises_where_the_recording_did_not_is_an_exception_diverge
     assert {v.rule for v in at_b} >= {"tail-prealloc-nontail-mapped"}
     assert any(v.rule == "shared-swa-slot" and v.method == "alloc_extend" for v in r.violations)  # C takes slot 11
     assert r.divergence_counts.get("exception") == 1
-    assert r.capacity_assert_seq is not None and r.capacity_assert_after_calls > 0
+    assert r.capacity_assert_call is not None and r.capacity_assert_after_calls > 0
     clean = replay(out, "builtin:swa", device="cpu")
     assert clean.status == "clean"
 
@@ -143,10 +144,10 @@ def test_expectations_catch_a_checker_that_lost_its_teeth(disagg_trace):
     r = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu")
     good = Expectation("builtin:swa@stale-tail", "violation",
                        violations=[ExpectedViolation("swa-mapping", "released-page-keeps-peer", "free_segments",
-                                                     r.first_violation.seq)])
+                                                     r.first_violation.call)])
     assert check_report(r, good) == []
     late = Expectation("x", "violation", violations=[ExpectedViolation("swa-mapping", "released-page-keeps-peer",
-                                                                       seq=r.first_violation.seq + 1)])
+                                                                       call=r.first_violation.call + 1)])
     assert check_report(r, late) and "first reported at" in check_report(r, late)[0]
     clean = replay(disagg_trace, "builtin:swa", device="cpu")
     assert check_report(clean, good) == ["expected violations, got none: the checker missed the bug"]

@@ -9,13 +9,13 @@ import pytest
 from conftest import kill_a_second_after_its_mark
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.recorder.reader import TraceReader
+from kvreplay.pools.swa import SWAPool
 from kvreplay.recorder.recording import record
-from kvreplay.recorder.trace_format import CALL_COLUMNS
-from kvreplay.replayer.engine import replay
-from kvreplay.replayer.pools import SWAPool
-from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
-from kvreplay.store.runs import file_hash
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.format import CALL_COLUMNS
+from kvreplay.trace.hashing import content_hash as file_hash
+from kvreplay.trace.reader import TraceReader
+from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 
 CFG = SynthConfig(scenario="disagg-mtp", out="unused.parquet", requests=60, full_size=512, swa_size=256)
 
@@ -40,6 +40,7 @@ def test_a_rotated_trace_reads_as_the_same_trace_in_parts(tmp_path, writer):
     assert file_hash(parts) == file_hash(parts) != file_hash(one)
 
 
+@pytest.mark.slow
 def test_killed_with_its_writer_a_rotated_trace_keeps_its_closed_parts(tmp_path):
     """The writer thread dies with the process: only parts closed before the kill
     survive, and with a part closed every 0.2 s nothing older than a second is lost."""
@@ -48,7 +49,7 @@ def test_killed_with_its_writer_a_rotated_trace_keeps_its_closed_parts(tmp_path)
         f"""
         import time
         from kvreplay.recorder.recording import record
-        from kvreplay.replayer.pools import PagedPool
+        from kvreplay.pools.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r}, writer="thread", rotate_s=0.2)
         n = 0

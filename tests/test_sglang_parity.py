@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
-from kvreplay.replayer import sglang_adapter  # noqa: E402
-from kvreplay.replayer.engine import replay  # noqa: E402
+from kvreplay.builds import sglang as sglang_adapter  # noqa: E402
+from kvreplay.replay.replayer import replay  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
@@ -46,7 +46,7 @@ def test_sglang_0_5_23_frees_swa_page_0_like_the_unfiltered_page0_variant(trace)
     real = replay(CORPUS / f"{trace}.parquet", "sglang", device="cpu")
     variant = replay(CORPUS / f"{trace}.parquet", "builtin:swa@unfiltered-page0", device="cpu")
     assert real.first_violation is not None
-    assert real.first_violation.seq == variant.first_violation.seq
+    assert real.first_violation.call == variant.first_violation.call
     assert real.first_violation.method == variant.first_violation.method
     assert real.first_violation.method in ("free_swa_segment", "free_segment")
     assert (real.first_violation.invariant, real.first_violation.rule) == (
@@ -58,7 +58,7 @@ def test_the_page0_variant_is_sglang_0_5_23_call_for_call_through_its_bug(tmp_pa
     prefix-cache trace replays on real sglang with not one divergence: results,
     counters, nested calls and the final AssertionError all agree."""
     from kvreplay.errors import PoolFailed
-    from kvreplay.replayer.workload.synth import SynthConfig, synthesize
+    from kvreplay.workload.synth import SynthConfig, synthesize
 
     out = tmp_path / "t.parquet"
     with pytest.raises(PoolFailed):
@@ -75,7 +75,7 @@ def test_sglang_0_5_23_alloc_decode_leaks_a_full_page_when_it_returns_none():
     the one that succeeded handed out."""
     r = replay(CORPUS / "sglang-0.5.23-decode-none-leak.parquet", "sglang", device="cpu")
     first = r.first_violation
-    assert (first.seq, first.method, first.invariant) == (4, "alloc_decode", "none-unchanged")
+    assert (first.call, first.method, first.invariant) == (3, "alloc_decode", "none-unchanged")
     assert "quiescence/leaked-page" in r.violation_counts
     assert replay(CORPUS / "sglang-0.5.23-decode-none-leak.parquet", "builtin:swa", device="cpu").status == "clean"
 
@@ -85,8 +85,8 @@ def test_a_program_driving_real_sglang_under_kvreplay_record_leaves_a_clean_trac
     program.write_text(textwrap.dedent("""
         import torch
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-        from kvreplay.replayer.sglang_adapter import kv_standin
-        from kvreplay.replayer.workload.synth import SCENARIOS, SynthConfig, run_model
+        from kvreplay.builds.sglang import kv_standin
+        from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 
         pool = SWATokenToKVPoolAllocator(512, 256, 4, torch.int64, "cpu", kv_standin(), True)
         cfg = SynthConfig(scenario="disagg-mtp", out=None, requests=80, full_size=512, swa_size=256)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.recorder import snapshot
-from kvreplay.recorder.reader import TraceReader
+from kvreplay.pools.swa import SWAPool
 from kvreplay.recorder.recording import record
-from kvreplay.replayer.engine import Replayer, replay, top_calls
-from kvreplay.replayer.pools import SWAPool
+from kvreplay.replay.dispatch import replay
+from kvreplay.replay.replayer import Replayer
+from kvreplay.trace import snapshot
+from kvreplay.trace.reader import TraceReader
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
@@ -22,7 +23,7 @@ def attached(tmp_path_factory):
     """The seed-bug workload, recorded from its middle: the first half drives the
     pool unrecorded, then a recording attaches and sees the second half."""
     src = TRACES / "disagg-mtp-2000.parquet"
-    calls = list(top_calls(TraceReader(src)))
+    calls = list(TraceReader(src).top_calls())
     driver = Replayer(src, "builtin:swa", check=False)
     half = len(calls) // 2
     for tc in calls[:half]:
@@ -52,7 +53,7 @@ def test_without_its_snapshot_the_attached_trace_would_not_replay(attached):
     path, _ = attached
     r = Replayer(path, "builtin:swa", check=True)
     fresh = Replayer(TRACES / "disagg-mtp-2000.parquet", "builtin:swa")  # a new pool, nothing restored
-    calls = list(top_calls(TraceReader(path)))
+    calls = list(TraceReader(path).top_calls())
     fresh.run(calls=calls)
     assert fresh.found_something()
     assert r.run().status == "clean"

@@ -12,11 +12,11 @@ from sqlalchemy import func, select
 
 from kvreplay.cli.app import main
 from kvreplay.errors import BadInput
-from kvreplay.replayer.workload.synth import SynthConfig, synthesize
 from kvreplay.store.db import open_store, tables
 from kvreplay.store.models import Run, ViolationRow
 from kvreplay.store.runs import list_runs
-from kvreplay.workflows import replay_and_store
+from kvreplay.stored_replay import replay_and_store
+from kvreplay.workload.synth import SynthConfig, synthesize
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_opening_creates_the_schema_through_alembic(tmp_path):
     st.close()
     with sqlite3.connect(tmp_path / "r.db") as con:
         assert con.execute("pragma journal_mode").fetchone()[0] == "wal"
-        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0003"
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0004"
 
 
 def test_a_run_is_stored_whole(tmp_path, trace, capsys):
@@ -62,11 +62,11 @@ def test_a_run_is_stored_whole(tmp_path, trace, capsys):
     shown = json.loads(out)
     assert shown["build"] == "builtin:swa@stale-tail" and shown["status"] == "violation"
     assert shown["trace_calls"] == rep["calls_replayed"] > 0
-    assert shown["first_violation"]["seq"] == rep["first_violation"]["seq"]
+    assert shown["first_violation"] == rep["first_violation"]
     assert len(shown["violations"]) == len(rep["violations"])
     assert shown["violation_total"] == sum(rep["violation_counts"].values())
     code, out, _ = run_cli(capsys, "runs", "--db", db, "--json", "--status", "violation")
-    assert [r["id"] for r in json.loads(out)] == [1]
+    assert [r["run_id"] for r in json.loads(out)] == [1]
     code, out, _ = run_cli(capsys, "runs", "--db", db, "--json", "--build", "builtin:swa")
     assert json.loads(out) == []
 
@@ -153,7 +153,7 @@ def test_diff_shows_where_two_builds_part(trace, capsys):
     assert code == 0 and json.loads(out)["differing_calls"] == 0
     code, out, _ = run_cli(capsys, "diff", str(trace), "--base", "builtin:paged", "--candidate", "builtin:swa")
     assert code == 2
-    from kvreplay.replayer.diff import diff_builds
+    from kvreplay.replay.diff import diff_builds
 
     d = diff_builds(trace, "builtin:swa", "py:pool_policies:HighPagesFirstSWAPool", context=3)
     assert d.first is not None and d.first.method == "alloc_extend_swa_tail" and d.first_kind == "result"
@@ -192,4 +192,4 @@ def test_a_database_at_the_first_revision_is_upgraded_on_open(tmp_path):
     assert "message" in {c["name"] for c in inspect(st.engine).get_columns("runs")}
     st.close()
     with sqlite3.connect(path) as con:
-        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0003"
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0004"

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.recorder.batch_table import NULL, RawBatch
-from kvreplay.recorder.reader import TraceReader
-from kvreplay.recorder.row_batch import RowBatch
-from kvreplay.recorder.trace_format import SCHEMA, TraceMeta
+from kvreplay.recorder.py_buffers import RowBatch
+from kvreplay.recorder.raw_batch import NULL, RawBatch
 from kvreplay.recorder.writer import TraceWriter
+from kvreplay.trace.format import SCHEMA, TraceMeta
+from kvreplay.trace.reader import TraceReader
 
 META = TraceMeta(pool_class="x:Pool", family="paged", ctor_args={"size": 64, "page_size": 4})
 

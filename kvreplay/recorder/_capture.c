@@ -7,10 +7,10 @@
  * copies arguments and results of the common kinds (None, bool, int, contiguous
  * CPU integer tensors) straight into flat int64 buffers, reads the counters and
  * hands full buffers to Python. Every other value goes through the Python
- * encoder (row_batch.encode), so both recorders write identical rows.
+ * encoder (py_buffers.encode), so both recorders write identical rows.
  *
- * Layout of the buffers is row_batch.py's: a row is ROW_WIDTH int64s, a value
- * VALUE_WIDTH. Nothing here may raise into the recorded program: an internal error
+ * Layout of the buffers is layout.py's: a row is ROW_WIDTH int64s, a value
+ * VALUE_WIDTH; setup.py passes every layout constant in as a macro from there. Nothing here may raise into the recorded program: an internal error
  * is passed to the fail callback, which logs once and disables recording. */
 
 #define PY_SSIZE_T_CLEAN
@@ -20,14 +20,14 @@
 #include <string.h>
 #include <time.h>
 
-#define VALUE_WIDTH 7
-#define ROW_WIDTH 11
+/* From layout.py, through setup.py: never written here by hand. */
+#if !defined(VALUE_WIDTH) || !defined(ROW_WIDTH) || !defined(K_OPAQUE) || !defined(FINISH_GROUP_END)
+#error "build _capture.c through setup.py, which defines the layout constants from kvreplay/recorder/layout.py"
+#endif
 #define MAX_DEPTH 64
 #define NULL_COUNTER INT64_MIN
 #define MAX_SCALAR_CODE 64 /* torch's ScalarType codes are below this */
 
-enum { K_NONE, K_BOOL, K_INT, K_FLOAT, K_STR, K_TENSOR, K_INTS, K_SEGMENTS, K_OPAQUE };
-enum { FINISH_CALL, FINISH_READ, FINISH_GROUP_BEGIN, FINISH_GROUP_END };
 /* element codes of integer dtypes, as set_dtypes receives them */
 enum { E_INT64, E_INT32, E_INT16, E_INT8, E_UINT8, E_BOOL };
 
@@ -859,7 +859,12 @@ PyMODINIT_FUNC PyInit__capture(void) {
     PyObject *m = PyModule_Create(&capture_module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Capture", (PyObject *)&CaptureType) < 0) return NULL;
-    if (PyModule_AddIntConstant(m, "VALUE_WIDTH", VALUE_WIDTH) < 0) return NULL;
-    if (PyModule_AddIntConstant(m, "ROW_WIDTH", ROW_WIDTH) < 0) return NULL;
+    /* What it was built with, so capture.py can refuse a module built from another layout. */
+    PyObject *layout = Py_BuildValue("{sisisisisisisisisisisisisisisi}",
+        "VALUE_WIDTH", VALUE_WIDTH, "ROW_WIDTH", ROW_WIDTH, "K_NONE", K_NONE, "K_BOOL", K_BOOL, "K_INT", K_INT,
+        "K_FLOAT", K_FLOAT, "K_STR", K_STR, "K_TENSOR", K_TENSOR, "K_INTS", K_INTS, "K_SEGMENTS", K_SEGMENTS,
+        "K_OPAQUE", K_OPAQUE, "FINISH_CALL", FINISH_CALL, "FINISH_READ", FINISH_READ,
+        "FINISH_GROUP_BEGIN", FINISH_GROUP_BEGIN, "FINISH_GROUP_END", FINISH_GROUP_END);
+    if (!layout || PyModule_AddObject(m, "LAYOUT", layout) < 0) { Py_XDECREF(layout); return NULL; }
     return m;
 }

@@ -18,21 +18,23 @@ from typing import Any
 
 import torch
 
-from kvreplay.recorder import tensor_shim
-from kvreplay.recorder.batch_table import NULL, ROW_WIDTH, RawBatch, RawValues
-from kvreplay.recorder.row_batch import Names, RowBatch, encode
+from kvreplay.recorder import layout, tensor_shim
+from kvreplay.recorder.layout import FINISH_GROUP_BEGIN, FINISH_READ, ROW_WIDTH
+from kvreplay.recorder.py_buffers import Names, RowBatch, encode
+from kvreplay.recorder.raw_batch import NULL, RawBatch, RawValues
 
 try:
     from kvreplay.recorder import _capture  # type: ignore[attr-defined]
 
+    # A module built from another layout would write rows this version misreads.
+    if _capture.LAYOUT != dict((name, int(value)) for name, value in layout.c_macros()):
+        raise ImportError("kvreplay.recorder._capture was built from another layout.py; reinstall kvreplay")
     _capture.set_tensor_type(torch.Tensor)
-except ImportError:  # not built (a source checkout without a compiler)
+except (ImportError, AttributeError):  # not built (a source checkout without a compiler), or stale
     _capture = None
 # torch's C shim reads tensors ~30x faster than Python; off when it cannot be verified.
 TENSOR_SHIM = _capture is not None and tensor_shim.install(_capture)
 
-# How a wrapped method's row ends (the native module uses the same numbers).
-FINISH_CALL, FINISH_READ, FINISH_GROUP_BEGIN, FINISH_GROUP_END = range(4)
 _NO_COUNTERS = (NULL, NULL, NULL)
 
 Counters = tuple[Callable[[], int] | None, Callable[[], int] | None, Callable[[], int] | None]

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from kvreplay.recorder import snapshot as pool_snapshot
-from kvreplay.recorder.batch_table import ROW_WIDTH, RawBatch
+from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
 from kvreplay.recorder.recording import Recording, is_fresh, log
 from kvreplay.recorder.writer import ParquetSink
+from kvreplay.trace import snapshot as pool_snapshot
 
 _dumps = itertools.count()
 

@@ -29,35 +29,26 @@ from typing import Any
 
 import torch
 
-import kvreplay
-from kvreplay.recorder import snapshot as pool_snapshot
-from kvreplay.recorder.batch_table import RawBatch
-from kvreplay.recorder.capture import (
-    FINISH_CALL,
-    FINISH_GROUP_BEGIN,
-    FINISH_GROUP_END,
-    FINISH_READ,
-    Engine,
-    default_backend,
+from kvreplay.pool_api import (
+    COUNTER_METHODS,
+    COUNTER_READS,
+    RECORDED_METHODS,
+    SUB_POOLS,
+    ctor_args_of_pool,
+    family_of_pool,
 )
-from kvreplay.recorder.row_batch import Names
-from kvreplay.recorder.trace_format import GapRecord, TraceMeta
+from kvreplay.recorder.capture import Engine, default_backend
+from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ
+from kvreplay.recorder.py_buffers import Names
+from kvreplay.recorder.raw_batch import RawBatch
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of
 from kvreplay.recorder.writer_process import ProcessTraceWriter
+from kvreplay.trace import snapshot as pool_snapshot
+from kvreplay.trace.format import GapRecord, TraceMeta
+from kvreplay.version import __version__
 
 log = logging.getLogger("kvreplay.recorder")
 
-# State-changing calls and counter reads of the allocator API (DESIGN.md).
-RECORDED_METHODS = (
-    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail",
-    "free", "free_page_ids", "free_segment", "free_segments", "free_full",
-    "free_full_segment", "free_full_segments", "free_swa", "free_swa_segment",
-    "free_group_begin", "free_group_end", "merge_and_sort_free", "clear",
-    "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
-    "available_size", "full_available_size", "swa_available_size",
-)
-COUNTER_METHODS = frozenset({"available_size", "full_available_size", "swa_available_size"})
-SUB_POOLS = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"))
 _FINISH = {"free_group_begin": FINISH_GROUP_BEGIN, "free_group_end": FINISH_GROUP_END,
            **{m: FINISH_READ for m in COUNTER_METHODS}}
 
@@ -70,7 +61,7 @@ def pool_class_name(pool: Any) -> str:
 
 
 def _source_version(pool: Any) -> dict[str, str]:
-    out = {"kvreplay": kvreplay.__version__, "torch": str(torch.__version__)}  # not TorchVersion: plain str pickles
+    out = {"kvreplay": __version__, "torch": str(torch.__version__)}  # not TorchVersion: plain str pickles
     top = type(pool).__module__.split(".")[0]
     mod = __import__(top)
     ver = getattr(mod, "__version__", None)
@@ -100,8 +91,6 @@ class Recording:
         rotate_s: float = 0.0,
         counters_every: int = 1,
     ) -> None:
-        from kvreplay.replayer.builds import ctor_args_of_pool, family_of_pool
-
         self.pool = pool
         if snapshot is None:  # attach: a pool already in use starts its trace with its state
             snapshot = not is_fresh(pool)
@@ -157,7 +146,7 @@ class Recording:
     @staticmethod
     def _counter_readers(pool: Any) -> tuple[Callable[[], int] | None, ...]:
         # Bound before patching, so reading counters is never itself recorded.
-        return tuple(getattr(pool, n, None) for n in ("available_size", "full_available_size", "swa_available_size"))
+        return tuple(getattr(pool, n, None) for n in COUNTER_READS)
 
     def _patch(self, obj: Any, target: str) -> None:
         for name in RECORDED_METHODS:
@@ -271,7 +260,7 @@ def _state_json(captured: dict[str, dict[str, Any]]) -> str:
 def is_fresh(pool: Any) -> bool:
     """Is the pool's state that of a new one built from the same arguments? (Then a
     trace needs no snapshot: replay builds the same.) Unknown classes count as used."""
-    from kvreplay.replayer.builds import Build, ctor_args_of_pool, family_of_pool
+    from kvreplay.builds.resolve import Build
 
     try:
         fresh = Build("", family_of_pool(pool), type(pool)).construct(ctor_args_of_pool(pool),

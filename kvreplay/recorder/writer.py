@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvreplay.recorder.batch_table import ROW_WIDTH, RawBatch
-from kvreplay.recorder.trace_format import GAP_TARGET, PARQUET_OPTIONS, SCHEMA, GapRecord, TraceMeta, part_name
+from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
+from kvreplay.trace.format import GAP_TARGET, PARQUET_OPTIONS, SCHEMA, GapRecord, TraceMeta, part_name
 
 STOP = object()  # the queue item that ends a writer thread
 

@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvreplay.recorder.trace_format import TraceMeta
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, settled
+from kvreplay.trace.format import TraceMeta
 
 _LEN = struct.Struct("<Q")
 

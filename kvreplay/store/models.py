@@ -58,10 +58,10 @@ class Run(Base):
     divergence_total: Mapped[int] = mapped_column(Integer, default=0)
     violation_counts: Mapped[dict] = mapped_column(JSON, default=dict)
     divergence_counts: Mapped[dict] = mapped_column(JSON, default=dict)
-    first_violation_seq: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    first_violation_call: Mapped[int | None] = mapped_column(Integer, nullable=True)  # call numbers (0004)
     first_violation_invariant: Mapped[str | None] = mapped_column(String(32), nullable=True)
     first_violation_method: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    capacity_assert_seq: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    capacity_assert_call: Mapped[int | None] = mapped_column(Integer, nullable=True)
     capacity_assert_after_calls: Mapped[int | None] = mapped_column(Integer, nullable=True)
     kvreplay_version: Mapped[str] = mapped_column(String(32))
     message: Mapped[str | None] = mapped_column(Text, nullable=True)  # why, when no violation says (0003)
@@ -70,10 +70,10 @@ class Run(Base):
     trace: Mapped[Trace] = relationship()
     build: Mapped[Build] = relationship()
     violations: Mapped[list[ViolationRow]] = relationship(
-        back_populates="run", cascade="all, delete-orphan", order_by="ViolationRow.seq"
+        back_populates="run", cascade="all, delete-orphan", order_by="ViolationRow.call"
     )
     divergences: Mapped[list[DivergenceRow]] = relationship(
-        back_populates="run", cascade="all, delete-orphan", order_by="DivergenceRow.seq"
+        back_populates="run", cascade="all, delete-orphan", order_by="DivergenceRow.call"
     )
 
 
@@ -82,8 +82,8 @@ class ViolationRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    seq: Mapped[int] = mapped_column(Integer)
-    detected_seq: Mapped[int] = mapped_column(Integer)
+    call: Mapped[int] = mapped_column(Integer)
+    detected_call: Mapped[int] = mapped_column(Integer)
     method: Mapped[str] = mapped_column(String(64))
     invariant: Mapped[str] = mapped_column(String(32), index=True)
     rule: Mapped[str] = mapped_column(String(64))
@@ -99,7 +99,7 @@ class DivergenceRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
-    seq: Mapped[int] = mapped_column(Integer)
+    call: Mapped[int] = mapped_column(Integer)
     method: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16), index=True)
     expected: Mapped[str] = mapped_column(Text)

@@ -5,35 +5,18 @@ one transaction: a reader sees all of a run or none of it."""
 
 from __future__ import annotations
 
-import hashlib
+import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
-from kvreplay import __version__
 from kvreplay.errors import BadInput
 from kvreplay.store.db import Store
 from kvreplay.store.models import Build, DivergenceRow, Run, Trace, ViolationRow
-
-
-def file_hash(path: str | Path) -> str:
-    """Content hash of a trace file, or of a rotated trace's parts in order."""
-    from kvreplay.recorder.trace_format import PART_GLOB
-
-    path = Path(path)
-    rotated = path.is_dir()
-    h = hashlib.sha256()
-    for part in sorted(path.glob(PART_GLOB)) if rotated else [path]:
-        if rotated:
-            h.update(part.name.encode() + b"\0")
-        with open(part, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+from kvreplay.version import __version__
 
 
 @dataclass
@@ -82,21 +65,22 @@ def record_run(store: Store, report: Any, info: TraceInfo, *, build_version: str
                 violation_total=sum(report.violation_counts.values()),
                 divergence_total=sum(report.divergence_counts.values()),
                 violation_counts=report.violation_counts, divergence_counts=report.divergence_counts,
-                first_violation_seq=fv.seq if fv else None,
+                first_violation_call=fv.call if fv else None,
                 first_violation_invariant=fv.invariant if fv else None,
                 first_violation_method=fv.method if fv else None,
-                capacity_assert_seq=report.capacity_assert_seq,
+                capacity_assert_call=report.capacity_assert_call,
                 capacity_assert_after_calls=report.capacity_assert_after_calls,
                 kvreplay_version=__version__,
                 message=getattr(report, "message", "") or None,
             )
             run.violations = [
-                ViolationRow(seq=v.seq, detected_seq=v.detected_seq, method=v.method, invariant=v.invariant,
+                ViolationRow(call=v.call, detected_call=v.detected_call, method=v.method, invariant=v.invariant,
                              rule=v.rule, sub_pool=v.sub_pool, indices=v.indices, message=v.message)
                 for v in report.violations
             ]
             run.divergences = [
-                DivergenceRow(seq=d.seq, method=d.method, kind=d.kind, expected=d.expected, actual=d.actual,
+                DivergenceRow(call=d.call, method=d.method, kind=d.kind, expected=json.dumps(d.expected),
+                              actual=json.dumps(d.actual),
                               message=d.message)
                 for d in report.divergences
             ]
@@ -133,19 +117,29 @@ def get_run(store: Store, run_id: int) -> Run:
     return run
 
 
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):  # stored by kvreplay < 0.2 as display text
+        return text
+
+
 def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
-    d = {
-        "id": run.id, "trace": run.trace.path, "trace_hash": run.trace.content_hash[:12],
-        "trace_calls": run.trace.calls, "build": run.build.spec,
+    """A stored run in the JSON vocabulary of docs/json.md (the same fields as a
+    fresh replay's report, plus where and when it was stored)."""
+    d: dict[str, Any] = {
+        "run_id": run.id, "trace": run.trace.path, "trace_hash": run.trace.content_hash[:12],
+        "trace_calls": run.trace.calls, "build": run.build.spec, "build_version": run.build.resolved_version,
         "mode": run.mode, "device": run.device, "status": run.status, "exit_code": run.exit_code,
         "calls_replayed": run.calls_replayed, "wall_s": round(run.wall_s, 3), "calls_per_s": round(run.calls_per_s),
         "violation_total": run.violation_total, "divergence_total": run.divergence_total,
         "first_violation": (
-            {"seq": run.first_violation_seq, "invariant": run.first_violation_invariant,
-             "method": run.first_violation_method} if run.first_violation_seq is not None else None
+            {"call": run.first_violation_call, "invariant": run.first_violation_invariant,
+             "method": run.first_violation_method} if run.first_violation_call is not None else None
         ),
-        "capacity_assert_seq": run.capacity_assert_seq,
+        "capacity_assert_call": run.capacity_assert_call,
         "capacity_assert_after_calls": run.capacity_assert_after_calls,
+        "kvreplay_version": run.kvreplay_version,
         "started_at": run.started_at.isoformat() if run.started_at else None,
         "message": run.message or "",
     }
@@ -153,13 +147,35 @@ def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
         d["violation_counts"] = run.violation_counts
         d["divergence_counts"] = run.divergence_counts
         d["violations"] = [
-            {"seq": v.seq, "detected_seq": v.detected_seq, "method": v.method, "invariant": v.invariant,
+            {"call": v.call, "detected_call": v.detected_call, "method": v.method, "invariant": v.invariant,
              "rule": v.rule, "sub_pool": v.sub_pool, "indices": v.indices, "message": v.message}
             for v in run.violations
         ]
         d["divergences"] = [
-            {"seq": x.seq, "method": x.method, "kind": x.kind, "expected": x.expected, "actual": x.actual,
-             "message": x.message}
+            {"call": x.call, "method": x.method, "kind": x.kind, "expected": _json(x.expected),
+             "actual": _json(x.actual), "message": x.message}
             for x in run.divergences
         ]
+        if d["violations"]:
+            d["first_violation"] = min(d["violations"], key=lambda v: (v["call"], v["detected_call"]))
+        d["first_divergence"] = min(d["divergences"], key=lambda x: x["call"]) if d["divergences"] else None
     return d
+
+
+# Statuses a cached result may have: crashed and timeout may be flaky, so they are replayed again.
+CACHEABLE = frozenset({"clean", "violation", "divergence", "unloadable"})
+
+
+def cached_run(store: Store, content_hash: str, spec: str, mode: str, *,
+               kvreplay_version: str | None = None) -> Run | None:
+    """The newest stored run of this trace on this exact build spec and mode (and,
+    when given, by this kvreplay version), with its violations and divergences."""
+    q = (select(Run).join(Run.trace).join(Run.build)
+         .where(Trace.content_hash == content_hash, Build.spec == spec, Run.mode == mode,
+                Run.status.in_(CACHEABLE))
+         .options(selectinload(Run.violations), selectinload(Run.divergences))
+         .order_by(Run.id.desc()).limit(1))
+    if kvreplay_version is not None:
+        q = q.where(Run.kvreplay_version == kvreplay_version)
+    with store.session() as s:
+        return s.scalar(q)

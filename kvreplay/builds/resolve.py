@@ -1,0 +1,114 @@
+"""From a build spec to a pool: which class, and how to construct it for a trace.
+
+A trace records its pool family and constructor arguments; a build of the same
+family is constructed from them (pool_api.FAMILY_ARGS gives the signature)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvreplay.builds import sglang as sglang_adapter
+from kvreplay.builds.spec import BuildSpec
+from kvreplay.errors import BadInput, BuildUnloadable, FamilyMismatch, UnknownBuild
+from kvreplay.pool_api import FAMILY_ARGS
+from kvreplay.pools.paged import PagedPool
+from kvreplay.pools.registry import BUILTINS
+from kvreplay.pools.swa import SWAPool
+from kvreplay.pools.token import TokenPool
+
+
+@dataclass(frozen=True)
+class Build:
+    """A resolved build spec: how to make a pool of its family."""
+
+    spec: str
+    family: str | None  # None: decided by the class once loaded (py: builds)
+    cls: type
+
+    def construct(self, ctor: dict[str, Any], device: str | torch.device = "cpu") -> Any:
+        family = self.family or family_of_class(self.cls)
+        kwargs = {name: ctor.get(name) for name in FAMILY_ARGS[family]}
+        kwargs["device"] = device
+        kwargs["dtype"] = _dtype(kwargs.get("dtype"))
+        kwargs["need_sort"] = bool(kwargs.get("need_sort"))
+        if kwargs.get("kvcache") is None and sglang_adapter.needs_kv_standin(self.cls, family):
+            kwargs["kvcache"] = sglang_adapter.kv_standin()
+        return self.cls(**kwargs)
+
+
+def _dtype(value: Any) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.startswith("torch."):
+        dt = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dt, torch.dtype):
+            return dt
+    return torch.int64
+
+
+def resolve(spec: str | BuildSpec, family: str | None = None, recorded_class: str = "") -> Build:
+    """Turn a build spec into a Build, or raise UnknownBuild with what exists.
+
+    ``sglang`` needs the trace's family (and recorded class, if any) to pick a class."""
+    s = spec if isinstance(spec, BuildSpec) else BuildSpec.parse(spec)
+    if s.kind == "sglang":
+        if family is None:
+            raise UnknownBuild("--build sglang needs a trace (or scenario) to choose the pool family")
+        return resolve(sglang_adapter.spec_for(family, recorded_class))
+    if s.kind == "git":
+        raise UnknownBuild(f"{s}: git: builds replay in a worker process (kvreplay replay); this command "
+                           "takes in-process builds only (builtin:, py:, sglang)")
+    if s.kind == "builtin":
+        b = BUILTINS[s.name]
+        return Build(s.text, b.family, b.cls)
+    module, _, attr = s.cls.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except Exception as exc:  # any import-time failure means the build cannot load
+        raise BuildUnloadable(f"build {s.text!r} could not be loaded: {type(exc).__name__}: {exc}") from None
+    return Build(s.text, None, cls)
+
+
+def family_of_class(cls: type) -> str:
+    """A class's pool family: from a builtin pool it derives from, else from its name
+    (sglang's classes say SWA or Paged in theirs)."""
+    for base, family in ((SWAPool, "swa"), (PagedPool, "paged"), (TokenPool, "token")):
+        if issubclass(cls, base):
+            return family
+    name = " ".join(c.__name__ for c in cls.__mro__).lower()
+    if "swa" in name:
+        return "swa"
+    if "paged" in name:
+        return "paged"
+    return "token"
+
+
+def load_build(spec: str, family: str, ctor: dict[str, Any], device: str, recorded_class: str = "") -> Any:
+    """A pool of ``spec`` built from a trace's family and constructor arguments."""
+    build = resolve(spec, family, recorded_class)
+    bfam = build.family or family_of_class(build.cls)
+    if bfam != family:
+        raise FamilyMismatch(family, spec, bfam)
+    try:
+        return build.construct(ctor, device=device)
+    except (TypeError, ValueError, AttributeError, RuntimeError, AssertionError) as exc:
+        raise BuildUnloadable(f"{spec} could not be constructed from the trace's arguments: {exc}") from None
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` | ``cpu`` | ``cuda[:N]``, checked against this machine."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {device}: no CUDA device is available here")
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise BadInput(f"--device {device}: no such CUDA device (this machine has {torch.cuda.device_count()})")
+    elif device != "cpu":
+        raise BadInput(f"--device {device}: use auto, cpu, cuda or cuda:N")
+    return device

@@ -1,0 +1,89 @@
+"""Build specs, parsed once: what the user's ``--build`` names.
+
+``builtin:NAME[@VARIANT]``  a reference pool or bug variant of this kvreplay
+``py:MODULE:CLASS``        any importable allocator class, in this process
+``sglang``                 the installed sglang's allocator of the trace's family
+``git:REPO@REV[:MODULE:CLASS]``  pool code at a revision, in a worker process
+
+Every command that takes a build parses it here, so what a spec means (where it
+runs, whether its code is pinned exactly, which correct pool a variant breaks) is
+answered in one place."""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvreplay.errors import UnknownBuild, did_you_mean
+from kvreplay.pools.registry import BUILTINS
+
+KINDS = ("builtin", "py", "sglang", "git")
+_HEX = frozenset(string.hexdigits.lower())
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    text: str
+    kind: str  # builtin | py | sglang | git
+    name: str = ""  # builtin: NAME[@VARIANT]
+    cls: str = ""  # py: and git: MODULE:CLASS ("" for git: the tree's sglang allocator)
+    repo: Path | None = None  # git:
+    rev: str = ""  # git:
+
+    @classmethod
+    def parse(cls, text: str) -> BuildSpec:
+        """The spec, or UnknownBuild naming what exists (and the closest match)."""
+        if text == "sglang":
+            return cls(text, "sglang")
+        kind, _, rest = text.partition(":")
+        if kind == "builtin":
+            if rest not in BUILTINS:
+                known = [f"builtin:{n}" for n in BUILTINS]
+                raise UnknownBuild(f"unknown build {text!r}{did_you_mean(text, known)}; builtin builds are: "
+                                   + ", ".join(known))
+            return cls(text, "builtin", name=rest)
+        if kind == "py":
+            module, _, attr = rest.partition(":")
+            if not module or not attr or ":" in attr:
+                raise UnknownBuild(f"bad build spec {text!r}: expected py:MODULE:CLASS")
+            return cls(text, "py", cls=rest)
+        if kind == "git":
+            repo, at, tail = rest.partition("@")
+            if not at or not repo or not tail:
+                raise UnknownBuild(f"bad build spec {text!r}: expected git:REPO@REV or git:REPO@REV:MODULE:CLASS")
+            rev, _, target = tail.partition(":")
+            if target and ":" not in target:
+                raise UnknownBuild(f"bad build spec {text!r}: the class must be MODULE:CLASS")
+            return cls(text, "git", cls=target, repo=Path(repo).expanduser(), rev=rev)
+        hint = did_you_mean(text, [f"builtin:{n}" for n in BUILTINS] + ["sglang"])
+        raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, sglang or "
+                           "git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
+
+    @property
+    def in_process(self) -> bool:
+        """Replayed in kvreplay's own process (git: builds get a worker each)."""
+        return self.kind != "git"
+
+    @property
+    def exact(self) -> bool:
+        """Does the spec pin its code exactly, so an old result for it still holds?
+        A git: build at a full commit, a builtin of this kvreplay version (stored runs
+        carry the version). py: and sglang builds can change under the same spec."""
+        if self.kind == "git":
+            return len(self.rev) == 40 and set(self.rev.lower()) <= _HEX
+        return self.kind == "builtin"
+
+    @property
+    def base(self) -> str | None:
+        """For a builtin bug variant, the correct pool it breaks; else None."""
+        if self.kind != "builtin" or "@" not in self.name:
+            return None
+        return f"builtin:{BUILTINS[self.name].base}"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse(text: str) -> BuildSpec:
+    return BuildSpec.parse(text)

@@ -1,0 +1,54 @@
+"""One checked call: the build's method (or its API translation), made with the
+checker's reads before it and its checks after it. A replay and a CheckedPool
+(the emitted reproducers) both go through here, so they check alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvreplay.builds.translations import translate
+from kvreplay.check.checker import InvariantChecker
+from kvreplay.check.pool_view import PoolView
+from kvreplay.errors import BadInput
+from kvreplay.pool_api import RECORDED_METHODS
+
+
+def method_of(pool: Any, method: str) -> tuple[Callable[..., Any] | None, bool]:
+    """(what to call for ``method`` on ``pool``, whether it is a translation); None
+    when the build has neither. Only methods of the allocator API are ever looked up:
+    a name from a trace never reaches ``getattr`` otherwise."""
+    if method not in RECORDED_METHODS:
+        raise BadInput(f"{method!r} is not a method of the allocator API")
+    fn = getattr(pool, method, None)
+    if fn is not None and callable(fn):
+        return fn, False
+    t = translate(pool, method)
+    if t is None:
+        return None, False
+    return (lambda **args: t.call(pool, args)), True
+
+
+def checked_call(view: PoolView, checker: InvariantChecker | None, call: int, method: str,
+                 args: dict[str, Any], fn: Callable[..., Any], *, in_group: bool = False,
+                 between: Callable[[Any, BaseException | None, dict[str, int] | None], None] | None = None,
+                 ) -> tuple[Any, BaseException | None, dict[str, int] | None]:
+    """Make call number ``call``; returns (result, what it raised, counters after it:
+    None inside a free group, where nothing reads them). ``in_group`` stands in for
+    the checker's own knowledge when there is no checker; ``between`` sees the call's
+    outcome before the checker does."""
+    pre = checker.before(method, args) if checker is not None else None
+    raised: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn(**args)
+    except Exception as exc:  # the build's own failure is a finding, not a crash
+        raised = exc
+    if checker is not None:
+        in_group = checker.in_group
+    avail = None if in_group and method != "free_group_end" else view.sub_available()
+    if between is not None:
+        between(result, raised, avail)
+    if checker is not None:
+        checker.after(call, method, args, result, raised is not None, pre, avail)
+    return result, raised, avail

@@ -1,0 +1,90 @@
+"""What every command module shares: the Typer app, the two consoles, JSON output,
+progress, and the help texts that recur. Values that come from data (paths,
+method names, build specs, messages) are always printed as plain text: nothing
+here interprets them as markup."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+EPILOG = (
+    "Exit codes: 0 clean, 1 violation or divergence found, 2 bad input or usage, "
+    "125 build could not be tested: unloadable, crashed or timed out (git bisect skips it), "
+    "128 bad input under replay --git-bisect, >128 kvreplay crashed."
+)
+DB_HELP = (
+    "Results database: SQLAlchemy URL or SQLite file "
+    "(default: $KVREPLAY_DB, else ~/.local/share/kvreplay/kvreplay.db)."
+)
+BUILD_HELP = ("Build: builtin:NAME[@VARIANT], py:MODULE:CLASS, sglang (the installed one) or "
+              "git:REPO@REV[:MODULE:CLASS]; `kvreplay builds` lists them.")
+JSON_HELP = "Print the result as JSON (fields: docs/json.md)."
+# Seconds between progress lines when stderr is not a terminal (CI logs).
+PROGRESS_EVERY_S = float(os.environ.get("KVREPLAY_PROGRESS_S", "5"))
+
+app = typer.Typer(
+    name="kvreplay",
+    help="Record, replay and check the KV-cache pool calls of LLM decode servers.",
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False, emoji=False)
+err = Console(stderr=True, highlight=False, emoji=False)
+# The arguments of this invocation, so a trace can record the command that made it.
+argv: list[str] = []
+
+
+def say(text: str, style: str | None = None, *, to_err: bool = False) -> None:
+    """Print one line of plain text (never markup), optionally styled."""
+    (err if to_err else out).print(Text(text, style=style or ""), soft_wrap=True)
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+@contextmanager
+def progress(label: str, unit: str, enabled: bool = True) -> Iterator[Callable[[int, int], None] | None]:
+    """A ``callback(done, total)`` for long work: a live bar on a terminal, else one
+    line on stderr every PROGRESS_EVERY_S seconds (so CI logs show it is alive)."""
+    if not enabled:
+        yield None
+        return
+    if err.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(TextColumn(label.replace("[", r"\[")), BarColumn(),
+                      TextColumn(f"{{task.completed}}/{{task.total}} {unit}"), TimeRemainingColumn(),
+                      console=err, transient=True) as bar:
+            task = bar.add_task("", total=1)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+        return
+    t0 = last = time.monotonic()
+    shown = [False]
+
+    def line(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= PROGRESS_EVERY_S or (shown[0] and done >= total):
+            last = now
+            shown[0] = True
+            pct = f" ({100 * done / total:.0f}%)" if total else ""
+            say(f"{label}: {done}/{total} {unit}{pct}, {now - t0:.0f} s", to_err=True)
+
+    yield line
+
+
+def exit_with(code: int) -> None:
+    raise typer.Exit(code)

@@ -1,0 +1,103 @@
+"""Commands over a saved corpus: ci, corpus add, corpus check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, say
+
+
+@app.command("ci")
+def corpus_ci(
+    corpus: Path = typer.Argument(Path("traces"), help="Corpus directory (holding manifest.json)."),
+    build: str = typer.Option(..., "--build", "-b", help="Build to replay the corpus on."),
+    jobs: int = typer.Option(1, "--jobs", "-j", help="Worker processes."),
+    junit: Path | None = typer.Option(None, "--junit", help="Write JUnit XML here (one testcase per trace and mode)."),
+    summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown summary here (for a PR comment)."),
+    device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Replay a corpus on a build and hold it to the manifest's expectations.
+
+    Exit 0 only when every expectation holds: a trace the manifest says is
+    clean must replay clean, and a known-bad one must show its violations
+    (an unexpected clean replay fails too). Traces of another pool family
+    are skipped.
+    """
+    from kvreplay.corpus.ci import ok, run_corpus
+    from kvreplay.corpus.render import junit_xml, markdown_summary
+
+    def show(r: Any, done: int, total: int) -> None:
+        if not as_json:
+            colour = {"pass": "green", "fail": "red", "error": "red", "skip": "dim"}[r.outcome]
+            say(f"[{done}/{total}] {r.outcome:5s} {r.case.name}", colour, to_err=True)
+
+    results = run_corpus(corpus, build, jobs=jobs, db=db, device=device, progress=show)
+    if junit:
+        junit.write_text(junit_xml(results, build))
+    if summary:
+        summary.write_text(markdown_summary(results, build))
+    passed = ok(results)
+    if as_json:
+        emit_json({"build": build, "ok": passed, "results": [r.to_dict() for r in results]})
+    else:
+        for r in results:
+            for p in r.problems if r.outcome in ("fail", "error") else []:
+                say(f"{r.case.name}: {p}")
+        n = {k: sum(r.outcome == k for r in results) for k in ("pass", "fail", "error", "skip")}
+        say(f"{build}: {n['pass']} passed, {n['fail']} failed, {n['error']} errors, {n['skip']} skipped; "
+            + ("every expectation holds" if passed else "expectations FAILED"))
+    raise typer.Exit(0 if passed else 1)
+
+
+corpus_app = typer.Typer(help="Keep a trace corpus in order: add traces with their expectations, check it.",
+                         no_args_is_help=True)
+app.add_typer(corpus_app, name="corpus")
+
+
+@corpus_app.command("add")
+def corpus_add(
+    trace: Path = typer.Argument(..., help="Trace to add."),
+    name: str = typer.Option(..., "--name", "-n", help="Name in the corpus (the file becomes NAME.parquet)."),
+    corpus: Path = typer.Option(Path("traces"), "--corpus", help="Corpus directory."),
+    builds: list[str] = typer.Option([], "--build", "-b", help="Build whose replay becomes an expectation "
+                                     "(repeatable; default: the builtin pool of the trace's family)."),
+    force: bool = typer.Option(False, "--force", help="Replace an entry of the same name."),
+    max_mb: float = typer.Option(5.0, "--max-mb", help="Refuse traces larger than this."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Copy a trace into the corpus, replay it, record what it must show."""
+    from kvreplay.corpus.manage import add_trace
+
+    entry = add_trace(trace, name, corpus, builds or None, force=force, max_mb=max_mb)
+    if as_json:
+        emit_json(entry)
+    else:
+        for x in entry["expect"]:
+            what = x["status"] + ("" if x["status"] == "clean" else ": " + ", ".join(
+                f"{v['invariant']}/{v['rule']} at call #{v['call']} {v['method']}" for v in x["violations"]))
+            say(f"{name}: {x['build']} {what}")
+        say(f"added {corpus / entry['file']}")
+
+
+@corpus_app.command("check")
+def corpus_check(
+    corpus: Path = typer.Argument(Path("traces"), help="Corpus directory."),
+    max_mb: float = typer.Option(5.0, "--max-mb", help="Largest trace allowed."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Check a corpus: files readable and unchanged, entries backed, sizes."""
+    from kvreplay.corpus.manage import check_corpus
+
+    res = check_corpus(corpus, max_mb)
+    if as_json:
+        emit_json({"corpus": res.corpus, "entries": res.entries, "ok": res.ok, "problems": res.problems})
+    else:
+        for p in res.problems:
+            say(p)
+        say(f"{res.corpus}: {res.entries} entries, " + ("ok" if res.ok else f"{len(res.problems)} problem(s)"))
+    raise typer.Exit(0 if res.ok else 1)

@@ -1,0 +1,85 @@
+"""How reports look on a terminal: a replay report, a stored run, a violation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from kvreplay.cli.base import out, say
+from kvreplay.replay.report import describe
+
+STATUS_STYLE = {"clean": "green", "violation": "red", "divergence": "yellow"}
+
+
+def table(*columns: str) -> Table:
+    return Table(*columns)
+
+
+def row(t: Table, *cells: Any, style: str | None = None) -> None:
+    """Add a row of plain-text cells (data never becomes markup)."""
+    t.add_row(*(Text(str(c)) for c in cells), style=style)
+
+
+def firsts_by_rule(violations: list[Any]) -> dict[str, Any]:
+    """The first violation of each invariant/rule (objects or stored dicts)."""
+    firsts: dict[str, Any] = {}
+    for v in violations:
+        g = v.get if isinstance(v, dict) else lambda k, v=v: getattr(v, k)
+        firsts.setdefault(f"{g('invariant')}/{g('rule')}", v)
+    return firsts
+
+
+def render_report(r: Any) -> None:
+    head = Text.assemble((r.trace, "bold"), " on ", (r.build, "bold"), f" ({r.mode}, {r.device}): ",
+                         (r.status, STATUS_STYLE.get(r.status, "magenta")),
+                         f"  {r.calls_replayed} calls in {r.wall_s:.2f} s ({r.calls_per_s:,.0f} calls/s)")
+    out.print(head, soft_wrap=True)
+    if r.message:
+        say(f"  {r.message}")
+    if r.violation_counts:
+        firsts = firsts_by_rule(r.violations)
+        t = table("invariant/rule", "count", "first at call")
+        for k, n in sorted(r.violation_counts.items(), key=lambda kv: firsts[kv[0]].call if kv[0] in firsts else 0):
+            row(t, k, n, f"#{firsts[k].call}" if k in firsts else "")
+        out.print(t)
+    if r.first_violation:
+        say("first violation:")
+        say("  " + describe(r.first_violation, long=True), "red")
+        _capacity_line(r.capacity_assert_call, r.capacity_assert_after_calls)
+    if r.divergence_counts:
+        say("divergences: " + ", ".join(f"{k} {n}" for k, n in r.divergence_counts.items()))
+        say("  first: " + describe(r.first_divergence, long=True), "yellow")
+    if r.translated:
+        say("replayed through API translations (the build lacks these methods): "
+            + ", ".join(f"{m} x{n}" for m, n in r.translated.items()))
+    if any(r.held_at_end.values()):
+        say("still held by the caller at the end: " + ", ".join(f"{k} {v} slots" for k, v in r.held_at_end.items()))
+
+
+def _capacity_line(call: int | None, after: int | None) -> None:
+    if call is None:
+        say("the build's own capacity assertion never fires on this trace")
+    elif after is None:
+        say(f"the build's own capacity assertion fires at call #{call}")
+    else:
+        say(f"the build's own capacity assertion fires at call #{call}, {after} calls after the first violation")
+
+
+def render_stored(d: dict[str, Any], *, show_all: bool = False) -> None:
+    say(f"run {d['run_id']}: {d['trace']} on {d['build']} ({d['mode']}, {d['device']}) -> {d['status']}, "
+        f"{d['calls_replayed']} calls, {d['violation_total']} violations, {d['divergence_total']} divergences")
+    if d.get("message"):
+        say(f"  {d['message']}")
+    if d["violation_total"] or d["capacity_assert_call"] is not None:
+        _capacity_line(d["capacity_assert_call"], d["capacity_assert_after_calls"])
+    shown = list(d["violations"]) if show_all else list(firsts_by_rule(d["violations"]).values())
+    for v in shown:
+        say("  " + describe(v, long=True), "red")
+    if d["violations"]:
+        say("counts: " + ", ".join(f"{k} {n}" for k, n in d["violation_counts"].items()))
+        if not show_all and d["violation_total"] > len(shown):
+            say(f"(first of each rule shown; kvreplay show {d['run_id']} --all for the {len(d['violations'])} kept)")
+    for x in d["divergences"] if show_all else d["divergences"][:5]:
+        say("  " + describe(x, long=True), "yellow")

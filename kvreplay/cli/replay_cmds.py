@@ -1,0 +1,166 @@
+"""Commands that replay and read stored runs: replay, diff, runs, show."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvreplay.cli.base import BUILD_HELP, DB_HELP, JSON_HELP, app, emit_json, out, progress, say
+from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row, table
+from kvreplay.errors import EXIT_ABORT_BISECT, EXIT_BAD_INPUT, EXIT_FOUND, EXIT_UNLOADABLE, KvreplayError
+
+
+@app.command()
+def replay(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet) or rotated trace directory."),
+    build: str = typer.Option(..., "--build", "-b", help=BUILD_HELP),
+    mode: str = typer.Option("strict", help="strict: any difference counts; remap: translate indices, "
+                             "only None/length/exception differences count."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="git: builds: give up on the worker after this many "
+                                  "seconds (status timeout)."),
+    device: str = typer.Option("auto", help="auto (cuda when available), cpu or cuda[:N]."),
+    full_check_every: int = typer.Option(1000, help="Run the O(pool) checks every N calls (0: only at the end)."),
+    stop_first: bool = typer.Option(False, "--stop-first/--go-on", help="Stop at the first violation or divergence."),
+    after_gap: bool = typer.Option(False, "--after-gap", help="For a trace where the recorder lost calls: replay "
+                                   "only the calls after the last gap, from the pool state recorded there."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    no_store: bool = typer.Option(False, "--no-store", help="Do not write the run to the database."),
+    git_bisect: bool = typer.Option(False, "--git-bisect", help="For `git bisect run`: bad input exits 128 "
+                                    "(git aborts the bisect) instead of 2 (which git would take as bad)."),
+    failure: str | None = typer.Option(None, "--failure", help="Count only this invariant id or divergence kind "
+                                       "as a failure (exit 1); any other failure exits 125 (skip)."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Replay a trace on a build, check every invariant, store the run.
+
+    Calls are numbered 1..N in the order the trace holds them; every
+    finding names the call that created the bad state. Exit 0 when clean,
+    1 on a violation or divergence, 125 when the build cannot be tested
+    (it does not load, its worker crashed or timed out: git bisect run
+    skips it). With git bisect: `git bisect run kvreplay replay
+    T.parquet --build git:.@HEAD:pkg.mod:Pool --no-store --git-bisect`.
+    """
+    from kvreplay.builds.spec import BuildSpec
+    from kvreplay.replay.report import Failure
+    from kvreplay.stored_replay import replay_and_store
+
+    try:
+        wanted = Failure.parse(failure) if failure else None
+        extra = {"timeout_s": timeout} if not BuildSpec.parse(build).in_process else {}
+        with progress(f"replay {trace.name}", "rows") as cb:
+            res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
+                                   full_check_every=full_check_every, stop_at_first=stop_first,
+                                   after_gap=after_gap, **extra)
+    except KvreplayError as exc:
+        if git_bisect and exc.exit_code == EXIT_BAD_INPUT:
+            exc.exit_code = EXIT_ABORT_BISECT
+        raise
+    r = res.report
+    code = r.exit_code
+    if wanted is not None and code == EXIT_FOUND:
+        code = EXIT_FOUND if wanted.shown_by(r) else EXIT_UNLOADABLE
+    if as_json:
+        emit_json({**r.to_dict(), "run_id": res.run_id})
+    else:
+        render_report(r)
+        if res.run_id is not None:
+            say(f"stored as run {res.run_id} (kvreplay show {res.run_id})")
+        if code != r.exit_code:
+            say(f"no {failure} failure: exit {code} (skip)")
+    raise typer.Exit(code)
+
+
+@app.command()
+def diff(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet)."),
+    base: str = typer.Option(..., "--base", help="Reference build."),
+    candidate: str = typer.Option(..., "--candidate", help="Build under test."),
+    mode: str = typer.Option("strict", help="strict or remap (see replay)."),
+    context: int = typer.Option(5, help="Calls to show before the first divergence."),
+    device: str = typer.Option("cpu", help="Torch device."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Replay a trace on two builds in lockstep and show where they part.
+
+    Exit 0 when they agree on every call, 1 otherwise.
+    """
+    from kvreplay.replay.compare import text_value
+    from kvreplay.replay.diff import diff_builds
+
+    with progress(f"diff {trace.name}", "rows") as cb:
+        d = diff_builds(trace, base, candidate, mode=mode, context=context, device=device, progress=cb)
+    if as_json:
+        emit_json(d.to_dict())
+        raise typer.Exit(d.exit_code)
+    if d.first is None:
+        say(f"{base} and {candidate} agree on all {d.calls} calls ({mode})")
+        raise typer.Exit(0)
+    say(f"{d.differing_calls} of {d.calls} calls differ ({mode}); first at call #{d.first.call} "
+        f"{d.first.method} ({d.first_kind})")
+    t = table("call", "method", "arguments", base, candidate)
+    for c in [*d.context, d.first]:
+        row(t, f"#{c.call}", c.method, ", ".join(f"{k}={text_value(v)}" for k, v in c.args.items()),
+            text_value(c.base), text_value(c.candidate), style="bold red" if c is d.first else None)
+    out.print(t)
+    t = table("method", "differing calls")
+    for m, n in d.per_method.items():
+        row(t, m, n)
+    out.print(t)
+    raise typer.Exit(1)
+
+
+@app.command()
+def runs(
+    trace: str | None = typer.Option(None, help="Only runs of traces whose path contains this (or hash prefix)."),
+    build: str | None = typer.Option(None, help="Only runs on this build spec."),
+    status: str | None = typer.Option(None, help="clean, violation, divergence, unloadable, crashed or timeout."),
+    limit: int = typer.Option(50, help="Most runs to list (newest first)."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """List stored replay runs, newest first."""
+    from kvreplay.errors import one_of
+    from kvreplay.replay.report import STATUSES
+    from kvreplay.store.db import open_store
+    from kvreplay.store.runs import list_runs, run_to_dict
+
+    if status is not None:
+        one_of("status", status, STATUSES)
+    st = open_store(db)
+    try:
+        rows = [run_to_dict(r) for r in list_runs(st, trace=trace, build=build, status=status, limit=limit)]
+    finally:
+        st.close()
+    if as_json:
+        emit_json(rows)
+        return
+    t = table("run", "trace", "build", "mode", "status", "calls", "violations", "first violation", "when")
+    for r in rows:
+        fv = r["first_violation"]
+        row(t, r["run_id"], Path(r["trace"]).name, r["build"], r["mode"], r["status"], r["calls_replayed"],
+            r["violation_total"], f"call #{fv['call']} {fv['invariant']}" if fv else "-",
+            (r["started_at"] or "")[:19], style=STATUS_STYLE.get(r["status"]))
+    out.print(t)
+
+
+@app.command()
+def show(
+    run_id: int = typer.Argument(..., help="Run id (see kvreplay runs)."),
+    show_all: bool = typer.Option(False, "--all", help="Every kept violation, not the first of each rule."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Show one stored run: its violations and divergences."""
+    from kvreplay.store.db import open_store
+    from kvreplay.store.runs import get_run, run_to_dict
+
+    st = open_store(db)
+    try:
+        d = run_to_dict(get_run(st, run_id), details=True)
+    finally:
+        st.close()
+    if as_json:
+        emit_json(d)
+        return
+    render_stored(d, show_all=show_all)

@@ -1,0 +1,136 @@
+"""Commands that search: bisect (which change broke or fixed a trace) and minimize
+(the smallest trace that still fails)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, say
+from kvreplay.errors import KvreplayError
+
+
+@app.command("bisect")
+def bisect_cmd(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet) that fails at the bad end."),
+    repo: Path | None = typer.Option(None, "--repo", help="Git repository of the pool code."),
+    good: str | None = typer.Option(None, "--good", help="A revision where the trace replays clean."),
+    bad: str | None = typer.Option(None, "--bad", help="A later revision where it fails (default HEAD)."),
+    cls: str = typer.Option("", "--class", help="MODULE:CLASS of the pool in the repository (default: the "
+                            "tree's sglang allocator for the trace's family)."),
+    builds: str | None = typer.Option(None, "--builds", help="Instead of a repository: build specs in order, "
+                                      "good first, bad last, e.g. builtin:swa,builtin:swa@stale-tail."),
+    mode: str = typer.Option("strict", help="Replay mode for every step (strict or remap)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="A git: step running longer is a timeout (skipped)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Replay every step even when the store has it."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Find the first commit (or build) where a trace starts failing.
+
+    Binary search over the first-parent commits after --good up to --bad,
+    each replayed as a git: build in its own process. A step is good when
+    clean, bad when it shows the failure the bad end shows (same
+    invariant, or same divergence kind), and skipped when it cannot be
+    tested (unloadable, crashed, timeout) or fails differently. Results
+    are stored, so bisecting the same trace again replays nothing it has
+    seen.
+
+    Exit 0 when the first bad commit (or a range, when skips hide it) is
+    named, 1 when --good already fails, 2 on bad input.
+    """
+    from kvreplay.bisect import bisect, build_candidates, git_candidates
+
+    if builds and repo:
+        raise KvreplayError("give --repo/--good/--bad or --builds, not both")
+    if builds:
+        good_c, order = build_candidates(builds.split(","))
+    elif repo is None or good is None:
+        raise KvreplayError("bisect needs --repo PATH --good REV [--bad REV], or --builds A,B,...")
+    else:
+        good_c, order = git_candidates(repo, good, bad or "HEAD", cls)
+    say(f"bisecting {trace.name} over {len(order)} build(s) after {good_c.label}", to_err=True)
+
+    def on_step(step: Any, left: int) -> None:
+        src = "stored" if step.cached else f"{step.wall_s:.1f} s"
+        say(f"  {step.label:<14} {step.verdict:<5} {step.why}  ({src}; ~{left} step(s) left)", to_err=True)
+
+    res = bisect(trace, good_c, order, db=db, mode=mode, device=device, timeout_s=timeout,
+                 use_cache=not no_cache, on_step=on_step)
+    if as_json:
+        emit_json(res.to_dict())
+        raise typer.Exit(res.exit_code)
+    what = "commit" if order[0].commit else "build"
+    if res.verdict == "found":
+        say(f"first bad {what}: {res.first_bad.describe()}")
+        say(f"  shows {res.bad_shows}: {res.bad_detail}")
+    elif res.verdict == "range":
+        say(f"the first bad {what} is one of these (skipped steps hide which):")
+        for c in res.candidates:
+            say(f"  {c.describe()}")
+    else:
+        say(f"--good {good_c.label} already shows the failure: {res.bad_shows}")
+    say("step log:")
+    for st in res.steps:
+        src = "store" if st.cached else f"{st.wall_s:.1f} s"
+        say(f"  {st.label:<14} {st.verdict:<5} {st.why} ({src})")
+    skips = sum(st.verdict == "skip" for st in res.steps)
+    say(f"{len(res.steps)} steps over {res.searched} {what}s: {res.replays} replays, "
+        f"{len(res.steps) - res.replays} from the store, {skips} skipped")
+    raise typer.Exit(res.exit_code)
+
+
+@app.command()
+def minimize(
+    trace: Path = typer.Argument(..., help="Trace file (Parquet) that fails on --build."),
+    build: str = typer.Option(..., "--build", "-b", help="The build it fails on (builtin:, py: or sglang)."),
+    out_path: Path = typer.Option(..., "-o", "--out", help="Minimal trace to write (Parquet)."),
+    emit_test: Path | None = typer.Option(None, "--emit-test", help="Also write a standalone pytest reproducer."),
+    invariant: str | None = typer.Option(None, "--invariant", help="Keep this invariant's failure (default: the "
+                                         "first failure the trace shows)."),
+    reference: str = typer.Option("auto", "--reference", help="A build every candidate must stay clean on, so the "
+                                  "result shows the bug and not a misuse of the API (auto: a builtin variant's "
+                                  "base pool; none: no such check)."),
+    timeout: float | None = typer.Option(None, "--timeout", help="Stop after this many seconds and write the "
+                                         "smallest trace found so far."),
+    device: str = typer.Option("cpu", help="Torch device for the candidate replays."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Shrink a failing trace to a few calls that still fail the same way.
+
+    Keeps the failure (same invariant on the same kind of method, or the
+    same divergence kind) while removing calls by delta debugging.
+    Removing an allocation removes the calls that name its slots; free
+    groups stay balanced; the result is re-recorded on the build, so it
+    replays strict. --emit-test writes a pytest file that builds the pool,
+    makes the calls and asserts the invariant; run it on another build
+    with KVREPLAY_BUILD=... Exit 0 when written, 2 on bad input (e.g. a
+    clean trace).
+    """
+    from kvreplay.minimize import minimize as run_minimize
+
+    def progress(size: int, tests: int, elapsed: float) -> None:
+        if not as_json:
+            say(f"  {size} calls  ({tests} candidates tried, {elapsed:.1f} s)", to_err=True)
+
+    if invariant is not None:
+        from kvreplay.check.rules import INVARIANTS
+        from kvreplay.errors import one_of
+
+        one_of("invariant", invariant, INVARIANTS)
+    res = run_minimize(trace, build, out_path, invariant=invariant,
+                       reference=None if reference == "none" else reference, emit_test=emit_test,
+                       timeout_s=timeout, device=device, progress=progress)
+    if as_json:
+        emit_json(res.to_dict())
+        raise typer.Exit(0)
+    stop = " (stopped at --timeout)" if res.timed_out else ""
+    say(f"{res.calls_before} -> {res.calls_after} calls in {res.wall_s:.1f} s, {res.tests} candidates{stop}")
+    say(f"kept: {res.failure}" + (f", clean on {res.reference}" if res.reference else ""))
+    say(f"wrote {res.out}: on {build} it shows {res.shows}")
+    if res.test_file:
+        say(f"wrote {res.test_file}: pytest {res.test_file}  (another build: KVREPLAY_BUILD=... pytest ...)")
+    raise typer.Exit(0)

@@ -1,0 +1,60 @@
+"""What replaying a corpus trace on a build must show: a replay turned into an
+expectation (``corpus add``), and a replay checked against one (``ci``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvreplay.corpus.manifest import Expectation
+from kvreplay.errors import BadInput
+from kvreplay.replay.report import ReplayReport, describe
+
+
+def expectation_of(report: ReplayReport) -> dict[str, Any]:
+    """What a replay showed, as a manifest expectation: clean, or the first violation
+    of each rule with its call."""
+    if report.status == "clean":
+        return {"build": report.build, "status": "clean"}
+    if report.status != "violation":
+        raise BadInput(f"{report.build} {report.status} on this trace (first: {describe(report.first_divergence)}): "
+                       "only clean or violation can be an expectation")
+    firsts: dict[tuple[str, str], Any] = {}
+    for v in report.violations:
+        firsts.setdefault((v.invariant, v.rule), v)
+    return {"build": report.build, "status": "violation",
+            "violations": [{"invariant": v.invariant, "rule": v.rule, "method": v.method, "call": v.call}
+                           for v in firsts.values()]}
+
+
+def check_report(report: ReplayReport, exp: Expectation) -> list[str]:
+    """Problems with ``report`` against ``exp``; empty when the expectation holds.
+
+    A violation expectation with a ``call`` holds only if the *first* violation of
+    that invariant/rule is at that call: flagging it later is a miss."""
+    problems: list[str] = []
+    if exp.status == "clean":
+        if report.status != "clean":
+            first = report.first_violation or report.first_divergence
+            problems.append(f"expected clean, got {report.status} (first: {describe(first)})")
+        return problems
+    if report.first_violation is None:
+        problems.append("expected violations, got none: the checker missed the bug")
+        return problems
+    firsts: dict[tuple[str, str], Any] = {}
+    for v in report.violations:
+        key = (v.invariant, v.rule)
+        if key not in firsts or (v.call, v.detected_call) < (firsts[key].call, firsts[key].detected_call):
+            firsts[key] = v
+    for ev in exp.violations:
+        hits = [v for (inv, rule), v in firsts.items() if inv == ev.invariant and (ev.rule in (None, rule))]
+        if not hits:
+            problems.append(f"expected {ev.describe()}, not reported")
+            continue
+        v = min(hits, key=lambda x: x.call)
+        if (ev.call is not None and v.call != ev.call) or (ev.method is not None and v.method != ev.method):
+            problems.append(f"expected {ev.describe()}, first reported at call #{v.call} {v.method}")
+    if exp.capacity_assert_call is not None and report.capacity_assert_call != exp.capacity_assert_call:
+        problems.append(f"expected the capacity assertion at call #{exp.capacity_assert_call}, "
+                        f"got {report.capacity_assert_call}")
+    return problems
+

@@ -1,0 +1,91 @@
+"""Corpus hygiene: ``kvreplay corpus add`` and ``kvreplay corpus check``.
+
+``add`` copies a trace into the corpus, checks it reads, replays it on the builds
+given (default: the builtin pool of its family) and writes what they show into the
+manifest as its expectations, with the trace's provenance and hash. ``check`` finds
+what would make ``kvreplay ci`` meaningless: files without entries, entries without
+files, changed files, unreadable files, files over the size limit."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvreplay.corpus.expectations import expectation_of
+from kvreplay.corpus.manifest import MANIFEST, load_manifest, read_document, write_document
+from kvreplay.errors import BadInput
+from kvreplay.pools.registry import DEFAULT_FOR_FAMILY
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.hashing import content_hash
+from kvreplay.trace.reader import TraceReader
+
+DEFAULT_MAX_MB = 5.0
+
+
+def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", builds: list[str] | None = None,
+              force: bool = False, max_mb: float = DEFAULT_MAX_MB) -> dict[str, Any]:
+    """Copy ``trace`` into ``corpus`` as NAME.parquet and give it a manifest entry."""
+    corpus, trace = Path(corpus), Path(trace)
+    if not name or "/" in name or name.startswith("."):
+        raise BadInput(f"bad corpus name {name!r}")
+    reader = TraceReader(trace)  # unreadable input fails here, before anything is copied
+    size_mb = trace.stat().st_size / 1e6
+    if size_mb > max_mb:
+        raise BadInput(f"{trace} is {size_mb:.1f} MB, over the corpus limit of {max_mb} MB (--max-mb)")
+    manifest = read_document(corpus, missing_ok=True)
+    if any(e["name"] == name for e in manifest["traces"]) and not force:
+        raise BadInput(f"{name} is already in {corpus / MANIFEST} (--force replaces it)")
+    builds = builds or [DEFAULT_FOR_FAMILY[reader.meta.family]]
+    expect = [expectation_of(replay(trace, b, device="cpu")) for b in builds]
+    corpus.mkdir(parents=True, exist_ok=True)
+    dest = corpus / f"{name}.parquet"
+    shutil.copyfile(trace, dest)
+    extra = reader.meta.extra or {}
+    entry = {"name": name, "file": dest.name,
+             "command": extra.get("command") or f"kvreplay corpus add {trace} --name {name}",
+             "summary": f"added from {trace}: {reader.meta.pool_class} ({reader.meta.family}), "
+                        f"{reader.num_rows} rows, recorded on {reader.meta.host or '?'} at {reader.meta.start_time}",
+             "expect": expect, "sha256": content_hash(dest)}
+    manifest["traces"] = [e for e in manifest["traces"] if e["name"] != name] + [entry]
+    write_document(corpus, manifest)
+    return entry
+
+
+@dataclass
+class CheckResult:
+    corpus: str
+    entries: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_corpus(corpus: str | Path = "traces", max_mb: float = DEFAULT_MAX_MB) -> CheckResult:
+    corpus = Path(corpus)
+    if not (corpus / MANIFEST).exists():
+        raise BadInput(f"{corpus}: no {MANIFEST}")
+    entries = load_manifest(corpus)
+    res = CheckResult(str(corpus), len(entries))
+    named = {e.file.name for e in entries}
+    for p in sorted(corpus.glob("*.parquet")):
+        if p.name not in named:
+            res.problems.append(f"{p.name}: no manifest entry")
+    for e in entries:
+        if not e.file.exists():
+            res.problems.append(f"{e.name}: {e.file.name} is missing")
+            continue
+        if content_hash(e.file) != e.sha256:
+            res.problems.append(f"{e.name}: {e.file.name} changed since it was added (sha256 differs)")
+        if e.file.stat().st_size > max_mb * 1e6:
+            res.problems.append(f"{e.name}: {e.file.stat().st_size / 1e6:.1f} MB, over the {max_mb} MB limit")
+        try:
+            TraceReader(e.file).num_rows  # noqa: B018 - reading the footer is the check
+        except BadInput as exc:
+            res.problems.append(f"{e.name}: {exc}")
+        if not e.expect:
+            res.problems.append(f"{e.name}: no expectations")
+    return res

@@ -1,0 +1,45 @@
+"""A corpus run for CI systems: JUnit XML (one testcase per trace and mode) and a
+Markdown summary for a pull-request comment."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from kvreplay.corpus.ci import CaseResult, ok
+
+
+def junit_xml(results: list[CaseResult], build: str) -> str:
+    """JUnit XML: one testsuite per build, one testcase per trace and mode."""
+    suite = ET.Element("testsuite", name=f"kvreplay {build}", tests=str(len(results)),
+                       failures=str(sum(r.outcome == "fail" for r in results)),
+                       errors=str(sum(r.outcome == "error" for r in results)),
+                       skipped=str(sum(r.outcome == "skip" for r in results)),
+                       time=f"{sum(r.wall_s for r in results):.3f}")
+    for r in results:
+        tc = ET.SubElement(suite, "testcase", classname=f"kvreplay.{build}", name=r.case.name, time=f"{r.wall_s:.3f}")
+        if r.outcome in ("fail", "error"):
+            el = ET.SubElement(tc, "failure" if r.outcome == "fail" else "error",
+                               message=r.problems[0] if r.problems else r.outcome)
+            el.text = f"expected {r.case.expected()}; replay status {r.status or 'none'}\n" + "\n".join(r.problems)
+        elif r.outcome == "skip":
+            ET.SubElement(tc, "skipped", message=r.problems[0] if r.problems else "skipped")
+        ET.SubElement(tc, "system-out").text = f"{r.calls} calls, status {r.status}, run {r.run_id}"
+    root = ET.Element("testsuites")
+    root.append(suite)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)
+
+
+def markdown_summary(results: list[CaseResult], build: str) -> str:
+    mark = {"pass": "✅", "fail": "❌", "error": "💥", "skip": "⏭️"}
+    n = {k: sum(r.outcome == k for r in results) for k in mark}
+    lines = [f"### kvreplay corpus on `{build}`: {'all expectations hold' if ok(results) else 'FAILED'}", "",
+             f"{n['pass']} passed, {n['fail']} failed, {n['error']} errors, {n['skip']} skipped", "",
+             "| | trace | mode | expected | got | calls |", "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {mark[r.outcome]} | {r.case.trace} | {r.case.mode} | {r.case.expected()} | "
+                     f"{r.status or '-'} | {r.calls} |")
+    bad = [r for r in results if r.outcome in ("fail", "error")]
+    if bad:
+        lines += ["", "**What did not hold:**", ""]
+        lines += [f"- {r.case.name}: {p}" for r in bad for p in r.problems]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,110 @@
+"""The allocator vocabulary: the one place that knows sglang's KV pool API.
+
+Which methods exist and what kind of call each is, which attributes hold the
+sub-allocators, which pool families there are and how they are constructed, and
+which arguments carry slot indices. The recorder, the replayer, the checker, the
+minimizer and the trace summary all read this table; when sglang adds a method,
+this file changes and nothing else has to.
+
+Nothing here imports torch: the trace writer's process reads it too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# -- methods and their kinds ---------------------------------------------------------
+ALLOCS = frozenset({"alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail"})
+# Frees of the full side (and, on SWA pools, their SWA peers too).
+FULL_AND_SWA_FREES = frozenset({"free", "free_segment", "free_segments", "free_page_ids"})
+FULL_ONLY_FREES = frozenset({"free_full", "free_full_segment", "free_full_segments"})
+SWA_ONLY_FREES = frozenset({"free_swa", "free_swa_segment"})
+FREES = FULL_AND_SWA_FREES | FULL_ONLY_FREES | SWA_ONLY_FREES
+GROUP_METHODS = frozenset({"free_group_begin", "free_group_end"})
+MAPPING_METHODS = frozenset({"set_full_to_swa_mapping", "clear_full_to_swa_mapping"})
+OTHER_METHODS = frozenset({"merge_and_sort_free", "clear"})
+COUNTER_METHODS = frozenset({"available_size", "full_available_size", "swa_available_size"})
+
+# Every method a recorder wraps and a replay may call, in a stable order (the
+# recorder's name ids follow it). A trace naming anything else is not a trace of
+# this API.
+RECORDED_METHODS: tuple[str, ...] = (
+    "alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail",
+    "free", "free_page_ids", "free_segment", "free_segments", "free_full",
+    "free_full_segment", "free_full_segments", "free_swa", "free_swa_segment",
+    "free_group_begin", "free_group_end", "merge_and_sort_free", "clear",
+    "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
+    "available_size", "full_available_size", "swa_available_size",
+)
+assert set(RECORDED_METHODS) == ALLOCS | FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS | COUNTER_METHODS
+
+# Calls whose result is always None: a None from them is not an out-of-memory answer.
+VOID_METHODS = FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS
+
+
+def method_kind(method: str) -> str:
+    """alloc | free | free-group | read, or the method itself (mapping, clear, ...)."""
+    if method in ALLOCS:
+        return "alloc"
+    if method in FREES:
+        return "free"
+    if method in GROUP_METHODS:
+        return "free-group"
+    if method in COUNTER_METHODS:
+        return "read"
+    return method
+
+
+# -- sub-allocators ---------------------------------------------------------------------
+# (name in traces and reports, attribute on the SWA allocator)
+SUB_POOLS: tuple[tuple[str, str], ...] = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"))
+# Counter columns of a trace, and the reads that fill them, in the same order.
+COUNTERS = ("available", "full_available", "swa_available")
+COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
+
+# -- arguments that hold slot indices ------------------------------------------------------
+FULL_TOKEN_ARGS = ("free_index", "last_loc", "full_indices", "indices")
+SWA_TOKEN_ARGS = ("swa_indices",)
+PAGE_ARGS = ("page_ids",)
+SEGMENT_ARGS = ("segments",)
+
+# -- families ---------------------------------------------------------------------------------
+# Constructor parameters per family, in sglang 0.5.23's positional order. A family
+# fixes the signature, so a trace recorded on one build can construct another.
+FAMILY_ARGS: dict[str, tuple[str, ...]] = {
+    "token": ("size", "dtype", "device", "kvcache", "need_sort"),
+    "paged": ("size", "page_size", "dtype", "device", "kvcache", "need_sort"),
+    "swa": ("size", "size_swa", "page_size", "dtype", "device", "kvcache", "need_sort"),
+}
+FAMILIES = tuple(FAMILY_ARGS)
+
+
+def family_of_pool(pool: Any) -> str:
+    """A live pool's family, from the state it keeps."""
+    if hasattr(pool, "full_to_swa_index_mapping"):
+        return "swa"
+    if getattr(pool, "page_size", 1) > 1 or hasattr(pool, "num_pages"):
+        return "paged"
+    return "token"
+
+
+def ctor_args_of_pool(pool: Any) -> dict[str, Any]:
+    """The constructor arguments of a live pool, as a trace records them."""
+    family = family_of_pool(pool)
+    args: dict[str, Any] = {
+        "size": int(getattr(pool, "size_full", pool.size) if family == "swa" else pool.size),
+        "dtype": str(getattr(pool, "dtype", "torch.int64")),
+        "device": str(getattr(pool, "device", "cpu")),
+        "need_sort": bool(getattr(pool, "need_sort", False)),
+    }
+    if family in ("paged", "swa"):
+        args["page_size"] = int(pool.page_size)
+    if family == "swa":
+        args["size_swa"] = int(pool.size_swa)
+    return args
+
+
+def sub_pool_sizes(family: str, ctor_args: dict[str, Any]) -> dict[str, int]:
+    """Token capacity per sub-pool, as reports name them (full/swa, or pool)."""
+    if family == "swa":
+        return {"full": int(ctor_args["size"]), "swa": int(ctor_args["size_swa"])}
+    return {"pool": int(ctor_args["size"])}

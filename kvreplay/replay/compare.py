@@ -1,0 +1,83 @@
+"""What a call returned, compared and shown: the one definition of "the same
+result" (strict: equal values; remap: what a caller can tell apart), and a value
+as JSON (numbers, lists, null) or as one short line of text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MAX_SHOWN = 16  # slots shown of a longer index tensor
+
+
+def same(a: Any, b: Any) -> bool:
+    """Strict equality: tensors element by element (any int dtype, any device)."""
+    ta, tb = type(a) is torch.Tensor, type(b) is torch.Tensor
+    if ta and tb:
+        if a.dtype == b.dtype and a.device == b.device:
+            return bool(torch.equal(a, b))  # also compares shapes
+        return a.shape == b.shape and bool(torch.equal(a.to(torch.int64).cpu(), b.to(torch.int64).cpu()))
+    if ta or tb or isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a == b
+
+
+def alike(a: Any, b: Any) -> bool:
+    """Remap equality: None or not, and for index tensors the same length."""
+    if (a is None) != (b is None):
+        return False
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.numel() == b.numel()
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a == b
+
+
+def outcome_difference(a: tuple[BaseException | None, Any], b: tuple[BaseException | None, Any],
+                       mode: str) -> str | None:
+    """How two outcomes (raised, returned) of one call differ: ``exception``,
+    ``result`` or None when they agree under ``mode``."""
+    (ra, va), (rb, vb) = a, b
+    if (ra is None) != (rb is None):
+        return "exception"
+    if ra is not None:
+        return "exception" if type(ra) is not type(rb) else None
+    return None if (same(va, vb) if mode == "strict" else alike(va, vb)) else "result"
+
+
+def json_value(v: Any) -> Any:
+    """A value as JSON: numbers and strings as they are, None as null, an index
+    tensor as its list of slots (the first MAX_SHOWN and a count when longer),
+    segments as [{"start", "slots"}], an exception as its type name."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, BaseException):
+        return type(v).__name__
+    if isinstance(v, torch.Tensor):
+        flat = v.reshape(-1)
+        n = flat.numel()
+        if n <= MAX_SHOWN:
+            return flat.tolist()
+        return {"len": n, "first": flat[:MAX_SHOWN].tolist()}
+    if isinstance(v, (list, tuple)):
+        if v and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.Tensor) for x in v):
+            return [{"start": int(s), "slots": json_value(t)} for t, s in v]
+        return [json_value(x) for x in v]
+    return str(v)
+
+
+def text_value(v: Any) -> str:
+    """One short line for a value (or its JSON form), for people."""
+    if isinstance(v, torch.Tensor) or (isinstance(v, list) and v and isinstance(v[0], tuple)):
+        v = json_value(v)
+    if isinstance(v, dict) and "len" in v:
+        return f"{v['len']} slots [{', '.join(map(str, v['first'][:8]))}, ...]"
+    if isinstance(v, list) and v and isinstance(v[0], dict) and "slots" in v[0]:
+        return f"{len(v)} segment(s)"
+    if isinstance(v, list):
+        shown = ", ".join(map(str, v[:8]))
+        return f"{len(v)} slots [{shown}{', ...' if len(v) > 8 else ''}]" if len(v) != 1 else f"[{shown}]"
+    if v is None:
+        return "None"
+    return str(v)

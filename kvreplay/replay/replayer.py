@@ -1,0 +1,312 @@
+"""Replay a trace against a build: issue the recorded top-level calls in order,
+compare what the build does with what was recorded, and check invariants.
+
+strict: any difference in results, counters or nested sub-allocator calls is a
+divergence. remap: recorded indices are translated to the build's own (per page),
+so a build with another free-slot policy replays; only semantic differences count
+(None vs a tensor, lengths, exceptions)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvreplay.builds.resolve import load_build, resolve_device
+from kvreplay.check.checked_call import checked_call, method_of
+from kvreplay.check.checker import InvariantChecker
+from kvreplay.check.pool_view import view_of
+from kvreplay.errors import BadInput, BuildUnloadable, one_of
+from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
+from kvreplay.replay.compare import json_value, same
+from kvreplay.replay.remap import PageTable, Remapper
+from kvreplay.replay.report import MODES, Divergence, ReplayReport
+from kvreplay.trace import snapshot
+from kvreplay.trace.format import GAP_TARGET, Call, Opaque, TopCall
+from kvreplay.trace.reader import TraceReader
+
+
+class Unsupported(Exception):
+    """Stands for a call the build could not be asked to make."""
+
+
+UNSUPPORTED = Unsupported()
+
+
+class NestedCapture:
+    """Collects a build's sub-allocator calls, as the recorder would see them."""
+
+    def __init__(self, pool: Any) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self._stack: list[str] = []
+        for target, attr in SUB_POOLS:
+            sub = getattr(pool, attr, None)
+            if sub is None or sub is pool:
+                continue
+            for name in RECORDED_METHODS:
+                fn = getattr(sub, name, None)
+                if fn is not None and name not in COUNTER_METHODS:
+                    setattr(sub, name, self._wrap(target, name, fn))
+
+    def _wrap(self, target: str, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        stack, calls = self._stack, self.calls
+
+        def captured(*a: Any, **k: Any) -> Any:
+            if stack and stack[-1] == target:
+                return fn(*a, **k)
+            stack.append(target)
+            try:
+                r = fn(*a, **k)
+            finally:
+                stack.pop()
+            calls.append((target, name, r))
+            return r
+
+        return captured
+
+
+def start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, Any] | None]:
+    """(replay rows with seq above this, state to start from). A trace with gaps
+    (calls the recorder lost) replays only from after its last gap, from the pool
+    state recorded there, and only when asked to."""
+    gaps = reader.gaps()
+    if not gaps:
+        return -1, reader.meta.initial_state
+    last = gaps[-1]
+    lost = sum(g.args.get("lost_calls", 0) for g in gaps if g.args.get("lost_calls", 0) > 0)
+    where = f"{len(gaps)} gap(s) where the recorder lost calls ({lost or 'an unknown number'} lost; last: " \
+            f"{last.args.get('reason', '?')})"
+    if not after_gap:
+        raise BadInput(f"{reader.path.name} has {where}; replay --after-gap starts after the last one")
+    if not last.args.get("state"):
+        raise BadInput(f"{reader.path.name} has {where}; the last gap has no pool snapshot to start from")
+    try:
+        state = json.loads(last.args["state"])
+    except ValueError:
+        raise BadInput(f"{reader.path.name}: the last gap's pool snapshot is unreadable") from None
+    return last.seq, state
+
+
+def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
+    """Put a trace's starting state (a mid-life attach, a flight-recorder dump) into the build."""
+    try:
+        missing = snapshot.restore(pool, state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"the trace's starting snapshot is unreadable: {exc}") from None
+    if missing:
+        raise BuildUnloadable(f"{spec} cannot start from the trace's snapshot: it keeps no "
+                              f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+
+
+class Replayer:
+    """One replay of one trace against one build; ``run`` drives it to the end."""
+
+    def __init__(self, trace: str | Path, build: str, *, mode: str = "strict", device: str = "auto",
+                 full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
+                 keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
+                 start: tuple[int, dict[str, Any] | None] | None = None) -> None:
+        """``reader`` and ``start`` (``start_point``'s answer) let a caller that replays
+        one trace many times (minimize) open it and scan it for gaps once."""
+        self.mode = one_of("mode", mode, MODES)
+        self.reader = reader or TraceReader(trace)
+        self.meta = self.reader.meta
+        self.start_after, start_state = start or start_point(self.reader, after_gap)
+        self.build_spec = build
+        self.device = resolve_device(device)
+        self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
+        if start_state is not None:
+            restore_snapshot(self.pool, start_state, build)
+        self.view = view_of(self.pool, self.meta.family)
+        self.checker = InvariantChecker(self.view, full_check_every=full_check_every, keep=keep) if check else None
+        if self.checker is not None and start_state is not None:
+            self.checker.adopt()
+        self.capture = NestedCapture(self.pool) if mode == "strict" else None
+        self.stop_at_first = stop_at_first
+        self.divergences: list[Divergence] = []
+        self.div_counts: Counter[str] = Counter()
+        self.translated: Counter[str] = Counter()  # recorded methods the build lacks, replayed translated
+        self.keep = keep
+        self.remap: Remapper | None = None
+        if mode == "remap":
+            subs = self.view.subs
+            main = subs["full"] if "full" in subs else subs["pool"]
+            swa = subs.get("swa")
+            self.remap = Remapper(PageTable(main.num_pages, main.page_size),
+                                  PageTable(swa.num_pages, swa.page_size) if swa else None)
+        self.calls = 0
+        self.capacity_call: int | None = None
+
+    def _diverge(self, call: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
+        self.div_counts[kind] += 1
+        if self.div_counts[kind] <= self.keep:
+            self.divergences.append(Divergence(call, method, kind, json_value(expected), json_value(actual), message))
+
+    def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
+        """Issue one recorded call; returns what the build returned or raised."""
+        c, n = tc.call, tc.number
+        self.calls += 1
+        fn, translated = method_of(self.pool, c.method)
+        if fn is None:
+            self._diverge(n, c.method, "unsupported", "method", "missing",
+                          f"build {self.build_spec} has no method {c.method} and no translation applies")
+            return None, UNSUPPORTED
+        if translated:
+            self.translated[c.method] += 1
+        opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
+        if opaque:
+            self._diverge(n, c.method, "unsupported", "recordable arguments", ",".join(opaque),
+                          f"argument(s) {', '.join(opaque)} were not recorded losslessly")
+            return None, UNSUPPORTED
+        args = self.remap.args(c.args) if self.remap else c.args
+        if c.method in COUNTER_METHODS:
+            return self._read(tc, fn, args)
+        if self.capture:
+            self.capture.calls.clear()
+        # Inside a free group nothing reads availability: frees there take effect at its
+        # end, the recorder stored no counters, and the checker settles at the end.
+        result, raised, avail = checked_call(
+            self.view, self.checker, n, c.method, args, fn, in_group=c.counters.get("available") is None,
+            between=lambda result, raised, avail: self._compare(tc, result, raised, avail))
+        if self.capacity_call is None and self._capacity_broken(raised, avail):
+            self.capacity_call = n
+        return result, raised
+
+    def _read(self, tc: TopCall, fn: Callable[..., Any], args: dict[str, Any]) -> tuple[Any, BaseException | None]:
+        """A counter read: nothing to check but what it returned."""
+        c = tc.call
+        try:
+            result = fn(**args)
+        except Exception as exc:
+            self._compare(tc, None, exc, None)
+            return None, exc
+        if not (same(c.result, result) if self.mode == "strict" else c.result == result):
+            self._diverge(tc.number, c.method, "result", c.result, result, "counter read differs")
+        return result, None
+
+    def _capacity_broken(self, raised: BaseException | None, avail: dict[str, int] | None) -> bool:
+        """sglang's own assertion: raised by the build, or true of its counters now
+        (not read inside a free group, where nothing is released yet)."""
+        if isinstance(raised, AssertionError) and "available_size" in str(raised):
+            return True
+        if avail is None:
+            return False
+        return any(avail[name] > sub.size for name, sub in self.view.subs.items())
+
+    def _compare(self, tc: TopCall, result: Any, raised: BaseException | None,
+                 avail: dict[str, int] | None) -> None:
+        c, n = tc.call, tc.number
+        got_exc = type(raised).__name__ if raised is not None else None
+        if got_exc != c.exc_type:
+            self._diverge(n, c.method, "exception", c.exc_type, got_exc,
+                          f"recorded {c.exc_type or 'a return'}, build gave {got_exc or 'a return'}"
+                          + (f": {raised}" if raised is not None else ""))
+            return
+        if raised is not None:
+            return
+        if self.mode == "strict":
+            if not same(c.result, result):
+                self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
+            else:
+                self._compare_counters(tc, avail)
+                self._compare_nested(tc)
+            return
+        # remap: only what the caller could tell apart
+        if (c.result is None) != (result is None):
+            self._diverge(n, c.method, "result", c.result, result, "None where the recording has a value, "
+                          "or the reverse")
+        elif isinstance(c.result, torch.Tensor) and isinstance(result, torch.Tensor):
+            if c.result.numel() != result.numel():
+                self._diverge(n, c.method, "result", c.result, result, "result length differs")
+            elif self.remap is not None:
+                self.remap.full.learn(c.result, result)
+                self._learn_swa(tc, result)
+
+    def _learn_swa(self, tc: TopCall, result: torch.Tensor) -> None:
+        if self.remap is None or self.remap.swa is None or tc.call.method not in ALLOCS:
+            return
+        rec = [n.result for n in tc.nested if n.target == "swa" and isinstance(n.result, torch.Tensor)]
+        if not rec:
+            return
+        mapped = result[-rec[-1].numel():] if rec[-1].numel() else result[:0]
+        self.remap.swa.learn(rec[-1], self.view.mapping[mapped])
+
+    def _compare_counters(self, tc: TopCall, avail: dict[str, int] | None) -> None:
+        c = tc.call
+        if c.counters.get("available") is None and c.counters.get("full_available") is None:
+            return  # not recorded for this call
+        got = self.view.counters(avail)
+        want = (c.counters.get("available"), c.counters.get("full_available"), c.counters.get("swa_available"))
+        if any(w is not None and w != g for w, g in zip(want, got, strict=True)):
+            self._diverge(tc.number, c.method, "counter", list(want), list(got), "pool counters after the call differ")
+
+    def _compare_nested(self, tc: TopCall) -> None:
+        if self.capture is None or (not tc.nested and not self.capture.calls):
+            return
+        want = [(n.target, n.method, n.result) for n in tc.nested]
+        got = self.capture.calls
+        if [(t, m) for t, m, _ in want] != [(t, m) for t, m, _ in got]:
+            self._diverge(tc.number, tc.call.method, "nested",
+                          [f"{t}.{m}" for t, m, _ in want], [f"{t}.{m}" for t, m, _ in got],
+                          "the build's sub-allocator calls differ from the recording")
+            return
+        for (t, m, w), (_, _, g) in zip(want, got, strict=True):
+            if not same(w, g):
+                self._diverge(tc.number, tc.call.method, "nested", w, g, f"{t}.{m} returned something else")
+                return
+
+    def found_something(self) -> bool:
+        return bool(self.divergences) or bool(self.checker and self.checker.log.total)
+
+    def run(self, progress: Callable[[int, int], None] | None = None,
+            calls: Iterable[TopCall] | None = None) -> ReplayReport:
+        """Replay every call (or ``calls``, already decoded, e.g. for benchmarks).
+        ``progress(rows done, rows in the trace)`` is called now and then."""
+        t0 = time.perf_counter()
+        total = self.reader.num_rows
+        last = 0
+        stopped = False
+        rows = 0
+        for tc in calls if calls is not None else self.reader.top_calls(device=self.device):
+            rows += 1 + len(tc.nested)
+            if tc.call.seq <= self.start_after or tc.call.target == GAP_TARGET:
+                continue
+            self.step(tc)
+            last = tc.number
+            if progress is not None and self.calls % 512 == 0:
+                progress(rows, total)
+            if self.stop_at_first and self.found_something():
+                stopped = True
+                break
+        held = self.checker.finish(last) if self.checker and not stopped else {}
+        if progress is not None:
+            progress(total, total)
+        return self.report(time.perf_counter() - t0, held, stopped)
+
+    def report(self, wall: float, held: dict[str, int], stopped: bool) -> ReplayReport:
+        log = self.checker.log if self.checker else None
+        violations = sorted(log.kept, key=lambda v: (v.call, v.detected_call)) if log else []
+        first_v = log.first() if log else None
+        first_d = min(self.divergences, key=lambda d: d.call) if self.divergences else None
+        status = "violation" if violations else ("divergence" if self.divergences else "clean")
+        after = None
+        if self.capacity_call is not None and first_v is not None:
+            after = self.capacity_call - first_v.call
+        return ReplayReport(
+            trace=str(self.reader.path), build=self.build_spec, mode=self.mode, device=self.device,
+            status=status, calls_replayed=self.calls, wall_s=wall,
+            calls_per_s=self.calls / wall if wall > 0 else 0.0,
+            violations=violations,
+            violation_counts={f"{k[0]}/{k[1]}": n for k, n in (log.counts.items() if log else [])},
+            divergences=sorted(self.divergences, key=lambda d: d.call), divergence_counts=dict(self.div_counts),
+            first_violation=first_v, first_divergence=first_d, capacity_assert_call=self.capacity_call,
+            capacity_assert_after_calls=after, held_at_end=held, stopped_early=stopped,
+            translated=dict(self.translated),
+        )
+
+
+__all__ = ["Call", "Replayer", "TopCall", "restore_snapshot", "start_point"]

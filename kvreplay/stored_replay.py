@@ -1,0 +1,68 @@
+"""A replay that becomes a stored run: ``replay_and_store``, what every command that
+replays and stores (replay, bisect, ci, corpus add, demo) goes through."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvreplay.builds.spec import BuildSpec
+from kvreplay.replay.report import ReplayReport
+from kvreplay.replay.worker import replay_in_worker
+from kvreplay.store.db import Store, open_store
+from kvreplay.store.runs import TraceInfo, record_run
+from kvreplay.trace.hashing import content_hash
+from kvreplay.trace.reader import TraceReader
+from kvreplay.version import __version__
+
+
+def trace_info(reader: TraceReader, calls: int | None = None) -> TraceInfo:
+    return TraceInfo(path=str(reader.path.resolve()), content_hash=content_hash(reader.path),
+                     pool_class=reader.meta.pool_class, family=reader.meta.family, meta=asdict(reader.meta),
+                     rows=reader.num_rows, calls=calls)
+
+
+def build_version(pool: Any) -> str:
+    """What the build resolved to: kvreplay's version for builtins, else its package's."""
+    top = type(pool).__module__.split(".")[0]
+    if top == "kvreplay":
+        return f"kvreplay {__version__}"
+    ver = getattr(sys.modules.get(top), "__version__", "")
+    return f"{top} {ver}".strip()
+
+
+@dataclass
+class StoredReplay:
+    report: ReplayReport
+    run_id: int | None
+
+
+def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, store: bool = True,
+                     progress: Callable[[int, int], None] | None = None, **options: Any) -> StoredReplay:
+    """Replay and, unless ``store`` is False, write the run to the database.
+
+    The database is opened first, so a bad ``--db`` fails before any work; the run
+    is written in one transaction after the replay, so a failed replay leaves nothing."""
+    st: Store | None = open_store(db) if store else None
+    try:
+        if not BuildSpec.parse(build).in_process:
+            reader = TraceReader(trace)  # a bad trace fails here, in this process, with a clear message
+            report, commit = replay_in_worker(trace, build, **options)
+            version = f"git {commit}"
+        else:
+            from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
+
+            options.pop("timeout_s", None)
+            replayer = Replayer(trace, build, **options)
+            reader = replayer.reader
+            report = replayer.run(progress=progress)
+            version = build_version(replayer.pool)
+        calls = None if report.stopped_early or report.calls_replayed == 0 else report.calls_replayed
+        run_id = record_run(st, report, trace_info(reader, calls), build_version=version) if st else None
+        return StoredReplay(report, run_id)
+    finally:
+        if st is not None:
+            st.close()

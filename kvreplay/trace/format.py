@@ -1,0 +1,234 @@
+"""The one place that defines a kvreplay trace on disk (docs/trace-format.md explains it).
+
+A trace is a Parquet file with one row per allocator call (top-level and nested), in
+call-start order. Argument and result values share one struct type, so a value of
+any kind (None, bool, int, float, str, integer/bool tensor, list of ints, list of
+``(tensor, start_pos)`` segments) round-trips losslessly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+META_PREFIX = "kvreplay."
+
+# Value kinds. Tensors keep dtype, shape and device; their elements go to ``data``.
+NONE, BOOL, INT, FLOAT, STR, TENSOR, INTS, SEGMENTS, OPAQUE = (
+    "none", "bool", "int", "float", "str", "tensor", "ints", "segments", "opaque",
+)
+VALUE_KINDS = (NONE, BOOL, INT, FLOAT, STR, TENSOR, INTS, SEGMENTS, OPAQUE)
+
+_VALUE_FIELDS = [
+    pa.field("kind", pa.string(), nullable=False),
+    pa.field("i", pa.int64()),
+    pa.field("f", pa.float64()),
+    pa.field("s", pa.string()),
+    pa.field("dtype", pa.string()),
+    pa.field("device", pa.string()),
+    pa.field("shape", pa.list_(pa.int64())),
+    pa.field("data", pa.list_(pa.int64())),
+]
+VALUE_TYPE = pa.struct(_VALUE_FIELDS)
+ARG_TYPE = pa.struct([pa.field("name", pa.string(), nullable=False), *_VALUE_FIELDS])
+
+SCHEMA = pa.schema(
+    [
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("parent", pa.int64(), nullable=False),
+        pa.field("depth", pa.int8(), nullable=False),
+        pa.field("target", pa.string(), nullable=False),
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("t_start_ns", pa.int64(), nullable=False),
+        pa.field("t_end_ns", pa.int64(), nullable=False),
+        pa.field("args", pa.list_(ARG_TYPE), nullable=False),
+        pa.field("result", VALUE_TYPE),
+        pa.field("exc_type", pa.string()),
+        pa.field("exc_msg", pa.string()),
+        pa.field("available", pa.int64()),
+        pa.field("full_available", pa.int64()),
+        pa.field("swa_available", pa.int64()),
+    ]
+)
+
+# Columns that must be identical for two runs of the same seeded workload.
+CALL_COLUMNS = [f.name for f in SCHEMA if f.name not in ("t_start_ns", "t_end_ns")]
+COUNTERS = ("available", "full_available", "swa_available")
+
+# Parquet settings: delta-encode index data (runs of consecutive slots shrink to a
+# few bits) and dictionary-encode the small string columns.
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "compression_level": 3,
+    "use_dictionary": ["target", "method", "exc_type", "args.list.element.name",
+                       "args.list.element.kind", "args.list.element.dtype",
+                       "args.list.element.device", "result.kind", "result.dtype", "result.device"],
+    "column_encoding": {
+        "args.list.element.data.list.element": "DELTA_BINARY_PACKED",
+        "result.data.list.element": "DELTA_BINARY_PACKED",
+        "seq": "DELTA_BINARY_PACKED",
+        "t_start_ns": "DELTA_BINARY_PACKED",
+        "t_end_ns": "DELTA_BINARY_PACKED",
+    },
+    "write_statistics": False,
+}
+
+
+@dataclass
+class TraceMeta:
+    """File-level metadata: what pool was recorded, where and when."""
+
+    pool_class: str
+    family: str
+    ctor_args: dict[str, Any]
+    source_version: dict[str, str] = field(default_factory=dict)
+    host: str = ""
+    pid: int = 0
+    rank: str = ""
+    start_time: str = ""
+    initial_state: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_parquet_metadata(self) -> dict[bytes, bytes]:
+        plain = {
+            "schema_version": str(self.schema_version),
+            "pool_class": self.pool_class,
+            "family": self.family,
+            "host": self.host,
+            "pid": str(self.pid),
+            "rank": self.rank,
+            "start_time": self.start_time,
+        }
+        as_json = {
+            "ctor_args": self.ctor_args,
+            "source_version": self.source_version,
+            "extra": self.extra,
+        }
+        if self.initial_state is not None:
+            as_json["initial_state"] = self.initial_state
+        out = {(META_PREFIX + k).encode(): v.encode() for k, v in plain.items()}
+        out.update({(META_PREFIX + k).encode(): json.dumps(v, sort_keys=True).encode() for k, v in as_json.items()})
+        return out
+
+    @classmethod
+    def from_parquet_metadata(cls, md: dict[bytes, bytes]) -> TraceMeta:
+        """Parse footer metadata; KeyError/ValueError mean it is not a kvreplay trace."""
+        get = {k.decode()[len(META_PREFIX):]: v.decode() for k, v in md.items() if k.startswith(META_PREFIX.encode())}
+        return cls(
+            pool_class=get["pool_class"],
+            family=get["family"],
+            ctor_args=json.loads(get["ctor_args"]),
+            source_version=json.loads(get.get("source_version", "{}")),
+            host=get.get("host", ""),
+            pid=int(get.get("pid", "0") or 0),
+            rank=get.get("rank", ""),
+            start_time=get.get("start_time", ""),
+            initial_state=json.loads(get["initial_state"]) if "initial_state" in get else None,
+            extra=json.loads(get.get("extra", "{}")),
+            schema_version=int(get["schema_version"]),
+        )
+
+
+@dataclass
+class Call:
+    """One recorded allocator call, decoded."""
+
+    seq: int
+    parent: int
+    depth: int
+    target: str
+    method: str
+    args: dict[str, Any]
+    result: Any
+    exc_type: str | None
+    exc_msg: str | None
+    counters: dict[str, int | None]
+    t_start_ns: int
+    t_end_ns: int
+    has_opaque: bool = False  # an argument could not be recorded losslessly
+
+    @property
+    def top_level(self) -> bool:
+        return self.depth == 0
+
+
+@dataclass
+class TopCall:
+    """A recorded top-level call, its number (1..N among the trace's top-level
+    calls; reports name calls by it) and the sub-allocator calls it made."""
+
+    call: Call
+    number: int
+    nested: list[Call] = field(default_factory=list)
+
+
+# A trace recorded with rotation is a directory of closed parts, read in name order
+# as one trace; the first part's metadata is the trace's.
+PART_GLOB = "part-*.parquet"
+
+
+def part_name(n: int) -> str:
+    return f"part-{n:06d}.parquet"
+
+
+# Where the recorder lost calls (its queue was full, the writer failed, the recorder
+# stopped), a row with this target and method stands in for them. Its arguments say
+# how many (``lost_calls``, -1 when unknown), which (``first_seq``..``last_seq``), why
+# (``reason``), and, when the recorder could take one, the pool's state right after
+# them (``state``, snapshot JSON), from which a replay can start.
+GAP_TARGET, GAP_METHOD = "recorder", "gap"
+
+
+@dataclass(frozen=True)
+class GapRecord:
+    first_seq: int
+    last_seq: int
+    lost_calls: int
+    reason: str
+    state: str = ""  # snapshot JSON after the lost calls, or "" if none was taken
+    t_ns: int = 0
+    # The state not yet encoded: a call that returns its JSON. The recorded program's
+    # thread only captures (device copies, no host sync); the writer's side encodes.
+    pending_state: Callable[[], str] | None = field(default=None, compare=False, repr=False)
+
+    def merged(self, later: GapRecord) -> GapRecord:
+        n = -1 if self.lost_calls < 0 or later.lost_calls < 0 else self.lost_calls + later.lost_calls
+        newest = later if later.state or later.pending_state else self
+        return GapRecord(self.first_seq, later.last_seq, n, later.reason, newest.state, later.t_ns,
+                         newest.pending_state)
+
+    def settled(self) -> GapRecord:
+        """This gap with its state encoded (off the recorded program's thread)."""
+        if self.pending_state is None:
+            return self
+        try:
+            state = self.pending_state()
+        except Exception:  # the snapshot could not be encoded: the gap is still marked
+            state = ""
+        return replace(self, state=state, pending_state=None)
+
+    def to_table(self) -> pa.Table:
+        def arg(name: str, kind: str, **v: Any) -> dict[str, Any]:
+            return {"name": name, "kind": kind, **v}
+
+        row = {
+            "seq": self.last_seq, "parent": -1, "depth": 0, "target": GAP_TARGET, "method": GAP_METHOD,
+            "t_start_ns": self.t_ns, "t_end_ns": self.t_ns,
+            "args": [arg("lost_calls", INT, i=self.lost_calls), arg("first_seq", INT, i=self.first_seq),
+                     arg("last_seq", INT, i=self.last_seq), arg("reason", STR, s=self.reason[:2000]),
+                     arg("state", STR, s=self.state)],
+            "result": {"kind": NONE},
+        }
+        return pa.Table.from_pylist([row], schema=SCHEMA)
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A value kvreplay could not record losslessly; replay refuses to pass it on."""
+
+    text: str

@@ -1,0 +1,134 @@
+"""Pool state snapshots: what a trace that does not start at the pool's birth (a
+mid-life attach, a flight-recorder dump) needs to replay.
+
+A snapshot holds the plain state of the pool and its sub-allocators: tensors (free
+lists, the SWA mapping), lists of them (staged pages, free groups), ints, bools and
+None. Objects (the KV cache, dtypes, devices) are left out: the constructor
+arguments rebuild them. It is JSON (tensors as zlib-compressed base64), stored in
+the trace's ``initial_state`` metadata, and restored by setting the same attributes
+on a freshly built pool, so it fits any build that keeps its state under the names
+sglang uses (the builtin pools and sglang's allocators do).
+
+Taking one copies the tensors to the host, so on CUDA it waits for the GPU: fine for
+an attach or a periodic flight-recorder snapshot, not for every call."""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvreplay.pool_api import SUB_POOLS
+
+FORMAT = 1
+_SKIP = frozenset({"device", "dtype"})
+_SCALARS = (bool, int, float, type(None))
+
+
+def _objects(pool: Any) -> dict[str, Any]:
+    out = {"root": pool}
+    for name, attr in SUB_POOLS:
+        sub = getattr(pool, attr, None)
+        if sub is not None and sub is not pool:
+            out[name] = sub
+    return out
+
+
+def _walk(v: Any, tensor: Any, seq: Any) -> Any:
+    """``v`` rebuilt with ``tensor(t)`` for each tensor and ``seq(items, was_tuple)`` for
+    each list or tuple; _UNSUPPORTED when anything in it is not plain state."""
+    if isinstance(v, _SCALARS):
+        return v
+    if isinstance(v, torch.Tensor):
+        return tensor(v)
+    if isinstance(v, (list, tuple)):
+        items = [_walk(x, tensor, seq) for x in v]
+        if any(x is _UNSUPPORTED for x in items):
+            return _UNSUPPORTED
+        return seq(items, isinstance(v, tuple))
+    return _UNSUPPORTED
+
+
+def _tensor_json(v: torch.Tensor) -> dict[str, Any]:
+    a = v.detach().to("cpu").contiguous().numpy()
+    return {"tensor": str(v.dtype).removeprefix("torch."), "shape": list(a.shape),
+            "z": base64.b64encode(zlib.compress(a.tobytes(), 1)).decode()}
+
+
+def _encode(v: Any) -> Any:
+    return _walk(v, _tensor_json, lambda items, was_tuple: {"list": items, "tuple": was_tuple})
+
+
+def _copy(v: Any) -> Any:
+    return _walk(v, lambda t: t.detach().clone(), lambda items, was_tuple: tuple(items) if was_tuple else items)
+
+
+_UNSUPPORTED = object()
+
+
+def _decode(v: Any, device: torch.device | str) -> Any:
+    if not isinstance(v, dict):
+        return v
+    if "tensor" in v:
+        dtype = getattr(torch, v["tensor"])
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        a = np.frombuffer(zlib.decompress(base64.b64decode(v["z"])), dtype=np_dtype).reshape(v["shape"])
+        return torch.from_numpy(a.copy()).to(device)
+    items = [_decode(x, device) for x in v["list"]]
+    return tuple(items) if v.get("tuple") else items
+
+
+def capture(pool: Any) -> dict[str, dict[str, Any]]:
+    """The pool's state now, as copies that stay on the pool's device: no host sync,
+    cheap enough for a flight recorder's periodic snapshot. ``encode`` makes it JSON.
+    Call it between allocator calls, never inside one."""
+    state: dict[str, dict[str, Any]] = {}
+    for name, obj in _objects(pool).items():
+        attrs = {}
+        for key, value in vars(obj).items():
+            if key in _SKIP or callable(value) and not isinstance(value, torch.Tensor):
+                continue
+            copied = _copy(value)
+            if copied is not _UNSUPPORTED:
+                attrs[key] = copied
+        state[name] = attrs
+    return state
+
+
+def encode(captured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A ``capture`` as the JSON a trace's ``initial_state`` holds (copies to the host)."""
+    return {"format": FORMAT, "objects": {name: {k: _encode(v) for k, v in attrs.items()}
+                                          for name, attrs in captured.items()}}
+
+
+def take(pool: Any) -> dict[str, Any]:
+    """``encode(capture(pool))``: the pool's state now, as JSON."""
+    return encode(capture(pool))
+
+
+def restore(pool: Any, snapshot: dict[str, Any]) -> list[str]:
+    """Set the snapshot's state on a freshly built ``pool``; returns the attributes
+    the build does not have (restored anyway is wrong: they are reported, not set)."""
+    if snapshot.get("format") != FORMAT:
+        raise ValueError(f"snapshot format {snapshot.get('format')!r} is not {FORMAT}")
+    missing = []
+    objects = _objects(pool)
+    for name, attrs in snapshot["objects"].items():
+        obj = objects.get(name)
+        if obj is None:
+            missing.append(name)
+            continue
+        device = getattr(obj, "device", "cpu")
+        own = vars(obj)
+        for key, enc in attrs.items():
+            if key not in own:  # state the build keeps elsewhere (or not at all): setting it would do nothing
+                missing.append(f"{name}.{key}")
+                continue
+            setattr(obj, key, _decode(enc, device))
+    return missing
+
+
+__all__ = ["FORMAT", "capture", "encode", "restore", "take"]

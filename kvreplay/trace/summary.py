@@ -1,0 +1,108 @@
+"""What ``kvreplay inspect`` reports about a trace, computed column-wise in one
+streaming pass (only the columns it needs are read)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvreplay.pool_api import VOID_METHODS, sub_pool_sizes
+from kvreplay.trace.format import GAP_METHOD
+from kvreplay.trace.reader import TraceReader
+
+_COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
+            "available", "full_available", "swa_available"]
+
+
+@dataclass
+class TraceSummary:
+    path: str
+    meta: dict[str, Any]
+    rows: int
+    calls: int  # top-level calls, numbered 1..N in every report (gap rows not counted)
+    nested_rows: int  # sub-allocator calls made inside them
+    calls_per_method: dict[str, int]
+    exceptions: int
+    none_results: int
+    time_span_s: float
+    peak_used: dict[str, int]
+    file_bytes: int
+    recorded_indices: int
+    bytes_per_index: float | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(path: str | os.PathLike[str]) -> TraceSummary:
+    reader = TraceReader(path)
+    meta = reader.meta
+    sizes = sub_pool_sizes(meta.family, meta.ctor_args)
+    methods: Counter[str] = Counter()
+    rows = top = exceptions = nones = indices = 0
+    t_min: int | None = None
+    t_max: int | None = None
+    min_avail: dict[str, int] = {}
+    counter_col = {"full": "full_available", "swa": "swa_available", "pool": "available"}
+    for batch in reader.iter_batches(columns=_COLUMNS):
+        rows += batch.num_rows
+        is_top = pc.equal(batch["depth"], 0)
+        top += int(pc.sum(is_top).as_py() or 0)
+        methods.update(_value_counts(pc.filter(batch["method"], is_top)))
+        exceptions += batch.num_rows - batch["exc_type"].null_count
+        result = batch["result"]
+        kinds = pc.struct_field(result, "kind")
+        nones += _out_of_memory_answers(batch, is_top, kinds)
+        indices += _list_total(pc.struct_field(result, "data"))
+        indices += _list_total(pc.struct_field(pc.list_flatten(batch["args"]), "data"))
+        lo, hi = pc.min(batch["t_start_ns"]).as_py(), pc.max(batch["t_end_ns"]).as_py()
+        t_min = lo if t_min is None else min(t_min, lo)
+        t_max = hi if t_max is None else max(t_max, hi)
+        for sub, col in counter_col.items():
+            if sub in sizes:
+                m = pc.min(batch[col]).as_py()
+                if m is not None:
+                    min_avail[sub] = min(min_avail.get(sub, m), m)
+    notes = []
+    if rows == 0:
+        notes.append("trace holds no calls")
+    if meta.initial_state is not None:
+        notes.append("starts from a snapshot of a pool already in use (attach or flight-recorder dump)")
+    if methods.get(GAP_METHOD):
+        gaps = reader.gaps()
+        lost = sum(max(0, g.args.get("lost_calls", 0)) for g in gaps)
+        notes.append(f"{len(gaps)} gap(s): the recorder lost {lost or 'an unknown number of'} calls "
+                     f"(last: {gaps[-1].args.get('reason', '?')}); replay with --after-gap")
+    size = reader.file_size
+    return TraceSummary(
+        path=str(reader.path), meta=asdict(meta), rows=rows, calls=top - methods.get(GAP_METHOD, 0),
+        nested_rows=rows - top,
+        calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
+        time_span_s=((t_max or 0) - (t_min or 0)) / 1e9,
+        peak_used={k: sizes[k] - v for k, v in min_avail.items()},
+        file_bytes=size, recorded_indices=indices,
+        bytes_per_index=(size / indices) if indices else None, notes=notes,
+    )
+
+
+def _out_of_memory_answers(batch: pa.RecordBatch, is_top: pa.Array, kinds: pa.Array) -> int:
+    """Top-level calls that returned None without raising, other than void ones."""
+    void = pc.is_in(batch["method"], value_set=pa.array(sorted(VOID_METHODS)))
+    hit = pc.and_(pc.and_(is_top, pc.invert(void)), pc.and_(pc.equal(kinds, "none"), pc.is_null(batch["exc_type"])))
+    return int(pc.sum(hit).as_py() or 0)
+
+
+def _value_counts(arr: pa.Array) -> dict[str, int]:
+    vc = pc.value_counts(arr)
+    return {v["values"]: v["counts"] for v in vc.to_pylist()}
+
+
+def _list_total(arr: pa.Array) -> int:
+    lengths = pc.list_value_length(arr)
+    return int(pc.sum(lengths).as_py() or 0)

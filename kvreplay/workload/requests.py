@@ -1,0 +1,131 @@
+"""Request streams that drive the workload model: Mooncake JSONL, Azure CSV, or a
+seeded generator with shared prefixes. Formats: workloads/README.md."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvreplay.errors import BadInput
+
+
+@dataclass(frozen=True)
+class Request:
+    rid: int
+    arrival_ms: float
+    input_len: int
+    output_len: int
+    # One id per prompt block; equal leading runs mean a shared (cacheable) prefix.
+    blocks: tuple[int, ...]
+
+
+def load_requests(
+    path: str | Path | None,
+    *,
+    count: int,
+    seed: int,
+    block_tokens: int,
+    length_scale: float = 1.0,
+) -> list[Request]:
+    """The first ``count`` requests of a workload file, or ``count`` generated ones."""
+    if count <= 0:
+        raise BadInput(f"--requests must be positive, got {count}")
+    if path is None:
+        return generate(count, seed=seed, block_tokens=block_tokens)
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"workload file {p}: no such file")
+    head = p.read_text(errors="replace")[:4096].lstrip()
+    if head.startswith("{"):
+        reqs = _mooncake(p, count, block_tokens, length_scale)
+    elif head.upper().startswith("TIMESTAMP"):
+        reqs = _azure(p, count, block_tokens, length_scale)
+    else:
+        raise BadInput(f"workload file {p}: neither Mooncake JSONL nor Azure CSV (see docs/workloads.md)")
+    if not reqs:
+        raise BadInput(f"workload file {p}: no requests")
+    return reqs
+
+
+def _scaled(n: int, scale: float) -> int:
+    return max(1, int(round(n * scale)))
+
+
+def _mooncake(p: Path, count: int, block_tokens: int, scale: float) -> list[Request]:
+    out: list[Request] = []
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if len(out) >= count:
+                break
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                inp = _scaled(int(d["input_length"]), scale)
+                blocks = tuple(int(h) for h in d.get("hash_ids", []))
+                out.append(Request(len(out), float(d["timestamp"]), inp, _scaled(int(d["output_length"]), scale),
+                                   _rescale_blocks(blocks, inp, block_tokens)))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BadInput(f"{p}:{lineno}: bad Mooncake record ({exc})") from None
+    return out
+
+
+def _rescale_blocks(blocks: tuple[int, ...], input_len: int, block_tokens: int) -> tuple[int, ...]:
+    """Mooncake hashes 512-token blocks; after scaling, one block is ``block_tokens``.
+    Keep the sharing structure: a scaled block is identified by the original block
+    it falls in plus its position inside it."""
+    n = math.ceil(input_len / block_tokens)
+    if not blocks:
+        return ()
+    per = max(1, math.ceil(n / len(blocks)))
+    return tuple(blocks[min(i // per, len(blocks) - 1)] * 4096 + i % per for i in range(n))
+
+
+def _azure(p: Path, count: int, block_tokens: int, scale: float) -> list[Request]:
+    out: list[Request] = []
+    t0: _dt.datetime | None = None
+    with p.open(newline="") as f:
+        reader = csv.DictReader(f)
+        for lineno, row in enumerate(reader, 2):
+            if len(out) >= count:
+                break
+            try:
+                ts = _dt.datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
+                t0 = t0 or ts
+                inp = _scaled(int(row["ContextTokens"]), scale)
+                outp = _scaled(int(row["GeneratedTokens"]), scale)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BadInput(f"{p}:{lineno}: bad Azure record ({exc})") from None
+            rid = len(out)
+            # No prefix information: every block is unique to its request.
+            blocks = tuple(-(rid * 100_000 + i) - 1 for i in range(math.ceil(inp / block_tokens)))
+            out.append(Request(rid, (ts - t0).total_seconds() * 1000.0, inp, outp, blocks))
+    return out
+
+
+def generate(count: int, *, seed: int, block_tokens: int, mean_gap_ms: float = 8.0) -> list[Request]:
+    """Poisson arrivals; prompts share prefixes drawn from a few popular documents
+    (Zipf-like), so prefix caching has hits, and outputs are short-tailed."""
+    rng = random.Random(seed)
+    docs = [tuple(rng.randrange(1 << 30) for _ in range(rng.randint(1, 6))) for _ in range(24)]
+    weights = [1.0 / (i + 1) for i in range(len(docs))]
+    t = 0.0
+    out = []
+    for rid in range(count):
+        t += rng.expovariate(1.0 / mean_gap_ms)
+        doc = rng.choices(docs, weights)[0]
+        shared = doc[: rng.randint(0, len(doc))]
+        own = tuple(rng.randrange(1 << 30) for _ in range(rng.randint(0, 3)))
+        blocks = shared + own
+        tail = rng.randint(1, block_tokens)
+        input_len = max(1, len(blocks) * block_tokens - (block_tokens - tail) if blocks else tail)
+        if not blocks:
+            blocks = (rng.randrange(1 << 30),)
+        output_len = min(256, max(1, int(rng.lognormvariate(3.0, 0.8))))
+        out.append(Request(rid, t, input_len, output_len, blocks))
+    return out

@@ -1,0 +1,159 @@
+"""``kvreplay synth``: run a scenario of the decode-server model against a pool
+build under the recorder, producing a trace that looks like a production one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvreplay.builds import resolve as builds
+from kvreplay.builds.resolve import resolve_device
+from kvreplay.errors import BadInput, PoolFailed, one_of
+from kvreplay.recorder.recording import record
+from kvreplay.trace.reader import TraceReader
+from kvreplay.workload.decode import DecodeServer
+from kvreplay.workload.disagg_mtp import DisaggMTPServer
+from kvreplay.workload.radix_swa import RadixSWAServer
+from kvreplay.workload.requests import load_requests
+from kvreplay.workload.server import SynthStats
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    family: str
+    default_build: str
+    need_sort: bool
+    summary: str
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario("decode", "paged", "builtin:paged", False,
+                 "continuous batching on a paged pool: batched prefill, alloc_decode, retraction"),
+        Scenario("disagg-mtp", "swa", "builtin:swa", True,
+                 "disaggregated decode with MTP speculation on an SWA pool (need_sort on)"),
+        Scenario("radix-swa", "swa", "builtin:swa", False,
+                 "prefix cache over an SWA pool: hits, leaf eviction, SWA tombstones"),
+    ]
+}
+
+
+@dataclass
+class SynthConfig:
+    scenario: str
+    out: Path
+    requests: int = 200
+    seed: int = 0
+    workload: Path | None = None
+    build: str | None = None
+    page_size: int = 4
+    full_size: int = 2048
+    swa_size: int = 512
+    window: int = 32
+    k: int = 3
+    block_tokens: int = 16
+    max_running: int = 64
+    length_scale: float = 1.0
+    speedup: float = 1.0
+    device: str = "cpu"
+
+
+@dataclass(kw_only=True)
+class SynthResult(SynthStats):
+    """What a synth run wrote: the trace, and the model's stats."""
+
+    path: Path
+    scenario: str
+    build: str
+    calls: int  # top-level calls: the numbers replay reports use
+    rows: int  # rows in the trace (nested sub-allocator calls too)
+    wall_s: float
+
+
+def validate(cfg: SynthConfig) -> Scenario:
+    if cfg.scenario not in SCENARIOS:
+        one_of("scenario", cfg.scenario, SCENARIOS)
+    sc = SCENARIOS[cfg.scenario]
+    if cfg.page_size < 2:
+        raise BadInput("--page-size must be at least 2 (the paged and SWA pools page in step)")
+    if cfg.full_size < cfg.page_size or cfg.swa_size < cfg.page_size:
+        raise BadInput("pool sizes must hold at least one page")
+    if cfg.block_tokens % cfg.page_size:
+        raise BadInput(f"--block-tokens {cfg.block_tokens} must be a multiple of --page-size {cfg.page_size}")
+    for name in ("window", "k", "max_running"):
+        if getattr(cfg, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')} must be positive")
+    if cfg.length_scale <= 0 or cfg.speedup <= 0:
+        raise BadInput("--length-scale and --speedup must be positive")
+    cfg.device = resolve_device(cfg.device)
+    return sc
+
+
+def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
+    spec = cfg.build or sc.default_build
+    build = builds.resolve(spec, sc.family)
+    family = build.family or builds.family_of_class(build.cls)
+    if family != sc.family:
+        raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {family} pool")
+    ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
+            "need_sort": sc.need_sort, "dtype": "torch.int64"}
+    return build.construct(ctor, device=cfg.device), spec
+
+
+def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
+              progress: Callable[[int, int], None] | None = None) -> Any:
+    """Drive ``pool`` (recorded or not) through the scenario; returns its stats."""
+    reqs = load_requests(cfg.workload, count=cfg.requests, seed=cfg.seed,
+                         block_tokens=cfg.block_tokens, length_scale=cfg.length_scale)
+    common: dict[str, Any] = {"seed": cfg.seed, "max_running": cfg.max_running, "speedup": cfg.speedup,
+                              "progress": progress}
+    if sc.name == "decode":
+        server: Any = DecodeServer(pool, reqs, **common)
+    elif sc.name == "disagg-mtp":
+        server = DisaggMTPServer(pool, reqs, window=cfg.window, k=cfg.k, **common)
+    else:
+        server = RadixSWAServer(pool, reqs, window=cfg.window, block_tokens=cfg.block_tokens, **common)
+    try:
+        return server.run()
+    except RuntimeError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = None,
+               command: str | None = None) -> SynthResult:
+    sc = validate(cfg)
+    pool, spec = make_pool(cfg, sc)
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise BadInput(f"{out} is a directory; give a file name for the trace")
+    extra = {"synth": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "out"}}
+    if command:
+        extra["command"] = command
+    t0 = time.perf_counter()
+    # Written under a partial name and renamed when finished: a synth that is stopped
+    # (a signal, an error) never leaves a file under the name asked for.
+    partial = out.with_name(f".{out.name}.partial")
+    rec = record(pool, partial, extra=extra, snapshot=False)  # a new pool: replay builds the same
+    try:
+        stats = run_model(pool, cfg, sc, progress)
+    except AssertionError as exc:
+        # The pool's own assertion: the trace up to and including the failing call is
+        # exactly the reproducer a pool engineer wants, so keep it.
+        rec.close()
+        partial.replace(out)
+        raise PoolFailed(f"{spec} failed after {TraceReader(out).count_calls()} calls: AssertionError: {exc}; "
+                         f"the trace up to that call is in {out}") from None
+    except BaseException:
+        rec.close()
+        partial.unlink(missing_ok=True)
+        raise
+    rec.close()
+    partial.replace(out)
+    reader = TraceReader(out)
+    return SynthResult(path=out, scenario=sc.name, build=spec, calls=reader.count_calls(), rows=reader.num_rows,
+                       wall_s=time.perf_counter() - t0, **asdict(stats))
