@@ -12,7 +12,7 @@ from typing import Any
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker
-from kvreplay.store.db import Store, open_store
+from kvreplay.store.db import check_store, open_store
 from kvreplay.store.runs import TraceInfo, record_run
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader
@@ -44,25 +44,29 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
                      progress: Callable[[int, int], None] | None = None, **options: Any) -> StoredReplay:
     """Replay and, unless ``store`` is False, write the run to the database.
 
-    The database is opened first, so a bad ``--db`` fails before any work; the run
-    is written in one transaction after the replay, so a failed replay leaves nothing."""
-    st: Store | None = open_store(db) if store else None
-    try:
-        if not BuildSpec.parse(build).in_process:
-            reader = TraceReader(trace)  # a bad trace fails here, in this process, with a clear message
-            report, commit = replay_in_worker(trace, build, **options)
-            version = f"git {commit}"
-        else:
-            from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
+    The trace and the database are checked first, so bad input fails before any work;
+    the database is created or migrated, and the run written in one transaction, only
+    once the replay has a result: bad input anywhere leaves nothing behind."""
+    spec = BuildSpec.parse(build)
+    reader = TraceReader(trace)
+    reader.check_calls()
+    if store:
+        check_store(db)
+    if not spec.in_process:
+        report, commit = replay_in_worker(trace, build, **options)
+        version = f"git {commit}"
+    else:
+        from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
 
-            options.pop("timeout_s", None)
-            replayer = Replayer(trace, build, **options)
-            reader = replayer.reader
-            report = replayer.run(progress=progress)
-            version = build_version(replayer.pool)
-        calls = None if report.stopped_early or report.calls_replayed == 0 else report.calls_replayed
-        run_id = record_run(st, report, trace_info(reader, calls), build_version=version) if st else None
-        return StoredReplay(report, run_id)
+        options.pop("timeout_s", None)
+        replayer = Replayer(trace, build, reader=reader, checked=True, **options)
+        report = replayer.run(progress=progress)
+        version = build_version(replayer.pool)
+    if not store:
+        return StoredReplay(report, None)
+    calls = None if report.stopped_early or report.calls_replayed == 0 else report.calls_replayed
+    st = open_store(db)
+    try:
+        return StoredReplay(report, record_run(st, report, trace_info(reader, calls), build_version=version))
     finally:
-        if st is not None:
-            st.close()
+        st.close()

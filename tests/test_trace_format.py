@@ -116,7 +116,7 @@ def test_writer_publishes_the_file_only_when_closed(tmp_path):
     [
         (lambda p: None, "no such file"),
         (lambda p: p.write_text("not parquet at all"), "not a readable Parquet file"),
-        (lambda p: pq.write_table(pa.table({"x": [1]}), p), "not a kvreplay trace"),
+        (lambda p: pq.write_table(pa.table({"x": [1]}), p), "not a readable kvreplay trace"),
     ],
 )
 def test_bad_files_give_one_line_errors(tmp_path, make, message):

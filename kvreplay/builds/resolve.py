@@ -70,6 +70,8 @@ def resolve(spec: str | BuildSpec, family: str | None = None, recorded_class: st
         cls = getattr(importlib.import_module(module), attr)
     except Exception as exc:  # any import-time failure means the build cannot load
         raise BuildUnloadable(f"build {s.text!r} could not be loaded: {type(exc).__name__}: {exc}") from None
+    if not isinstance(cls, type):
+        raise UnknownBuild(f"build {s.text!r} names a {type(cls).__name__}, not an allocator class")
     return Build(s.text, None, cls)
 
 

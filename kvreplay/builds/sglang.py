@@ -52,13 +52,15 @@ def is_sglang(cls: type) -> bool:
 
 def spec_for(family: str, recorded_class: str = "") -> str:
     """The ``py:`` spec of the installed sglang's allocator for a trace: the class the
-    trace was recorded on when that is an sglang class, else the family's class."""
-    if recorded_class.startswith("sglang."):
+    trace was recorded on when it is one of the family's known classes (the trace only
+    ever selects among them; it never names a module to import), else the first of
+    them this release has."""
+    if family in CLASSES and recorded_class in CLASSES[family]:
         try:
             _load(recorded_class)
             return "py:" + recorded_class
         except (ImportError, AttributeError):
-            pass  # renamed or moved in this release: fall back to the family's class
+            pass  # another layout in this release: fall back to the family's class
     if family not in CLASSES:
         raise BuildUnloadable(f"no sglang allocator for pool family {family!r}")
     path, _ = _first(CLASSES[family])

@@ -219,6 +219,7 @@ static PyObject *page_peers(PyObject *self, PyObject *args) {
     PyObject *out = any_only ? NULL : PyList_New(0);
     int found = 0;
     for (Py_ssize_t i = 0; i < pages.n && !found && (any_only || out); i++) {
+        if (ps <= 0 || pages.p[i] < 0 || pages.p[i] > map.n / ps) continue; /* a wild page: no slot of it is mapped */
         int64_t base = pages.p[i] * ps;
         for (int64_t o = 0; o < ps; o++) {
             int64_t s = base + o;

@@ -97,8 +97,16 @@ class PoolView:
         return self._np
 
     def peers(self, full_tokens: np.ndarray) -> np.ndarray:
-        """``full_to_swa_index_mapping[full_tokens]`` as numpy."""
+        """``full_to_swa_index_mapping[full_tokens]`` as numpy; a slot outside the
+        mapping (a wild index from a trace) has no peer (0), and the trailing -1 entry
+        is only reached by its own index."""
         m = self.mapping_np()
+        n = len(self.mapping)
+        inside = (full_tokens >= 0) & (full_tokens < n)
+        if not inside.all():
+            out = np.zeros(len(full_tokens), dtype=np.int64)
+            out[inside] = self.peers(full_tokens[inside])
+            return out
         if m is not None:
             return m[full_tokens]
         return to_np(self.mapping[torch.as_tensor(full_tokens, device=self.mapping.device)])

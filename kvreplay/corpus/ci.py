@@ -23,12 +23,14 @@ from kvreplay.errors import BadInput, FamilyMismatch
 from kvreplay.replay.report import describe
 from kvreplay.store.db import open_store
 from kvreplay.stored_replay import replay_and_store
+from kvreplay.trace.hashing import content_hash
 
 
 @dataclass
 class Case:
     trace: str  # corpus entry name
     file: str
+    sha256: str
     build: str
     mode: str
     expectation: Expectation | None  # None: no entry for this build, so it must be clean
@@ -64,7 +66,7 @@ def plan(corpus: str | Path, build: str) -> list[Case]:
         exps = [x for x in e.expect if x.build == build]
         for x in exps or [None]:
             for mode in (x.modes if x else ["strict"]):
-                cases.append(Case(e.name, str(e.file), build, mode, x))
+                cases.append(Case(e.name, str(e.file), e.sha256, build, mode, x))
     return cases
 
 
@@ -72,6 +74,8 @@ def run_case(case: Case, db: str | None = None, device: str = "cpu") -> CaseResu
     """One case, in this process (the worker's entry point)."""
     t0 = time.perf_counter()
     try:
+        if content_hash(case.file) != case.sha256:
+            raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
         res = replay_and_store(case.file, case.build, db=db, store=db != "", mode=case.mode, device=device)
     except FamilyMismatch as exc:  # another pool family: not this build's trace
         return CaseResult(case, "skip", [str(exc)], wall_s=time.perf_counter() - t0)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.corpus.expectations import expectation_of
-from kvreplay.corpus.manifest import MANIFEST, load_manifest, read_document, write_document
+from kvreplay.corpus.manifest import MANIFEST, NAME, load_manifest, read_document, write_document
 from kvreplay.errors import BadInput
 from kvreplay.pools.registry import DEFAULT_FOR_FAMILY
 from kvreplay.replay.dispatch import replay
@@ -28,8 +28,8 @@ def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", build
               force: bool = False, max_mb: float = DEFAULT_MAX_MB) -> dict[str, Any]:
     """Copy ``trace`` into ``corpus`` as NAME.parquet and give it a manifest entry."""
     corpus, trace = Path(corpus), Path(trace)
-    if not name or "/" in name or name.startswith("."):
-        raise BadInput(f"bad corpus name {name!r}")
+    if not NAME.fullmatch(name):
+        raise BadInput(f"bad corpus name {name[:40]!r}: use 1-128 letters, digits, . _ @ + or -")
     reader = TraceReader(trace)  # unreadable input fails here, before anything is copied
     size_mb = trace.stat().st_size / 1e6
     if size_mb > max_mb:
@@ -72,16 +72,20 @@ def check_corpus(corpus: str | Path = "traces", max_mb: float = DEFAULT_MAX_MB) 
     res = CheckResult(str(corpus), len(entries))
     named = {e.file.name for e in entries}
     for p in sorted(corpus.glob("*.parquet")):
-        if p.name not in named:
+        if p.name not in named and not p.name.startswith("."):
             res.problems.append(f"{p.name}: no manifest entry")
     for e in entries:
         if not e.file.exists():
             res.problems.append(f"{e.name}: {e.file.name} is missing")
             continue
-        if content_hash(e.file) != e.sha256:
-            res.problems.append(f"{e.name}: {e.file.name} changed since it was added (sha256 differs)")
+        if not e.file.is_file():
+            res.problems.append(f"{e.name}: {e.file.name} is not a regular file")
+            continue
         if e.file.stat().st_size > max_mb * 1e6:
             res.problems.append(f"{e.name}: {e.file.stat().st_size / 1e6:.1f} MB, over the {max_mb} MB limit")
+            continue
+        if content_hash(e.file) != e.sha256:
+            res.problems.append(f"{e.name}: {e.file.name} changed since it was added (sha256 differs)")
         try:
             TraceReader(e.file).num_rows  # noqa: B018 - reading the footer is the check
         except BadInput as exc:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvreplay.errors import BadInput
+from kvreplay.errors import BadInput, did_you_mean
 
 MANIFEST = "manifest.json"
 VERSION = 2  # 2: violations pinned by call number (1: by row seq)
@@ -79,33 +80,111 @@ def read_document(corpus: str | Path, *, missing_ok: bool = False) -> dict[str, 
     return doc
 
 
-def _expectation(d: dict[str, Any], where: str) -> Expectation:
-    try:
-        status = d["status"]
-        if status not in ("clean", "violation"):
-            raise ValueError(f"status must be clean or violation, not {status!r}")
-        vs = [ExpectedViolation(**v) for v in d.get("violations", [])]
-        if status == "violation" and not vs:
-            raise ValueError("a violation expectation must name at least one violation")
-        return Expectation(build=d["build"], status=status, modes=list(d.get("modes", ["strict"])), violations=vs,
-                           capacity_assert_call=d.get("capacity_assert_call"))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadInput(f"{where}: bad expectation ({exc})") from None
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+_TOP_KEYS = {"version": False, "traces": True}
+_ENTRY_KEYS = {"name": True, "file": True, "sha256": True, "expect": True, "command": False, "summary": False}
+_EXPECT_KEYS = {"build": True, "status": True, "modes": False, "violations": False, "capacity_assert_call": False}
+_VIOLATION_KEYS = {"invariant": True, "rule": False, "method": False, "call": False}
+_MODES = ("strict", "remap")
+
+
+def _keys(d: Any, allowed: dict[str, bool], where: str) -> dict[str, Any]:
+    """``d`` as an object with only the allowed keys and every required one."""
+    if not isinstance(d, dict):
+        raise BadInput(f"{where}: must be an object, not {type(d).__name__}")
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        hint = did_you_mean(unknown[0], allowed)
+        raise BadInput(f"{where}: unknown key {unknown[0]!r}{hint}")
+    missing = [k for k, required in allowed.items() if required and k not in d]
+    if missing:
+        raise BadInput(f"{where}: missing key {missing[0]!r}")
+    return d
+
+
+def _of(value: Any, kind: type | tuple[type, ...], what: str, where: str) -> Any:
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise BadInput(f"{where}: {what} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _violation(d: Any, where: str) -> ExpectedViolation:
+    from kvreplay.check.rules import INVARIANTS, RULES  # the checker's vocabulary
+
+    d = _keys(d, _VIOLATION_KEYS, where)
+    inv = _of(d["invariant"], str, "invariant", where)
+    if inv not in INVARIANTS:
+        raise BadInput(f"{where}: unknown invariant {inv!r}{did_you_mean(inv, INVARIANTS)}")
+    rule = d.get("rule")
+    if rule is not None and f"{inv}/{_of(rule, str, 'rule', where)}" not in RULES:
+        raise BadInput(f"{where}: {inv} has no rule {rule!r}")
+    method = d.get("method")
+    if method is not None:
+        _of(method, str, "method", where)
+    call = d.get("call")
+    if call is not None and (_of(call, int, "call", where) < 1):
+        raise BadInput(f"{where}: call numbers start at 1")
+    return ExpectedViolation(inv, rule, method, call)
+
+
+def _expectation(d: Any, where: str) -> Expectation:
+    d = _keys(d, _EXPECT_KEYS, where)
+    build = _of(d["build"], str, "build", where)
+    status = d["status"]
+    if status not in ("clean", "violation"):
+        raise BadInput(f"{where}: status must be clean or violation, not {status!r}")
+    modes = _of(d.get("modes", ["strict"]), list, "modes (a list)", where)
+    if not modes or any(m not in _MODES for m in modes) or len(set(modes)) != len(modes):
+        raise BadInput(f"{where}: modes must be a list of distinct modes among {', '.join(_MODES)}")
+    vs = [_violation(v, f"{where}, violation {i + 1}")
+          for i, v in enumerate(_of(d.get("violations", []), list, "violations (a list)", where))]
+    if status == "violation" and not vs:
+        raise BadInput(f"{where}: a violation expectation must name at least one violation")
+    cap = d.get("capacity_assert_call")
+    if cap is not None:
+        _of(cap, int, "capacity_assert_call", where)
+    return Expectation(build=build, status=status, modes=list(modes), violations=vs, capacity_assert_call=cap)
+
+
+def _entry(t: Any, path: Path, index: int) -> CorpusEntry:
+    where = f"{path.name}: trace {index + 1}"
+    t = _keys(t, _ENTRY_KEYS, where)
+    name = _of(t["name"], str, "name", where)
+    if not NAME.fullmatch(name):
+        raise BadInput(f"{where}: name {name[:40]!r} must be 1-128 letters, digits, . _ @ + or -")
+    where = f"{path.name}: trace {name}"
+    file = _of(t["file"], str, "file", where)
+    if not NAME.fullmatch(file) or not file.endswith(".parquet"):
+        raise BadInput(f"{where}: file {file[:60]!r} must be a .parquet file name in the corpus directory")
+    sha = _of(t["sha256"], str, "sha256", where)
+    if not SHA256.fullmatch(sha):
+        raise BadInput(f"{where}: sha256 must be 64 lower-case hex digits")
+    expect = [_expectation(e, f"{where}, expectation {i + 1}")
+              for i, e in enumerate(_of(t["expect"], list, "expect (a list)", where))]
+    return CorpusEntry(name=name, file=path.parent / file, command=_of(t.get("command", ""), str, "command", where),
+                       sha256=sha, summary=_of(t.get("summary", ""), str, "summary", where), expect=expect)
 
 
 def load_manifest(corpus: str | Path) -> list[CorpusEntry]:
+    """The manifest's entries, checked against its schema: unknown keys, wrong types,
+    names that are not plain names, files outside the corpus and duplicate names are
+    refused with a one-line error."""
     path = manifest_path(corpus)
-    doc = read_document(path)
-    try:
-        entries = []
-        for t in doc["traces"]:
-            where = f"{path}: trace {t.get('name', '?')}"
-            entries.append(CorpusEntry(name=t["name"], file=path.parent / t["file"], command=t.get("command", ""),
-                                       sha256=t.get("sha256", ""), summary=t.get("summary", ""),
-                                       expect=[_expectation(e, where) for e in t["expect"]]))
-        return entries
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise BadInput(f"{path}: bad manifest ({type(exc).__name__}: {exc})") from None
+    doc = _keys(read_document(path), _TOP_KEYS, path.name)
+    version = doc.get("version", 1)
+    if version == 1:
+        raise BadInput(f"{path}: a version 1 manifest pins violations by row (seq); this kvreplay pins them by "
+                       "call: add the traces again with kvreplay corpus add --force")
+    if version != VERSION:
+        raise BadInput(f"{path}: manifest version {version!r} is not one this kvreplay reads ({VERSION})")
+    entries = [_entry(t, path, i) for i, t in enumerate(doc["traces"])]
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            raise BadInput(f"{path.name}: trace {e.name} is listed twice")
+        seen.add(e.name)
+    return entries
 
 
 def write_document(corpus: Path, doc: dict[str, Any]) -> None:

@@ -162,6 +162,18 @@ def _patch_class(cls: type) -> None:
 
 
 def _start(pool: Any) -> None:
+    # Pools kvreplay builds while it starts a recording (the flight recorder compares
+    # the pool with a fresh one) are its own, not the program's: they are not recorded,
+    # or each would start another recording, and so on.
+    depth = getattr(_state, "depth", 0)
+    _state.depth = depth + 1
+    try:
+        _start_recording(pool)
+    finally:
+        _state.depth = depth
+
+
+def _start_recording(pool: Any) -> None:
     from kvreplay.recorder.recording import record
 
     try:

@@ -91,12 +91,16 @@ class FlightRecorder(Recording):
             self._dump_safely("exception")
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        prev = self._previous_handler
+        if self.calls_recorded == 0:  # an allocator that was never called has nothing to dump
+            if callable(prev):
+                prev(signum, frame)
+            return
         # The handler may run while this thread holds the lock (mid-flush): dump from
         # another thread, which waits for it.
         t = threading.Thread(target=self._dump_safely, args=(f"signal {signum}",), name="kvreplay-flight-dump")
         self._dump_threads.append(t)
         t.start()
-        prev = self._previous_handler
         if callable(prev):
             prev(signum, frame)
 

@@ -59,7 +59,10 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         raise BadInput("nothing to run: give the server command after --, e.g. "
                        "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     before = set(out.glob(TRACE_GLOB))
     try:
         proc = subprocess.Popen(list(command), env=record_env(out, classes, flight=flight,
@@ -68,6 +71,8 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         raise BadInput(f"command not found: {command[0]}") from None
     except PermissionError:
         raise BadInput(f"cannot run {command[0]}: permission denied") from None
+    except OSError as exc:  # not an executable (a text file without #!, a directory)
+        raise BadInput(f"cannot run {command[0]}: {exc.strerror or exc}") from None
 
     def forward(signum: int, frame: object) -> None:
         proc.send_signal(signum)

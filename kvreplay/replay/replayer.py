@@ -8,8 +8,10 @@ so a build with another free-slot policy replays; only semantic differences coun
 
 from __future__ import annotations
 
+import binascii
 import json
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -77,6 +79,10 @@ def start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, An
     gaps = reader.gaps()
     if not gaps:
         return -1, reader.meta.initial_state
+    for g in gaps:
+        if not isinstance(g.args.get("lost_calls", 0), int) or not isinstance(g.args.get("state", ""), str):
+            raise BadInput(f"{reader.path.name}: a gap row at row {g.seq} is damaged (lost_calls must be a number, "
+                           "state a snapshot)")
     last = gaps[-1]
     lost = sum(g.args.get("lost_calls", 0) for g in gaps if g.args.get("lost_calls", 0) > 0)
     where = f"{len(gaps)} gap(s) where the recorder lost calls ({lost or 'an unknown number'} lost; last: " \
@@ -96,8 +102,8 @@ def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
     """Put a trace's starting state (a mid-life attach, a flight-recorder dump) into the build."""
     try:
         missing = snapshot.restore(pool, state)
-    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise BadInput(f"the trace's starting snapshot is unreadable: {exc}") from None
+    except (ValueError, KeyError, TypeError, RuntimeError, AttributeError, zlib.error, binascii.Error) as exc:
+        raise BadInput(f"the trace's starting snapshot is unreadable ({type(exc).__name__}: {exc})") from None
     if missing:
         raise BuildUnloadable(f"{spec} cannot start from the trace's snapshot: it keeps no "
                               f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
@@ -109,11 +115,14 @@ class Replayer:
     def __init__(self, trace: str | Path, build: str, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
-                 start: tuple[int, dict[str, Any] | None] | None = None) -> None:
+                 start: tuple[int, dict[str, Any] | None] | None = None, checked: bool = False) -> None:
         """``reader`` and ``start`` (``start_point``'s answer) let a caller that replays
-        one trace many times (minimize) open it and scan it for gaps once."""
+        one trace many times (minimize) open it and scan it for gaps once; ``checked``
+        says its rows were already checked (``TraceReader.check_calls``)."""
         self.mode = one_of("mode", mode, MODES)
         self.reader = reader or TraceReader(trace)
+        if not checked and start is None:
+            self.reader.check_calls()
         self.meta = self.reader.meta
         self.start_after, start_state = start or start_point(self.reader, after_gap)
         self.build_spec = build

@@ -32,7 +32,7 @@ def default_db_path() -> Path:
     return Path(base) / "kvreplay" / "kvreplay.db"
 
 
-def resolve_url(db: str | None = None) -> str:
+def resolve_url(db: str | None = None, *, create_dirs: bool = True) -> str:
     """``--db`` wins over ``KVREPLAY_DB``, which wins over the default file."""
     value = db or os.environ.get(ENV_VAR) or str(default_db_path())
     if "://" in value:
@@ -41,7 +41,10 @@ def resolve_url(db: str | None = None) -> str:
     if path.is_dir():
         raise BadInput(f"database {path} is a directory; give a file path or a SQLAlchemy URL")
     if path == default_db_path():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if create_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        elif not path.parent.exists():
+            return f"sqlite:///{path}"
     return f"sqlite:///{path}"
 
 
@@ -83,6 +86,39 @@ def _safe_url(url: str) -> str:
         return url
 
 
+def check_store(db: str | None = None) -> None:
+    """Fail now (BadInput) on a database that ``open_store`` would refuse, without
+    creating or changing anything: commands check it before long work and open it
+    only when there is a result to write."""
+    url = resolve_url(db, create_dirs=False)
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        if not path.exists():
+            if not path.parent.is_dir():
+                raise BadInput(f"cannot open database {path}: no directory {path.parent} to create it in")
+            return
+        if not path.is_file():
+            raise BadInput(f"database {path} is not a regular file")
+    open_store(db, migrate=False).close()
+
+
+def _refuse_newer(engine: Engine, url: str) -> None:
+    """A database whose schema revision this kvreplay does not know was made by a newer one."""
+    from alembic.script import ScriptDirectory
+
+    try:
+        with engine.connect() as conn:
+            if "alembic_version" not in inspect(conn).get_table_names():
+                return
+            rev = conn.exec_driver_sql("select version_num from alembic_version").scalar()
+    except SQLAlchemyError:
+        return  # not readable as ours: the upgrade below reports it
+    known = {r.revision for r in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+    if rev is not None and rev not in known:
+        raise BadInput(f"database {_safe_url(url)} was made by a newer kvreplay (schema revision {rev}); "
+                       "upgrade kvreplay to use it")
+
+
 def open_store(db: str | None = None, *, migrate: bool = True) -> Store:
     """Open (creating or migrating as needed) the store; BadInput if it cannot be."""
     url = resolve_url(db)
@@ -93,11 +129,15 @@ def open_store(db: str | None = None, *, migrate: bool = True) -> Store:
     if engine.dialect.name == "sqlite":
         _sqlite_pragmas(engine)
     try:
+        _refuse_newer(engine, url)
         if migrate:
             upgrade(engine)
         else:
             with engine.connect():
                 pass
+    except BadInput:
+        engine.dispose()
+        raise
     except SQLAlchemyError as exc:
         engine.dispose()
         first = str(exc.orig if getattr(exc, "orig", None) else exc).splitlines()[0]

@@ -4,6 +4,7 @@ rarer value kinds through ``decode_value``."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +50,8 @@ class _Values:
         if kind == TENSOR:
             t = self.data[self.data_off[j]:self.data_off[j + 1]]
             shape = self.shape[self.shape_off[j]:self.shape_off[j + 1]]
+            if math.prod(shape) != len(t) or any(d < 0 for d in shape):
+                raise ValueError(f"a tensor of shape {shape} holds {len(t)} values")
             dtype = self.dtype[j]
             if dtype != "torch.int64":
                 t = t.to(tensor_dtype(dtype))

@@ -14,8 +14,14 @@ from typing import Any
 
 import pyarrow as pa
 
+from kvreplay.pool_api import FAMILY_ARGS
+
 SCHEMA_VERSION = 1
 META_PREFIX = "kvreplay."
+# The pools a row can target: the allocator itself, its sub-allocators, and the recorder (gap rows).
+TARGETS = frozenset({"root", "full", "swa", "recorder"})
+MAX_POOL_SLOTS = 1 << 40  # far beyond any pool; a bigger one is a damaged trace, not a server
+INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8")
 
 # Value kinds. Tensors keep dtype, shape and device; their elements go to ``data``.
 NONE, BOOL, INT, FLOAT, STR, TENSOR, INTS, SEGMENTS, OPAQUE = (
@@ -75,6 +81,9 @@ PARQUET_OPTIONS: dict[str, Any] = {
         "t_end_ns": "DELTA_BINARY_PACKED",
     },
     "write_statistics": False,
+    # A checksum per data page, verified on read: a flipped bit in index data is a
+    # one-line error, not a plausible trace with wrong slots in it.
+    "write_page_checksum": True,
 }
 
 
@@ -117,21 +126,48 @@ class TraceMeta:
 
     @classmethod
     def from_parquet_metadata(cls, md: dict[bytes, bytes]) -> TraceMeta:
-        """Parse footer metadata; KeyError/ValueError mean it is not a kvreplay trace."""
+        """Parse and check footer metadata. KeyError: not a kvreplay trace;
+        ValueError/TypeError: a kvreplay trace whose metadata is damaged."""
         get = {k.decode()[len(META_PREFIX):]: v.decode() for k, v in md.items() if k.startswith(META_PREFIX.encode())}
-        return cls(
+        meta = cls(
             pool_class=get["pool_class"],
             family=get["family"],
-            ctor_args=json.loads(get["ctor_args"]),
-            source_version=json.loads(get.get("source_version", "{}")),
+            ctor_args=_json_object("ctor_args", get["ctor_args"]),
+            source_version=_json_object("source_version", get.get("source_version", "{}")),
             host=get.get("host", ""),
             pid=int(get.get("pid", "0") or 0),
             rank=get.get("rank", ""),
             start_time=get.get("start_time", ""),
-            initial_state=json.loads(get["initial_state"]) if "initial_state" in get else None,
-            extra=json.loads(get.get("extra", "{}")),
+            initial_state=_json_object("initial_state", get["initial_state"]) if "initial_state" in get else None,
+            extra=_json_object("extra", get.get("extra", "{}")),
             schema_version=int(get["schema_version"]),
         )
+        if meta.family not in FAMILY_ARGS:
+            raise ValueError(f"pool family {meta.family!r} is not one of {', '.join(FAMILY_ARGS)}")
+        check_ctor_args(meta.family, meta.ctor_args)
+        return meta
+
+
+def _json_object(name: str, text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def check_ctor_args(family: str, args: dict[str, Any]) -> None:
+    """The constructor arguments a trace records, as its family needs them: sizes
+    whole numbers in range, need_sort a bool, dtype a torch dtype name."""
+    for name in ("size", *(("page_size",) if family != "token" else ()), *(("size_swa",) if family == "swa" else ())):
+        v = args.get(name)
+        if type(v) is not int or not 0 <= v <= MAX_POOL_SLOTS:
+            raise ValueError(f"constructor argument {name} must be a whole number in 0..{MAX_POOL_SLOTS}, not {v!r}")
+    if family != "token" and args["page_size"] < 1:
+        raise ValueError("constructor argument page_size must be at least 1")
+    if "need_sort" in args and type(args["need_sort"]) is not bool:
+        raise ValueError(f"constructor argument need_sort must be true or false, not {args['need_sort']!r}")
+    if "dtype" in args and args["dtype"] not in INDEX_DTYPES:
+        raise ValueError(f"constructor argument dtype must be one of {', '.join(INDEX_DTYPES)}, not {args['dtype']!r}")
 
 
 @dataclass

@@ -22,6 +22,8 @@ def content_hash(path: str | Path) -> str:
     h = hashlib.sha256()
     try:
         for part in sorted(path.glob(PART_GLOB)) if rotated else [path]:
+            if not part.is_file():  # a FIFO or a device would block or never end
+                raise TraceFormatError(f"{part}: not a regular file")
             if rotated:
                 h.update(part.name.encode() + b"\0")
             with open(part, "rb") as f:

@@ -8,6 +8,7 @@ trace (inspect, hashing, a git: build's parent process) start fast."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,13 +18,41 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.trace.format import GAP_TARGET, PART_GLOB, SCHEMA, SCHEMA_VERSION, Call, TopCall, TraceMeta
+from kvreplay.pool_api import RECORDED_METHODS
+from kvreplay.trace.format import (
+    GAP_METHOD,
+    GAP_TARGET,
+    PART_GLOB,
+    SCHEMA,
+    SCHEMA_VERSION,
+    TARGETS,
+    Call,
+    TopCall,
+    TraceMeta,
+)
 
 if TYPE_CHECKING:
     import torch
 
 
+MAX_DEPTH = 64  # nested calls deeper than this are not a recording
+
+
+def _regular_file(path: Path) -> None:
+    """Only regular files are read: a FIFO or a device would block or never end."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        raise TraceFormatError(f"{path}: not a regular file")
+
+
 class TraceReader:
+    """An open trace: its footer checked against the trace contract when opened
+    (schema, metadata, and across the parts of a rotated trace); ``check_calls``
+    scans what the rows name before anything replays them."""
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if not self.path.exists():
@@ -35,30 +64,64 @@ class TraceReader:
                                        "not a trace")
         else:
             self.parts = [self.path]
+        for part in self.parts:
+            _regular_file(part)
         self._files = [self._open(p) for p in self.parts]
-        first = self._files[0]
-        md = first.schema_arrow.metadata or {}
+        metas = [self._meta(part, f) for part, f in zip(self.parts, self._files, strict=True)]
+        self.meta = metas[0]
+        for part, f, meta in zip(self.parts, self._files, metas, strict=True):
+            if meta.schema_version > SCHEMA_VERSION:
+                raise TraceFormatError(
+                    f"{part}: trace schema version {meta.schema_version} is newer than this "
+                    f"kvreplay reads (up to {SCHEMA_VERSION}); upgrade kvreplay")
+            if (meta.family, meta.pool_class, meta.ctor_args) != (self.meta.family, self.meta.pool_class,
+                                                                  self.meta.ctor_args):
+                raise TraceFormatError(f"{part}: a part of another pool ({meta.pool_class}, {meta.family}) than "
+                                       f"the trace's first part ({self.meta.pool_class}, {self.meta.family})")
+            _check_schema(part, f.schema_arrow)
+
+    def _meta(self, part: Path, f: pq.ParquetFile) -> TraceMeta:
         try:
-            self.meta = TraceMeta.from_parquet_metadata(md)
-        except (KeyError, ValueError, UnicodeDecodeError):
-            raise TraceFormatError(
-                f"{self.path}: a Parquet file but not a kvreplay trace (no kvreplay metadata)"
-            ) from None
-        if self.meta.schema_version > SCHEMA_VERSION:
-            raise TraceFormatError(
-                f"{self.path}: trace schema version {self.meta.schema_version} is newer than this "
-                f"kvreplay reads (up to {SCHEMA_VERSION}); upgrade kvreplay"
-            )
-        for part, f in zip(self.parts, self._files, strict=True):
-            missing = [fl.name for fl in SCHEMA if fl.name not in f.schema_arrow.names]
-            if missing:
-                raise TraceFormatError(f"{part}: trace lacks columns {', '.join(missing)}")
+            return TraceMeta.from_parquet_metadata(f.schema_arrow.metadata or {})
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
+            detail = f" ({exc})" if isinstance(exc, (ValueError, TypeError)) else " (no kvreplay metadata)"
+            raise TraceFormatError(f"{part}: a Parquet file but not a readable kvreplay trace{detail}") from None
 
     def _open(self, part: Path) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(str(part))
-        except (pa.ArrowException, OSError) as exc:
+            return pq.ParquetFile(str(part), page_checksum_verification=True)
+        except (pa.ArrowException, OSError, ValueError, UnicodeDecodeError) as exc:
             raise TraceFormatError(f"{part}: not a readable Parquet file ({_first_line(exc)})") from None
+
+    def check_calls(self) -> int:
+        """Scan what the rows name, before any of them is replayed: known methods and
+        targets, sane nesting, row numbers that only grow, and at least one call.
+        Returns the number of calls (top-level, not gaps)."""
+        calls = 0
+        last_seq = -1
+        names = set(RECORDED_METHODS) | {GAP_METHOD}
+        for batch in self.iter_batches(columns=["seq", "depth", "target", "method"]):
+            seq, depth, target, method = (batch.column(i) for i in range(4))
+            # gap rows carry the lost calls' numbers (or -1): only recorded rows must grow
+            rows = pc.filter(seq, pc.not_equal(target, GAP_TARGET))
+            if len(rows) and (pc.min(rows).as_py() <= last_seq or not _increasing(rows)):
+                raise TraceFormatError(f"{self.path}: row numbers (seq) must start at 0 or more and only grow")
+            last_seq = pc.max(rows).as_py() if len(rows) else last_seq
+            if len(depth) and (pc.min(depth).as_py() < 0 or pc.max(depth).as_py() > MAX_DEPTH):
+                raise TraceFormatError(f"{self.path}: call depth outside 0..{MAX_DEPTH}")
+            unknown = set(pc.unique(method).to_pylist()) - names
+            if unknown:
+                raise TraceFormatError(f"{self.path}: rows name {sorted(map(repr, unknown))[0]}, not a method "
+                                       "of the allocator API")
+            odd = set(pc.unique(target).to_pylist()) - TARGETS
+            if odd:
+                raise TraceFormatError(f"{self.path}: rows target {sorted(map(repr, odd))[0]}, not a pool "
+                                       f"(one of {', '.join(sorted(TARGETS))})")
+            top = pc.equal(depth, 0)
+            calls += int(pc.sum(pc.and_(top, pc.not_equal(target, GAP_TARGET))).as_py() or 0)
+        if calls == 0:
+            raise TraceFormatError(f"{self.path}: the trace holds no call to replay")
+        return calls
 
     @property
     def num_rows(self) -> int:
@@ -72,7 +135,7 @@ class TraceReader:
         try:
             for f in self._files:
                 yield from f.iter_batches(batch_size=batch_size, columns=columns)
-        except (pa.ArrowException, OSError) as exc:
+        except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
 
     def count_calls(self) -> int:
@@ -120,8 +183,27 @@ class TraceReader:
         for batch in self.iter_batches(batch_size=batch_size):
             try:
                 yield from decode_batch(batch, top_level_only, device)
-            except (pa.ArrowException, ValueError, IndexError, KeyError) as exc:
+            except Exception as exc:  # whatever damaged data makes decoding raise, it is the data's fault
+                if isinstance(exc, TraceFormatError):
+                    raise
                 raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
+
+
+def _increasing(seq: pa.Array) -> bool:
+    if len(seq) < 2:
+        return True
+    values = seq.to_numpy(zero_copy_only=False)
+    return bool((values[1:] > values[:-1]).all())
+
+
+def _check_schema(part: Path, schema: pa.Schema) -> None:
+    """Every column of the trace contract, with exactly its type."""
+    for want in SCHEMA:
+        if want.name not in schema.names:
+            raise TraceFormatError(f"{part}: trace lacks column {want.name}")
+        got = schema.field(want.name).type
+        if got != want.type:
+            raise TraceFormatError(f"{part}: column {want.name} is {got}, not {want.type}")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -74,8 +74,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         notes.append("trace holds no calls")
     if meta.initial_state is not None:
         notes.append("starts from a snapshot of a pool already in use (attach or flight-recorder dump)")
-    if methods.get(GAP_METHOD):
-        gaps = reader.gaps()
+    gaps = reader.gaps() if methods.get(GAP_METHOD) else []
+    if gaps:
         lost = sum(max(0, g.args.get("lost_calls", 0)) for g in gaps)
         notes.append(f"{len(gaps)} gap(s): the recorder lost {lost or 'an unknown number of'} calls "
                      f"(last: {gaps[-1].args.get('reason', '?')}); replay with --after-gap")

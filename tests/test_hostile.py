@@ -1,0 +1,382 @@
+"""Hostile and broken input, one test per defect found by trying kvreplay as a
+hostile user would: no code runs that the user did not name, nothing replays
+"clean" that is not a trace, nothing crashes, nothing is written on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+CORPUS = Path(__file__).resolve().parents[1] / "traces"
+PAGE0 = CORPUS / "sglang-0.5.23-swa-page0.parquet"
+
+
+def _rows(path: Path) -> tuple[list[dict], pa.Schema]:
+    t = pq.read_table(path)
+    return t.to_pylist(), t.schema
+
+
+def _write(rows: list[dict], schema: pa.Schema, path: Path, metadata: dict | None = None) -> Path:
+    table = pa.Table.from_pylist(rows, schema=schema)
+    if metadata is not None:
+        md = dict(schema.metadata)
+        md.update({f"kvreplay.{k}".encode(): v.encode() for k, v in metadata.items()})
+        table = table.replace_schema_metadata(md)
+    pq.write_table(table, path)
+    return path
+
+
+def _bad(res, *words: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, res.stderr
+    for w in words:
+        assert w in res.stderr, (w, res.stderr)
+
+
+# 1 -- code execution through the emitted test ----------------------------------------
+def test_a_hostile_trace_name_cannot_run_code_through_the_emitted_test(tmp_path, cli):
+    name = 'x"""; __import__("os").system("touch PWNED"); """.parquet'
+    trace = tmp_path / name
+    trace.write_bytes(PAGE0.read_bytes())
+    test_file = tmp_path / "test_repro.py"
+    res = cli("minimize", str(trace), "-b", "builtin:swa@unfiltered-page0", "-o", str(tmp_path / "m.parquet"),
+              "--emit-test", str(test_file))
+    assert res.returncode == 0, res.stderr
+    source = test_file.read_text()
+    compile(source, str(test_file), "exec")
+    namespace: dict = {}
+    exec(compile(source.split("def test_")[0], "head", "exec"), namespace)  # the constants only
+    assert namespace["SOURCE"] == name
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                          str(test_file)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and not (tmp_path / "PWNED").exists(), run.stdout[-1500:]
+
+
+# 2 -- a trace never chooses what is imported or called ----------------------------------
+@pytest.mark.parametrize("method", ["__init__", "__class__", "__setattr__", "alloc_extend[/red]"])
+def test_only_methods_of_the_allocator_api_are_replayed(method, tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    rows[0]["method"] = method
+    trace = _write(rows, schema, tmp_path / "t.parquet")
+    _bad(cli("replay", str(trace), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")), "not a method")
+    assert not (tmp_path / "k.db").exists()
+
+
+def test_the_recorded_class_never_names_a_module_to_import(tmp_path, monkeypatch):
+    from kvreplay.builds import sglang as adapter
+    from kvreplay.errors import BuildUnloadable
+
+    pkg = tmp_path / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "evil.py").write_text(f"open({str(tmp_path / 'RAN')!r}, 'w').close()\nclass Pool: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(BuildUnloadable):
+        adapter.spec_for("swa", "sglang.evil:Pool")
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_a_build_that_is_not_a_class_is_bad_input(cli):
+    _bad(cli("replay", str(PAGE0), "-b", "py:os:system", "--no-store"), "not an allocator class")
+
+
+# 3 -- empty or unreadable content is bad input, never "clean" --------------------------
+def _retyped(tmp_path: Path, column: str) -> Path:
+    t = pq.read_table(PAGE0)
+    i = t.schema.get_field_index(column)
+    col = pa.array([str(x) for x in t.column(column).to_pylist()])
+    return _write(t.set_column(i, pa.field(column, pa.string()), col).to_pylist(),
+                  t.schema.set(i, pa.field(column, pa.string())), tmp_path / "t.parquet")
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("depth-string", ["column depth"]),
+    ("negative-seq", ["row numbers"]),
+    ("no-rows", ["no call to replay"]),
+    ("only-nested", ["no call to replay"]),
+])
+def test_a_trace_with_nothing_replayable_is_bad_input_and_stores_nothing(damage, words, tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    if damage == "depth-string":
+        trace = _retyped(tmp_path, "depth")
+    else:
+        if damage == "negative-seq":
+            for r in rows:
+                r["seq"] = -1 - r["seq"]
+        elif damage == "no-rows":
+            rows = []
+        else:
+            rows = [r for r in rows if r["depth"] > 0]
+        trace = _write(rows, schema, tmp_path / "t.parquet")
+    db = tmp_path / "k.db"
+    _bad(cli("replay", str(trace), "-b", "builtin:swa", "--db", str(db)), *words)
+    assert not db.exists()
+
+
+def test_synth_stopped_by_a_signal_leaves_no_file_under_its_name(tmp_path):
+    out = tmp_path / "big.parquet"
+    child = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "synth", "disagg-mtp", "--requests",
+                              "100000000", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(4)
+    child.send_signal(signal.SIGTERM)
+    child.wait(timeout=60)
+    time.sleep(1.5)  # the writer process finishes what it was sent
+    assert not out.exists()
+
+
+# 4 -- bad values are one-line errors, not crashes --------------------------------------
+def _first_free_arg(rows: list[dict]) -> dict:
+    return next(a for r in rows if r["method"].startswith("free") and r["depth"] == 0 for a in r["args"]
+                if a["kind"] == "tensor")
+
+
+@pytest.mark.parametrize("damage", ["shape", "none", "str", "nan", "missing", "renamed"])
+def test_bad_argument_values_are_bad_input(damage, tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    arg = _first_free_arg(rows)
+    if damage == "shape":
+        arg["shape"] = [len(arg["data"]) + 3]
+    elif damage == "none":
+        arg.update(kind="none", data=None, shape=None)
+    elif damage == "str":
+        arg.update(kind="str", s="slots", data=None, shape=None)
+    elif damage == "nan":
+        arg.update(kind="float", f=float("nan"), data=None, shape=None)
+    elif damage == "missing":
+        for r in rows:
+            if arg in r["args"]:
+                r["args"].remove(arg)
+    else:
+        arg["name"] = "free_idx"
+    trace = _write(rows, schema, tmp_path / "t.parquet")
+    db = tmp_path / "k.db"
+    res = cli("replay", str(trace), "-b", "builtin:swa", "--db", str(db))
+    # the build itself may reject the call (a divergence: exit 1); what must not happen is a crash
+    assert res.returncode in (1, 2) and "internal error" not in res.stderr, res.stderr
+    if res.returncode == 2:
+        _bad(res)
+        assert not db.exists()
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("ctor_args", "[1, 2]", ["ctor_args must be a JSON object"]),
+    ("ctor_args", json.dumps({"size": 2048, "size_swa": 512, "page_size": 4, "need_sort": "false"}), ["need_sort"]),
+    ("ctor_args", json.dumps({"size": -4, "size_swa": 512, "page_size": 4}), ["size"]),
+    ("extra", "3", ["extra must be a JSON object"]),
+    ("source_version", "\"x\"", ["source_version"]),
+    ("initial_state", "[]", ["initial_state"]),
+    ("initial_state", json.dumps({"format": 1, "objects": {"full": {"free_pages": {
+        "tensor": "int64", "shape": [2], "z": "bm90IHpsaWI="}}}}), ["snapshot is unreadable"]),
+    ("initial_state", json.dumps({"format": 1, "objects": {"full": {"free_pages": {
+        "tensor": "float99", "shape": [1], "z": "eJxjYAAAAAQAAQ=="}}}}), ["snapshot is unreadable"]),
+    ("family", "tokn", ["pool family"]),
+])
+def test_damaged_metadata_is_bad_input(key, value, words, tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    trace = _write(rows, schema, tmp_path / "t.parquet", {key: value})
+    _bad(cli("replay", str(trace), "-b", "builtin:swa", "--no-store"), *words)
+    _bad(cli("inspect", str(trace))) if key != "initial_state" else None
+
+
+def test_a_gap_row_with_a_string_count_is_bad_input(tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    gap = {**rows[-1], "seq": rows[-1]["seq"] + 1, "parent": -1, "depth": 0, "target": "recorder", "method": "gap",
+           "args": [{"name": "lost_calls", "kind": "str", "s": "many"}, {"name": "state", "kind": "str", "s": ""}],
+           "result": {"kind": "none"}, "exc_type": None, "exc_msg": None}
+    trace = _write([*rows, gap], schema, tmp_path / "t.parquet")
+    _bad(cli("replay", str(trace), "-b", "builtin:swa", "--no-store", "--after-gap"), "gap row")
+
+
+def test_a_flipped_footer_byte_and_a_flipped_data_page_are_bad_input(tmp_path, cli):
+    fresh = tmp_path / "fresh.parquet"
+    assert cli("synth", "disagg-mtp", "-n", "8", "-o", str(fresh)).returncode == 0
+    data = bytearray(fresh.read_bytes())
+    footer_len = int.from_bytes(data[-8:-4], "little")
+    for where in (len(data) - 8 - footer_len // 2, len(data) // 3):
+        damaged = bytearray(data)
+        damaged[where] ^= 0x40
+        path = tmp_path / f"flip-{where}.parquet"
+        path.write_bytes(bytes(damaged))
+        _bad(cli("replay", str(path), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")))
+        assert not (tmp_path / "k.db").exists()
+
+
+def test_record_reports_a_command_it_cannot_run_and_an_out_it_cannot_create(tmp_path, cli):
+    script = tmp_path / "not-executable.py"
+    script.write_text("print('hi')\n")
+    _bad(cli("record", "--out", str(tmp_path / "o"), "--", str(script)), "cannot run")
+    (tmp_path / "file").write_text("")
+    _bad(cli("record", "--out", str(tmp_path / "file" / "sub"), "--", "true"), "cannot create")
+
+
+def test_a_database_made_by_a_newer_kvreplay_is_refused(tmp_path, cli):
+    import sqlite3
+
+    db = tmp_path / "k.db"
+    assert cli("replay", str(PAGE0), "-b", "builtin:swa", "--db", str(db)).returncode == 0
+    with sqlite3.connect(db) as con:
+        con.execute("update alembic_version set version_num = '0099'")
+    _bad(cli("runs", "--db", str(db)), "made by a newer kvreplay")
+    _bad(cli("replay", str(PAGE0), "-b", "builtin:swa", "--db", str(db)), "made by a newer kvreplay")
+
+
+# 5 -- wild SWA frees are violations, not checker crashes --------------------------------
+@pytest.mark.parametrize("slot", [4000, 2**62, -7])
+def test_a_wild_swa_free_is_a_violation(slot, tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    arg = _first_free_arg(rows)
+    arg["data"] = [slot] * len(arg["data"])
+    trace = _write(rows, schema, tmp_path / "t.parquet")
+    res = cli("replay", str(trace), "-b", "builtin:swa", "--no-store", "--json")
+    assert res.returncode in (1, 2) and "internal error" not in res.stderr, res.stderr
+    if res.returncode == 1:
+        assert json.loads(res.stdout)["status"] in ("violation", "divergence")
+
+
+# 6 -- data is printed as text, never as markup -----------------------------------------
+def test_markup_in_paths_and_hosts_is_printed_as_text(tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    (tmp_path / "a[").mkdir()
+    trace = _write(rows, schema, tmp_path / "a[" / "bold]b.parquet", {"host": "[/]"})  # .../a[/bold]b.parquet
+    db = str(tmp_path / "k.db")
+    res = cli("replay", str(trace), "-b", "builtin:swa@unfiltered-page0", "--db", db)
+    assert res.returncode == 1 and "a[/bold]b.parquet" in res.stdout, res.stderr
+    shown = cli("show", "1", "--db", db)
+    assert shown.returncode == 0 and "a[/bold]b.parquet" in shown.stdout
+    seen = cli("inspect", str(trace))
+    assert seen.returncode == 0 and "host [/]" in seen.stdout
+    res = cli("replay", str(trace), "-b", "builtin:swa", "--device", "cuda:x", "--no-store")
+    assert res.returncode == 2 and "cuda:x" in res.stderr
+
+
+# 7 -- special files never hang ----------------------------------------------------------
+def test_a_fifo_named_like_a_trace_is_refused_at_once(tmp_path, cli):
+    fifo = tmp_path / "t.parquet"
+    os.mkfifo(fifo)
+    for argv in (["replay", str(fifo), "-b", "builtin:swa", "--no-store"], ["inspect", str(fifo)]):
+        _bad(cli(*argv), "not a regular file")
+
+
+def _corpus(tmp_path: Path) -> tuple[Path, dict]:
+    doc = json.loads((CORPUS / "manifest.json").read_text())
+    doc["traces"] = [e for e in doc["traces"] if e["name"] == "sglang-0.5.23-swa-page0"]
+    (tmp_path / PAGE0.name).write_bytes(PAGE0.read_bytes())
+    return tmp_path, doc
+
+
+def test_corpus_check_does_not_read_a_device(tmp_path, cli):
+    root, doc = _corpus(tmp_path)
+    (root / "zero.parquet").symlink_to("/dev/zero")
+    doc["traces"][0]["file"] = "zero.parquet"
+    (root / "manifest.json").write_text(json.dumps(doc))
+    res = cli("corpus", "check", str(root))
+    assert res.returncode == 1 and "not a regular file" in res.stdout
+
+
+# 8 -- manifests are validated against one schema ----------------------------------------
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: d["traces"][0]["expect"][0].update(mode=["strict"]), ["unknown key 'mode'"]),
+    (lambda d: d["traces"][0]["expect"][0].update(capacity_asert_call=1), ["did you mean capacity_assert_call"]),
+    (lambda d: d["traces"][0]["expect"][0].update(modes="strict"), ["modes"]),
+    (lambda d: d["traces"].append(dict(d["traces"][0])), ["listed twice"]),
+    (lambda d: d["traces"][0].update(file="../x.parquet"), ["file"]),
+    (lambda d: d["traces"][0].update(file="/etc/passwd"), ["file"]),
+    (lambda d: d["traces"].append("a string"), ["must be an object"]),
+    (lambda d: d["traces"][0].update(name="a\nb"), ["name"]),
+    (lambda d: d["traces"][0].update(name="n" * 300), ["name"]),
+    (lambda d: d.update(version=1), ["version 1"]),
+])
+def test_a_manifest_that_breaks_its_schema_is_bad_input(damage, words, tmp_path, cli):
+    root, doc = _corpus(tmp_path)
+    damage(doc)
+    (root / "manifest.json").write_text(json.dumps(doc))
+    for argv in (["ci", str(root), "-b", "builtin:swa", "--db", str(root / "k.db")], ["corpus", "check", str(root)]):
+        _bad(cli(*argv), *words)
+    assert not (root / "k.db").exists()
+
+
+def test_ci_verifies_the_hash_and_corpus_add_keeps_the_manifest_mode(tmp_path, cli):
+    root, doc = _corpus(tmp_path)
+    doc["traces"][0]["sha256"] = "0" * 64
+    (root / "manifest.json").write_text(json.dumps(doc))
+    res = cli("ci", str(root), "-b", "builtin:swa", "--db", str(root / "k.db"))
+    assert res.returncode == 1 and "sha256 differs" in res.stdout
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "manifest.json").write_text(json.dumps({"version": 2, "traces": []}))
+    os.chmod(fresh / "manifest.json", 0o644)
+    assert cli("corpus", "add", str(PAGE0), "--name", "p0", "--corpus", str(fresh)).returncode == 0
+    assert oct((fresh / "manifest.json").stat().st_mode & 0o777) == oct(0o644)
+
+
+# 9 -- bad input writes nothing --------------------------------------------------------------
+def test_a_zero_length_file_creates_no_database(tmp_path, cli):
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    db = tmp_path / "k.db"
+    _bad(cli("replay", str(tmp_path / "empty.parquet"), "-b", "builtin:swa", "--db", str(db)))
+    assert not db.exists()
+
+
+# 10 -- the parts of a rotated trace must agree ------------------------------------------------
+@pytest.mark.parametrize("meta, words", [({"family": "paged", "ctor_args": json.dumps({"size": 2048, "page_size": 4})},
+                                          ["another pool"]),
+                                         ({"schema_version": "99"}, ["newer"])])
+def test_a_foreign_part_in_a_rotated_trace_is_refused(meta, words, tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    parts = tmp_path / "rotated"
+    parts.mkdir()
+    _write(rows[:200], schema, parts / "part-000000.parquet")
+    _write(rows[200:], schema, parts / "part-000001.parquet", meta)
+    _bad(cli("replay", str(parts), "-b", "builtin:swa", "--no-store"), *words)
+
+
+# 11 -- one signal, one flight dump per allocator that has calls -------------------------
+def test_one_sigusr2_writes_one_dump(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent("""
+        import time, torch
+        from kvreplay.pools.swa import SWAPool
+        pool = SWAPool(2048, 512, 1, need_sort=False)
+        print("ready", flush=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            pool.free(pool.alloc(4))
+            time.sleep(0.001)
+    """))
+    out = tmp_path / "dumps"
+    child = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "record", "--flight", "5000", "--out",
+                              str(out), "--class", "kvreplay.pools.swa:SWAPool", "--", sys.executable, str(prog)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        grandchildren = subprocess.run(["pgrep", "-f", str(prog)], capture_output=True, text=True).stdout.split()
+        target = next(int(p) for p in grandchildren if int(p) != child.pid)
+        os.kill(target, signal.SIGUSR2)
+        time.sleep(2.0)
+        dumps = sorted(out.glob("kvreplay-flight-*.parquet"))
+        assert len(dumps) == 1, dumps
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+# 12 -- and the smaller ones ------------------------------------------------------------------
+def test_need_sort_as_a_string_and_a_negative_size_are_bad_input_not_untestable(tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    for args in ({"size": 2048, "size_swa": 512, "page_size": 4, "need_sort": "false"},
+                 {"size": 2048, "size_swa": -1, "page_size": 4}):
+        trace = _write(rows, schema, tmp_path / "t.parquet", {"ctor_args": json.dumps(args)})
+        _bad(cli("replay", str(trace), "-b", "builtin:swa", "--no-store"))
