@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
 from kvreplay.builds import sglang as sglang_adapter  # noqa: E402
-from kvreplay.replay.replayer import replay  # noqa: E402
+from kvreplay.replay.dispatch import replay  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
