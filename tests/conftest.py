@@ -74,9 +74,10 @@ def kill_a_second_after_its_mark(script: str, wait_for: Path | None = None) -> i
     return done
 
 
-# Parametrized cases whose siblings keep the check in the fast tier: the SIGKILL
-# timing tests run every engine and state in the slow tier, one combination here.
+# Parametrized cases that run in the slow tier: the SIGKILL timing matrix (the fast
+# tier keeps test_sigkill_keeps_a_small_last_batch[native], a kill -9 of its own).
 SLOW_CASES = {
+    "test_sigkill_loses_no_call_older_than_a_second[native-busy]",
     "test_sigkill_loses_no_call_older_than_a_second[native-idle]",
     "test_sigkill_loses_no_call_older_than_a_second[python-busy]",
     "test_sigkill_loses_no_call_older_than_a_second[python-idle]",

@@ -80,6 +80,7 @@ def _cache(git_tree_cache):
     pass
 
 
+@pytest.mark.slow
 def test_bisect_names_the_culprit_within_the_replay_budget_and_skips_the_broken_commit(history, trace, tmp_path):
     repo, commits = history
     db = str(tmp_path / "k.db")

@@ -19,7 +19,7 @@ from kvreplay.trace.summary import summarize
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
 ENTRIES = load_manifest(CORPUS)
 # Traces of more calls than this replay in the slow tier (and in .ci/run's kvreplay ci step).
-SMALL_CALLS = 10_000
+SMALL_CALLS = 6_000
 CALLS = {e.name: TraceReader(e.file).count_calls() for e in ENTRIES}
 
 

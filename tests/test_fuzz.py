@@ -3,7 +3,7 @@ hostile input (tests/trace_mutator.py). Whatever the input, a command exits 0, 1
 or 125, with one line on stderr for bad input (exit 2), never a traceback, never a
 hang, and writes nothing on exit 2 (no database is created).
 
-The fast tier runs a few hundred cases; the slow tier (.ci/run) runs 2,000 traces and
+The fast tier runs 60 traces and 40 manifests; the slow tier (.ci/run) runs 2,000 traces and
 500 manifests. ``KVREPLAY_FUZZ_CASES=N KVREPLAY_FUZZ_SEED=S pytest -m slow
 tests/test_fuzz.py`` runs a long campaign (scripts/fuzz.sh)."""
 
@@ -89,7 +89,7 @@ def _fuzz_traces(cases: int, seed: int, bases, tmp_path: Path, cli) -> dict[int,
 
 
 def test_damaged_traces_fast(bases, tmp_path, cli):
-    exits = _fuzz_traces(150, SEED, bases, tmp_path, cli)
+    exits = _fuzz_traces(60, SEED, bases, tmp_path, cli)
     assert exits.get(2, 0) > 0 and exits.get(0, 0) + exits.get(1, 0) > 0, exits  # both kinds were reached
 
 

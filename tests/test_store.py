@@ -86,6 +86,7 @@ def test_a_failure_while_storing_leaves_nothing(tmp_path, trace, monkeypatch):
     assert counts(db) == (1, 0)  # the first run only, no half of the second
 
 
+@pytest.mark.slow
 def test_four_replays_writing_at_once_lose_nothing(tmp_path, trace):
     db = str(tmp_path / "r.db")
     open_store(db).close()
