@@ -23,22 +23,23 @@ from kvreplay.workload.synth import SynthConfig, synthesize
 torch.set_num_threads(1)
 
 
-@pytest.fixture
-def cli(capsys):
-    """Run the kvreplay command in this process (no interpreter or torch start-up):
-    ``cli("replay", ...)`` gives a CompletedProcess with its exit code and output."""
+def run_in_process(capsys, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The kvreplay command run in this process (no interpreter or torch start-up)."""
     from kvreplay.cli.app import main
 
-    def run(*argv: str) -> subprocess.CompletedProcess[str]:
-        code = 0
-        try:
-            main(list(argv))
-        except SystemExit as e:
-            code = int(e.code or 0)
-        cap = capsys.readouterr()
-        return subprocess.CompletedProcess(list(argv), code, cap.out, cap.err)
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    cap = capsys.readouterr()
+    return subprocess.CompletedProcess(list(argv), code, cap.out, cap.err)
 
-    return run
+
+@pytest.fixture
+def cli(capsys):
+    """``cli("replay", ...)``: a CompletedProcess with the exit code and output."""
+    return lambda *argv: run_in_process(capsys, *argv)
 
 
 @pytest.fixture(scope="session")

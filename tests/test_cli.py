@@ -8,19 +8,14 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_in_process
 
-from kvreplay.cli.app import main
 from kvreplay.trace.format import CALL_COLUMNS
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as e:
-        code = int(e.code or 0)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
+    res = run_in_process(capsys, *argv)
+    return res.returncode, res.stdout, res.stderr
 
 
 @pytest.mark.parametrize("scenario", ["decode", "disagg-mtp", "radix-swa"])

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_in_process
 from sqlalchemy import func, select
 
-from kvreplay.cli.app import main
 from kvreplay.errors import BadInput
 from kvreplay.store.db import open_store, tables
 from kvreplay.store.models import Run, ViolationRow
@@ -27,13 +27,8 @@ def trace(tmp_path_factory):
 
 
 def run_cli(capsys, *argv):
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
+    res = run_in_process(capsys, *argv)
+    return res.returncode, res.stdout, res.stderr
 
 
 def counts(db):
