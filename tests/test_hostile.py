@@ -277,6 +277,24 @@ def _corpus(tmp_path: Path) -> tuple[Path, dict]:
     return tmp_path, doc
 
 
+def test_ci_gives_up_on_a_case_past_its_timeout(tmp_path, cli, monkeypatch):
+    root, doc = _corpus(tmp_path)
+    (root / "manifest.json").write_text(json.dumps(doc))
+    (tmp_path / "looping_pool.py").write_text(textwrap.dedent("""
+        from kvreplay.pools.swa import SWAPool
+
+        class Pool(SWAPool):
+            def alloc_extend(self, *args, **kwargs):
+                while True:
+                    pass
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    t0 = time.monotonic()
+    res = cli("ci", str(root), "-b", "py:looping_pool:Pool", "--timeout", "2", "--db", str(root / "k.db"))
+    assert res.returncode == 1 and "no result after 2 s" in res.stdout, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 60
+
+
 def test_corpus_check_does_not_read_a_device(tmp_path, cli):
     root, doc = _corpus(tmp_path)
     (root / "zero.parquet").symlink_to("/dev/zero")

@@ -18,6 +18,8 @@ def corpus_ci(
     junit: Path | None = typer.Option(None, "--junit", help="Write JUnit XML here (one testcase per trace and mode)."),
     summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown summary here (for a PR comment)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds one case may run; a case past it is an "
+                                  "error (a build that never returns does not hold up the corpus)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -36,7 +38,7 @@ def corpus_ci(
             colour = {"pass": "green", "fail": "red", "error": "red", "skip": "dim"}[r.outcome]
             say(f"[{done}/{total}] {r.outcome:5s} {r.case.name}", colour, to_err=True)
 
-    results = run_corpus(corpus, build, jobs=jobs, db=db, device=device, progress=show)
+    results = run_corpus(corpus, build, jobs=jobs, db=db, device=device, timeout_s=timeout, progress=show)
     if junit:
         junit.write_text(junit_xml(results, build))
     if summary:

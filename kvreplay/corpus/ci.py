@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,9 +73,43 @@ def plan(corpus: str | Path, build: str) -> list[Case]:
     return cases
 
 
-def run_case(case: Case, db: str | None = None, device: str = "cpu") -> CaseResult:
-    """One case, in this process (the worker's entry point)."""
+class CaseTimeout(BaseException):
+    """The case ran past its time limit. A BaseException, like KeyboardInterrupt: the
+    replay takes what a build raises as a finding, and this must not be one."""
+
+
+@contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise CaseTimeout in this (main) thread after ``seconds``: a build that loops
+    forever fails its case instead of holding up the whole corpus."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise CaseTimeout(f"no result after {seconds:.0f} s (--timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)  # a timer already running (a caller's limit)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - t0), 0.001) if outer else 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_case(case: Case, db: str | None = None, device: str = "cpu", timeout_s: float | None = None) -> CaseResult:
+    """One case, in this process (the worker's entry point), within ``timeout_s``."""
     t0 = time.perf_counter()
+    try:
+        with _time_limit(timeout_s):
+            return _run_case(case, db, device, t0)
+    except CaseTimeout as exc:
+        return CaseResult(case, "error", [str(exc)], "timeout", wall_s=time.perf_counter() - t0)
+
+
+def _run_case(case: Case, db: str | None, device: str, t0: float) -> CaseResult:
     try:
         if content_hash(case.file) != case.sha256:
             raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
@@ -93,6 +130,7 @@ def run_case(case: Case, db: str | None = None, device: str = "cpu") -> CaseResu
 
 
 def run_corpus(corpus: str | Path, build: str, *, jobs: int = 1, db: str | None = None, device: str = "cpu",
+               timeout_s: float | None = None,
                progress: Callable[[CaseResult, int, int], None] | None = None) -> list[CaseResult]:
     """Every case of the corpus for ``build``, ``jobs`` at a time in worker processes."""
     cases = plan(corpus, build)
@@ -107,14 +145,14 @@ def run_corpus(corpus: str | Path, build: str, *, jobs: int = 1, db: str | None 
     if jobs == 1:  # no worker processes to start: each one would import torch again
         results = []
         for done, case in enumerate(cases, 1):
-            results.append(run_case(case, db, device))
+            results.append(run_case(case, db, device, timeout_s))
             if progress:
                 progress(results[-1], done, len(cases))
         return results
     slots: list[CaseResult | None] = [None] * len(cases)
     ctx = multiprocessing.get_context("spawn")  # no forked torch state in the workers
     with cf.ProcessPoolExecutor(max_workers=min(jobs, len(cases)), mp_context=ctx) as pool:
-        futures = {pool.submit(run_case, c, db, device): i for i, c in enumerate(cases)}
+        futures = {pool.submit(run_case, c, db, device, timeout_s): i for i, c in enumerate(cases)}
         for done, fut in enumerate(cf.as_completed(futures), 1):
             i = futures[fut]
             try:
