@@ -24,7 +24,7 @@ from typing import Any
 from kvreplay.builds.git_tree import resolve_commit
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable
-from kvreplay.replay.report import UNTESTABLE, Failure, ReplayReport, describe
+from kvreplay.replay.report import UNTESTABLE, Failure, ReplayReport, describe, invariant_ids
 from kvreplay.store.db import open_store
 from kvreplay.store.models import Run
 from kvreplay.store.runs import cached_run
@@ -74,7 +74,7 @@ class Outcome:
         failure = None
         if item is not None:
             failure = Failure("violation", item.invariant) if run.violations else Failure("divergence", item.kind)
-        return cls(run.status, sorted({k.split("/")[0] for k in run.violation_counts}),
+        return cls(run.status, invariant_ids(run.violation_counts),
                    sorted(run.divergence_counts), *_first(item, run.message or ""), run.calls_replayed, failure)
 
 

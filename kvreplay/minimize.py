@@ -161,15 +161,16 @@ class Subject:
         self.reference = reference
         self.device = device
         self.reader = TraceReader(trace)
+        self.reader.check_calls()  # once, not per candidate: candidates replay with checked=True
         self.meta = self.reader.meta
-        self.start = start_point(self.reader, after_gap=False)  # once, not per candidate
+        self.start = start_point(self.reader, after_gap=False)
         self.calls: list[TopCall] = []  # decoded up to the failure by first_failure
         self.deps: Dependencies | None = None
         self.tests = 0
 
     def _replayer(self, check: bool = True, build: str | None = None) -> Replayer:
         return Replayer(self.trace, build or self.build, mode="remap", device=self.device, keep=1 << 30,
-                        check=check, reader=self.reader, start=self.start)
+                        check=check, reader=self.reader, start=self.start, checked=True)
 
     def first_failure(self, invariant: str | None = None) -> tuple[Failure, int]:
         """The failure of the trace to keep, and the position of the call showing it.

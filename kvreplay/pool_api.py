@@ -35,7 +35,8 @@ RECORDED_METHODS: tuple[str, ...] = (
     "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
     "available_size", "full_available_size", "swa_available_size",
 )
-assert set(RECORDED_METHODS) == ALLOCS | FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS | COUNTER_METHODS
+API_METHODS = frozenset(RECORDED_METHODS)  # for membership tests (a trace's names are checked against it)
+assert API_METHODS == ALLOCS | FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS | COUNTER_METHODS
 
 # Calls whose result is always None: a None from them is not an out-of-memory answer.
 VOID_METHODS = FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS
@@ -64,8 +65,6 @@ COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
 # -- arguments that hold slot indices ------------------------------------------------------
 FULL_TOKEN_ARGS = ("free_index", "last_loc", "full_indices", "indices")
 SWA_TOKEN_ARGS = ("swa_indices",)
-PAGE_ARGS = ("page_ids",)
-SEGMENT_ARGS = ("segments",)
 
 # -- families ---------------------------------------------------------------------------------
 # Constructor parameters per family, in sglang 0.5.23's positional order. A family
@@ -75,7 +74,6 @@ FAMILY_ARGS: dict[str, tuple[str, ...]] = {
     "paged": ("size", "page_size", "dtype", "device", "kvcache", "need_sort"),
     "swa": ("size", "size_swa", "page_size", "dtype", "device", "kvcache", "need_sort"),
 }
-FAMILIES = tuple(FAMILY_ARGS)
 
 
 def family_of_pool(pool: Any) -> str:

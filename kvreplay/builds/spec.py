@@ -84,6 +84,3 @@ class BuildSpec:
     def __str__(self) -> str:
         return self.text
 
-
-def parse(text: str) -> BuildSpec:
-    return BuildSpec.parse(text)

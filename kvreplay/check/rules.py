@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.errors import one_of
-
 
 @dataclass(frozen=True)
 class Rule:
@@ -83,11 +81,6 @@ DIVERGENCE_KINDS: dict[str, str] = {
     "unsupported": "the build lacks the method, or an argument was not recorded losslessly",
 }
 
-
-def check_id(text: str) -> str:
-    """An invariant id, ``invariant/rule`` or divergence kind the user typed, checked."""
-    known = [*INVARIANTS, *RULES, *DIVERGENCE_KINDS]
-    return one_of("invariant, rule or divergence kind", text, known)
 
 
 @dataclass

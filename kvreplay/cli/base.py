@@ -56,12 +56,9 @@ def emit_json(obj: Any) -> None:
 
 
 @contextmanager
-def progress(label: str, unit: str, enabled: bool = True) -> Iterator[Callable[[int, int], None] | None]:
+def progress(label: str, unit: str) -> Iterator[Callable[[int, int], None]]:
     """A ``callback(done, total)`` for long work: a live bar on a terminal, else one
     line on stderr every PROGRESS_EVERY_S seconds (so CI logs show it is alive)."""
-    if not enabled:
-        yield None
-        return
     if err.is_terminal:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -85,6 +82,3 @@ def progress(label: str, unit: str, enabled: bool = True) -> Iterator[Callable[[
 
     yield line
 
-
-def exit_with(code: int) -> None:
-    raise typer.Exit(code)

@@ -8,27 +8,14 @@ from rich.table import Table
 from rich.text import Text
 
 from kvreplay.cli.base import out, say
-from kvreplay.replay.report import describe
+from kvreplay.replay.report import describe, firsts_by_rule
 
 STATUS_STYLE = {"clean": "green", "violation": "red", "divergence": "yellow"}
-
-
-def table(*columns: str) -> Table:
-    return Table(*columns)
 
 
 def row(t: Table, *cells: Any, style: str | None = None) -> None:
     """Add a row of plain-text cells (data never becomes markup)."""
     t.add_row(*(Text(str(c)) for c in cells), style=style)
-
-
-def firsts_by_rule(violations: list[Any]) -> dict[str, Any]:
-    """The first violation of each invariant/rule (objects or stored dicts)."""
-    firsts: dict[str, Any] = {}
-    for v in violations:
-        g = v.get if isinstance(v, dict) else lambda k, v=v: getattr(v, k)
-        firsts.setdefault(f"{g('invariant')}/{g('rule')}", v)
-    return firsts
 
 
 def render_report(r: Any) -> None:
@@ -40,7 +27,7 @@ def render_report(r: Any) -> None:
         say(f"  {r.message}")
     if r.violation_counts:
         firsts = firsts_by_rule(r.violations)
-        t = table("invariant/rule", "count", "first at call")
+        t = Table("invariant/rule", "count", "first at call")
         for k, n in sorted(r.violation_counts.items(), key=lambda kv: firsts[kv[0]].call if kv[0] in firsts else 0):
             row(t, k, n, f"#{firsts[k].call}" if k in firsts else "")
         out.print(t)

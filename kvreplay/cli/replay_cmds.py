@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.table import Table
 
 from kvreplay.cli.base import BUILD_HELP, DB_HELP, JSON_HELP, app, emit_json, out, progress, say
-from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row, table
+from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row
 from kvreplay.errors import EXIT_ABORT_BISECT, EXIT_BAD_INPUT, EXIT_FOUND, EXIT_UNLOADABLE, KvreplayError
 
 
@@ -98,12 +99,12 @@ def diff(
         raise typer.Exit(0)
     say(f"{d.differing_calls} of {d.calls} calls differ ({mode}); first at call #{d.first.call} "
         f"{d.first.method} ({d.first_kind})")
-    t = table("call", "method", "arguments", base, candidate)
+    t = Table("call", "method", "arguments", base, candidate)
     for c in [*d.context, d.first]:
         row(t, f"#{c.call}", c.method, ", ".join(f"{k}={text_value(v)}" for k, v in c.args.items()),
             text_value(c.base), text_value(c.candidate), style="bold red" if c is d.first else None)
     out.print(t)
-    t = table("method", "differing calls")
+    t = Table("method", "differing calls")
     for m, n in d.per_method.items():
         row(t, m, n)
     out.print(t)
@@ -135,7 +136,7 @@ def runs(
     if as_json:
         emit_json(rows)
         return
-    t = table("run", "trace", "build", "mode", "status", "calls", "violations", "first violation", "when")
+    t = Table("run", "trace", "build", "mode", "status", "calls", "violations", "first violation", "when")
     for r in rows:
         fv = r["first_violation"]
         row(t, r["run_id"], Path(r["trace"]).name, r["build"], r["mode"], r["status"], r["calls_replayed"],

@@ -7,10 +7,11 @@ import shlex
 from pathlib import Path
 
 import typer
+from rich.table import Table
 
 from kvreplay.cli import base
 from kvreplay.cli.base import JSON_HELP, app, emit_json, out, progress, say
-from kvreplay.cli.render import row, table
+from kvreplay.cli.render import row
 
 
 @app.command()
@@ -83,7 +84,7 @@ def inspect(
     say("peak use  " + ", ".join(f"{k} {v} tokens" for k, v in s.peak_used.items()))
     bpi = f"{s.bytes_per_index:.2f}" if s.bytes_per_index is not None else "-"
     say(f"size      {s.file_bytes} bytes, {s.recorded_indices} recorded indices, {bpi} bytes/index")
-    t = table("method", "calls")
+    t = Table("method", "calls")
     for name, n in s.calls_per_method.items():
         row(t, name, n)
     out.print(t)
@@ -101,7 +102,7 @@ def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -
     if as_json:
         emit_json(rows)
         return
-    t = table("build", "family", "what it is")
+    t = Table("build", "family", "what it is")
     for r in rows:
         row(t, r["build"], r["family"], r["summary"])
     out.print(t)

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvreplay.corpus.manifest import Expectation
 from kvreplay.errors import BadInput
-from kvreplay.replay.report import ReplayReport, describe
+from kvreplay.replay.report import ReplayReport, describe, firsts_by_rule
 
 
 def expectation_of(report: ReplayReport) -> dict[str, Any]:
@@ -18,12 +18,9 @@ def expectation_of(report: ReplayReport) -> dict[str, Any]:
     if report.status != "violation":
         raise BadInput(f"{report.build} {report.status} on this trace (first: {describe(report.first_divergence)}): "
                        "only clean or violation can be an expectation")
-    firsts: dict[tuple[str, str], Any] = {}
-    for v in report.violations:
-        firsts.setdefault((v.invariant, v.rule), v)
     return {"build": report.build, "status": "violation",
             "violations": [{"invariant": v.invariant, "rule": v.rule, "method": v.method, "call": v.call}
-                           for v in firsts.values()]}
+                           for v in firsts_by_rule(report.violations).values()]}
 
 
 def check_report(report: ReplayReport, exp: Expectation) -> list[str]:
@@ -40,13 +37,9 @@ def check_report(report: ReplayReport, exp: Expectation) -> list[str]:
     if report.first_violation is None:
         problems.append("expected violations, got none: the checker missed the bug")
         return problems
-    firsts: dict[tuple[str, str], Any] = {}
-    for v in report.violations:
-        key = (v.invariant, v.rule)
-        if key not in firsts or (v.call, v.detected_call) < (firsts[key].call, firsts[key].detected_call):
-            firsts[key] = v
+    firsts = firsts_by_rule(report.violations)
     for ev in exp.violations:
-        hits = [v for (inv, rule), v in firsts.items() if inv == ev.invariant and (ev.rule in (None, rule))]
+        hits = [v for v in firsts.values() if v.invariant == ev.invariant and ev.rule in (None, v.rule)]
         if not hits:
             problems.append(f"expected {ev.describe()}, not reported")
             continue

@@ -59,7 +59,7 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
     (each build's indices are translated from the recording separately).
     ``progress(rows done, rows in the trace)`` is called now and then."""
     a = Replayer(trace, base, mode=mode, device=device, check=False)
-    b = Replayer(trace, candidate, mode=mode, device=device, check=False)
+    b = Replayer(trace, candidate, mode=mode, device=device, check=False, reader=a.reader, checked=True)
     recent: deque[CallSummary] = deque(maxlen=context)
     per_method: Counter[str] = Counter()
     first: CallSummary | None = None

@@ -29,7 +29,7 @@ from kvreplay.replay.compare import json_value, same
 from kvreplay.replay.remap import PageTable, Remapper
 from kvreplay.replay.report import MODES, Divergence, ReplayReport
 from kvreplay.trace import snapshot
-from kvreplay.trace.format import GAP_TARGET, Call, Opaque, TopCall
+from kvreplay.trace.format import GAP_TARGET, Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
 
 
@@ -121,7 +121,7 @@ class Replayer:
         says its rows were already checked (``TraceReader.check_calls``)."""
         self.mode = one_of("mode", mode, MODES)
         self.reader = reader or TraceReader(trace)
-        if not checked and start is None:
+        if not checked:
             self.reader.check_calls()
         self.meta = self.reader.meta
         self.start_after, start_state = start or start_point(self.reader, after_gap)
@@ -318,4 +318,4 @@ class Replayer:
         )
 
 
-__all__ = ["Call", "Replayer", "TopCall", "restore_snapshot", "start_point"]
+__all__ = ["Replayer", "restore_snapshot", "start_point"]

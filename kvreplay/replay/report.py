@@ -64,7 +64,7 @@ class ReplayReport:
     @property
     def invariants(self) -> list[str]:
         """Invariant ids with at least one violation."""
-        return sorted({k.split("/")[0] for k in self.violation_counts})
+        return invariant_ids(self.violation_counts)
 
     @property
     def divergence_kinds(self) -> list[str]:
@@ -87,6 +87,20 @@ class ReplayReport:
         d["violation_total"] = sum(self.violation_counts.values())
         d["divergence_total"] = sum(self.divergence_counts.values())
         return d
+
+
+def invariant_ids(violation_counts: dict[str, int]) -> list[str]:
+    """The invariant ids of ``"invariant/rule" -> count``, sorted."""
+    return sorted({k.split("/")[0] for k in violation_counts})
+
+
+def firsts_by_rule(violations: Iterable[Any]) -> dict[str, Any]:
+    """The first violation of each ``invariant/rule`` (objects or stored dicts), from
+    violations in call order, as every report and run lists them."""
+    firsts: dict[str, Any] = {}
+    for v in violations:
+        firsts.setdefault(f"{_get(v, 'invariant')}/{_get(v, 'rule')}", v)
+    return firsts
 
 
 def untestable(trace: str, build: str, mode: str, device: str, status: str, message: str,

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.pool_api import RECORDED_METHODS
+from kvreplay.pool_api import API_METHODS
 from kvreplay.trace.format import (
     GAP_METHOD,
     GAP_TARGET,
@@ -99,7 +99,7 @@ class TraceReader:
         Returns the number of calls (top-level, not gaps)."""
         calls = 0
         last_seq = -1
-        names = set(RECORDED_METHODS) | {GAP_METHOD}
+        names = API_METHODS | {GAP_METHOD}
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method"]):
             seq, depth, target, method = (batch.column(i) for i in range(4))
             # gap rows carry the lost calls' numbers (or -1): only recorded rows must grow
