@@ -204,14 +204,28 @@ def test_a_flipped_footer_byte_and_a_flipped_data_page_are_bad_input(tmp_path, c
     fresh = tmp_path / "fresh.parquet"
     assert cli("synth", "disagg-mtp", "-n", "8", "-o", str(fresh)).returncode == 0
     data = bytearray(fresh.read_bytes())
-    footer_len = int.from_bytes(data[-8:-4], "little")
-    for where in (len(data) - 8 - footer_len // 2, len(data) // 3):
+    in_footer = len(data) - 1  # the closing magic: no Parquet footer can be found
+    # the last byte of the largest column chunk: inside a data page's payload, which its checksum covers
+    chunks = [pq.ParquetFile(fresh).metadata.row_group(0).column(i) for i in range(len(pq.read_schema(fresh)))]
+    largest = max(chunks, key=lambda c: c.total_compressed_size)
+    in_page = (largest.dictionary_page_offset or largest.data_page_offset) + largest.total_compressed_size - 1
+    for where, flip in ((in_footer, 0x40), (in_page, 0x40)):
         damaged = bytearray(data)
-        damaged[where] ^= 0x40
+        damaged[where] ^= flip
         path = tmp_path / f"flip-{where}.parquet"
         path.write_bytes(bytes(damaged))
         _bad(cli("replay", str(path), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")))
         assert not (tmp_path / "k.db").exists()
+
+
+def test_footer_metadata_that_is_not_utf8_is_bad_input(tmp_path, cli):
+    """A flipped bit in the footer's metadata once escaped as UnicodeDecodeError."""
+    rows, schema = _rows(PAGE0)
+    md = {**schema.metadata, b"kvreplay.fam\xc0ly": b"swa", b"kvreplay.family": b"\xffswa"}
+    table = pa.Table.from_pylist(rows, schema=schema).replace_schema_metadata(md)
+    pq.write_table(table, tmp_path / "t.parquet")
+    _bad(cli("replay", str(tmp_path / "t.parquet"), "-b", "builtin:swa", "--no-store"), "not a readable kvreplay trace")
+    _bad(cli("inspect", str(tmp_path / "t.parquet")), "not a readable kvreplay trace")
 
 
 def test_record_reports_a_command_it_cannot_run_and_an_out_it_cannot_create(tmp_path, cli):
