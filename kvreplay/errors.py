@@ -40,6 +40,10 @@ class BuildUnloadable(KvreplayError):
     exit_code = EXIT_UNLOADABLE
 
 
+class BuildUnsupported(BuildUnloadable):
+    """The build loads but lacks what the trace needs (its pool family, a page size)."""
+
+
 class PoolFailed(KvreplayError):
     """The pool under the workload model raised (its own assertion, usually): a
     finding, reported like a violation."""

@@ -53,8 +53,8 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
     if store:
         check_store(db)
     if not spec.in_process:
-        report, commit = replay_in_worker(trace, build, **options)
-        version = f"git {commit}"
+        report, code_id = replay_in_worker(trace, build, **options)
+        version = f"sglang {code_id}" if spec.kind == "release" else f"git {code_id}"
     else:
         from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
 

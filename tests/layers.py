@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvreplay"
 LAYERS: list[list[str]] = [
     ["cli"],
     ["corpus"],
-    ["bisect", "minimize", "demo"],
+    ["bisect", "minimize", "demo", "matrix"],
     ["stored_replay", "reproducer"],
     ["checked_pool", "workload"],
     ["recorder", "replay"],

@@ -45,7 +45,7 @@ def test_opening_creates_the_schema_through_alembic(tmp_path):
     st.close()
     with sqlite3.connect(tmp_path / "r.db") as con:
         assert con.execute("pragma journal_mode").fetchone()[0] == "wal"
-        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0004"
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0005"
 
 
 def test_a_run_is_stored_whole(tmp_path, trace, capsys):
@@ -188,4 +188,4 @@ def test_a_database_at_the_first_revision_is_upgraded_on_open(tmp_path):
     assert "message" in {c["name"] for c in inspect(st.engine).get_columns("runs")}
     st.close()
     with sqlite3.connect(path) as con:
-        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0004"
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0005"

@@ -9,22 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import shutil
 import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
 
+from kvreplay.builds.cache import cache_root
 from kvreplay.errors import BadInput
 
 DEFAULT_TIMEOUT_S = 1800.0
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("KVREPLAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvreplay")
-    return Path(base) / "trees"
+    return cache_root() / "trees"
 
 
 def _git(repo: Path, *args: str) -> bytes:

@@ -36,7 +36,9 @@ class Build:
         kwargs["dtype"] = _dtype(kwargs.get("dtype"))
         kwargs["need_sort"] = bool(kwargs.get("need_sort"))
         if kwargs.get("kvcache") is None and sglang_adapter.needs_kv_standin(self.cls, family):
-            kwargs["kvcache"] = sglang_adapter.kv_standin()
+            kwargs["kvcache"] = sglang_adapter.kv_standin(self.cls)
+        if sglang_adapter.is_sglang(self.cls):
+            kwargs = sglang_adapter.fit_signature(self.cls, kwargs)
         return self.cls(**kwargs)
 
 

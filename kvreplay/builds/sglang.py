@@ -1,18 +1,27 @@
 """Real sglang allocators as builds: which class, and how to construct one without a GPU.
 
 sglang's allocators take a ``kvcache`` argument. Token and paged allocators only keep
-it; the SWA allocator requires a ``BaseSWAKVPool`` and registers its full->SWA
-mapping with it. Replay needs no KV buffers, so SWA builds get ``MappingOnlySWAKV``:
-a subclass of the installed release's ``BaseSWAKVPool`` that holds the mapping and
-allocates nothing. Everything here imports sglang lazily: kvreplay works without it.
+it; the SWA allocator asserts it is the release's SWA KV pool and registers its
+full->SWA mapping with it (or, before 0.5.8, sets it as an attribute). Replay needs
+no KV buffers, so SWA builds get ``MappingOnlySWAKV``: a subclass of the KV-pool
+class the allocator's own module checks against (``BaseSWAKVPool`` from 0.5.12,
+``SWAKVPool`` before) that holds the mapping and allocates nothing.
+
+The layouts (0.5.1 to 0.5.23): the allocators lived in ``mem_cache/allocator.py``
+(SWA there too until 0.5.7), the SWA allocator in ``mem_cache/swa_memory_pool.py``
+from 0.5.8 to 0.5.12, and in the ``mem_cache/allocator/`` package from 0.5.13. Before
+0.5.8 the SWA allocator takes no ``page_size``: page size 1 only. Everything here
+imports sglang lazily: kvreplay works without it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 from typing import Any
 
-from kvreplay.errors import BuildUnloadable
+from kvreplay.errors import BuildUnloadable, BuildUnsupported
 
 # Where each family's allocator lives, newest layout first (the allocator package
 # was split into modules over the 0.5 series).
@@ -25,10 +34,14 @@ CLASSES: dict[str, tuple[str, ...]] = {
             "sglang.srt.mem_cache.allocator:SWATokenToKVPoolAllocator",
             "sglang.srt.mem_cache.swa_memory_pool:SWATokenToKVPoolAllocator"),
 }
+# The SWA KV-pool classes an allocator may check its kvcache against, newest first.
+_SWA_KV_NAMES = ("BaseSWAKVPool", "SWAKVPool")
 _BASE_SWA_KV = ("sglang.srt.mem_cache.base_swa_memory_pool:BaseSWAKVPool",
-                "sglang.srt.mem_cache.swa_memory_pool:BaseSWAKVPool")
+                "sglang.srt.mem_cache.swa_memory_pool:BaseSWAKVPool",
+                "sglang.srt.mem_cache.swa_memory_pool:SWAKVPool",
+                "sglang.srt.mem_cache.memory_pool:SWAKVPool")
 
-_standin_cls: type | None = None
+_standins: dict[type, type] = {}
 
 
 def _load(path: str) -> Any:
@@ -36,14 +49,29 @@ def _load(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def _first(paths: tuple[str, ...]) -> tuple[str, Any]:
-    errors = []
+def _absent(module: str, exc: BaseException) -> bool:
+    """Is this the module (or a package above it) not existing, rather than the
+    module existing and failing to import?"""
+    if isinstance(exc, AttributeError):
+        return True
+    name = getattr(exc, "name", None)
+    return isinstance(exc, ModuleNotFoundError) and name is not None and module.startswith(name)
+
+
+def _first(paths: tuple[str, ...], what: str = "") -> tuple[str, Any]:
+    broken = []
     for path in paths:
         try:
             return path, _load(path)
-        except (ImportError, AttributeError) as exc:
-            errors.append(f"{path}: {type(exc).__name__}: {exc}")
-    raise BuildUnloadable("sglang is not importable here (" + "; ".join(errors) + ")")
+        except Exception as exc:  # an old release may fail to import in any way; say how
+            if not _absent(path.partition(":")[0], exc):
+                broken.append(f"{path}: {type(exc).__name__}: {exc}")
+    if broken:
+        raise BuildUnloadable("sglang does not import here (" + "; ".join(broken) + ")")
+    if version() is None:
+        raise BuildUnloadable("sglang is not importable here")
+    raise BuildUnsupported(f"sglang {version()} has no {what or 'such class'} (looked for "
+                           + ", ".join(p.replace(":", ".") for p in paths) + ")")
 
 
 def is_sglang(cls: type) -> bool:
@@ -62,8 +90,8 @@ def spec_for(family: str, recorded_class: str = "") -> str:
         except (ImportError, AttributeError):
             pass  # another layout in this release: fall back to the family's class
     if family not in CLASSES:
-        raise BuildUnloadable(f"no sglang allocator for pool family {family!r}")
-    path, _ = _first(CLASSES[family])
+        raise BuildUnsupported(f"no sglang allocator for pool family {family!r}")
+    path, _ = _first(CLASSES[family], f"{family} allocator")
     return "py:" + path
 
 
@@ -74,17 +102,31 @@ def version() -> str | None:
         return None
 
 
-def kv_standin() -> Any:
-    """A memory-free ``BaseSWAKVPool`` of the installed sglang."""
-    global _standin_cls
-    if _standin_cls is None:
-        _, base = _first(_BASE_SWA_KV)
+def _swa_kv_base(allocator: type | None) -> type:
+    """The SWA KV-pool class ``allocator`` checks its kvcache against: the one its
+    own module (or a base class's module) imported, else the release's newest."""
+    for cls in (allocator.__mro__ if allocator is not None else ()):
+        module = sys.modules.get(cls.__module__)
+        for name in _SWA_KV_NAMES:
+            found = getattr(module, name, None)
+            if isinstance(found, type):
+                return found
+    return _first(_BASE_SWA_KV, "SWA KV pool class")[1]
+
+
+def kv_standin(allocator: type | None = None) -> Any:
+    """A memory-free SWA KV pool that ``allocator`` (an sglang SWA allocator class)
+    accepts; without one, of the installed sglang."""
+    base = _swa_kv_base(allocator)
+    if base not in _standins:
 
         class MappingOnlySWAKV(base):  # type: ignore[misc, valid-type]
             """Holds the full->SWA mapping the allocator registers; no KV buffers."""
 
             def __init__(self) -> None:
                 self.full_to_swa_index_mapping = None
+                self.full_kv_pool = None  # the sub-allocators keep these, never use them
+                self.swa_kv_pool = None
 
             def register_mapping(self, full_to_swa_index_mapping: Any) -> None:
                 self.full_to_swa_index_mapping = full_to_swa_index_mapping
@@ -97,8 +139,27 @@ def kv_standin() -> Any:
 
         # The KV-buffer methods (get_key_buffer, ...) are never called by allocators.
         MappingOnlySWAKV.__abstractmethods__ = frozenset()
-        _standin_cls = MappingOnlySWAKV
-    return _standin_cls()
+        _standins[base] = MappingOnlySWAKV
+    return _standins[base]()
+
+
+def fit_signature(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments ``cls`` takes, from the trace's; an argument the
+    class lacks is dropped when it changes nothing (page size 1, need_sort off) and
+    makes the build ``unsupported`` when it would."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    kept = {k: v for k, v in kwargs.items() if k in params}
+    for name in set(kwargs) - set(kept):
+        value = kwargs[name]
+        if (name == "page_size" and value not in (None, 1)) or (name == "need_sort" and value):
+            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__} takes no {name} (the trace uses "
+                                   f"{name}={value}; this release supports only the default)")
+    return kept
 
 
 def needs_kv_standin(cls: type, family: str) -> bool:

@@ -3,6 +3,7 @@
 ``builtin:NAME[@VARIANT]``  a reference pool or bug variant of this kvreplay
 ``py:MODULE:CLASS``        any importable allocator class, in this process
 ``sglang``                 the installed sglang's allocator of the trace's family
+``sglang==VERSION``         that sglang release's allocator, fetched once, in a worker process
 ``git:REPO@REV[:MODULE:CLASS]``  pool code at a revision, in a worker process
 
 Every command that takes a build parses it here, so what a spec means (where it
@@ -15,27 +16,35 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvreplay.builds.releases import check_version
 from kvreplay.errors import UnknownBuild, did_you_mean
 from kvreplay.pools.registry import BUILTINS
 
-KINDS = ("builtin", "py", "sglang", "git")
+KINDS = ("builtin", "py", "sglang", "release", "git")
 _HEX = frozenset(string.hexdigits.lower())
 
 
 @dataclass(frozen=True)
 class BuildSpec:
     text: str
-    kind: str  # builtin | py | sglang | git
+    kind: str  # builtin | py | sglang | release | git
     name: str = ""  # builtin: NAME[@VARIANT]
     cls: str = ""  # py: and git: MODULE:CLASS ("" for git: the tree's sglang allocator)
     repo: Path | None = None  # git:
     rev: str = ""  # git:
+    version: str = ""  # release (sglang==VERSION)
 
     @classmethod
     def parse(cls, text: str) -> BuildSpec:
         """The spec, or UnknownBuild naming what exists (and the closest match)."""
         if text == "sglang":
             return cls(text, "sglang")
+        if text.startswith("sglang=="):
+            version = text.removeprefix("sglang==")
+            if ".." in version:
+                raise UnknownBuild(f"{text} is a range of builds; this option takes one (ranges go to "
+                                   "bisect --builds and matrix --builds)")
+            return cls(text, "release", version=check_version(version))
         kind, _, rest = text.partition(":")
         if kind == "builtin":
             if rest not in BUILTINS:
@@ -57,19 +66,22 @@ class BuildSpec:
                 raise UnknownBuild(f"bad build spec {text!r}: the class must be MODULE:CLASS")
             return cls(text, "git", cls=target, repo=Path(repo).expanduser(), rev=rev)
         hint = did_you_mean(text, [f"builtin:{n}" for n in BUILTINS] + ["sglang"])
-        raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, sglang or "
-                           "git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
+        raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, sglang, "
+                           "sglang==VERSION or git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
 
     @property
     def in_process(self) -> bool:
-        """Replayed in kvreplay's own process (git: builds get a worker each)."""
-        return self.kind != "git"
+        """Replayed in kvreplay's own process (git: and release builds get a worker each)."""
+        return self.kind not in ("git", "release")
 
     @property
     def exact(self) -> bool:
         """Does the spec pin its code exactly, so an old result for it still holds?
         A git: build at a full commit, a builtin of this kvreplay version (stored runs
-        carry the version). py: and sglang builds can change under the same spec."""
+        carry the version), a release (PyPI never replaces a release's files). py: and
+        sglang builds can change under the same spec."""
+        if self.kind == "release":
+            return True
         if self.kind == "git":
             return len(self.rev) == 40 and set(self.rev.lower()) <= _HEX
         return self.kind == "builtin"

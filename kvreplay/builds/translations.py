@@ -14,6 +14,7 @@ mode to compare only what the caller can tell apart."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,16 +55,71 @@ for _t in [
                 lambda p, a: p.free(_cat(a["segments"]))),
     Translation("free_full_segments", ("free_full",), "0.5.20", "all segments' full slots freed as one set",
                 lambda p, a: p.free_full(_cat(a["segments"]))),
+    # Before free_full (0.5.19): the caller frees full slots whose SWA peers are already
+    # released (free_full's own precondition), so free() releases the same slots: its
+    # SWA half skips unmapped tokens.
+    Translation("free_full_segments", ("free",), "0.5.20", "full slots with released SWA peers freed by free()",
+                lambda p, a: p.free(_cat(a["segments"]))),
+    Translation("free_full_segment", ("free",), "0.5.20", "full slots with released SWA peers freed by free()",
+                lambda p, a: p.free(a["free_index"])),
+    Translation("free_full", ("free",), "0.5.19", "full slots with released SWA peers freed by free()",
+                lambda p, a: p.free(a["free_index"])),
     Translation("free_page_ids", ("free",), "0.5.20", "pages freed through one slot of each",
                 lambda p, a: p.free(_page_tokens(p, a.get("page_ids", a.get("free_index"))))),
     Translation("clear_full_to_swa_mapping", ("set_full_to_swa_mapping",), "0.5.20", "mapping set to 0",
                 lambda p, a: p.set_full_to_swa_mapping(a["full_indices"], torch.zeros_like(a["full_indices"]))),
+    Translation("available_size", ("full_available_size", "swa_available_size"), "0.5.11",
+                "the smaller of the sub-pools' counts, as later SWA pools answer",
+                lambda p, a: min(p.full_available_size(), p.swa_available_size())),
     Translation("free_group_begin", (), "0.5.13", "no free groups: frees take effect at once",
                 lambda p, a: None),
     Translation("free_group_end", (), "0.5.13", "no free groups: frees take effect at once",
                 lambda p, a: None),
 ]:
     TABLE.setdefault(_t.method, []).append(_t)
+
+
+# Arguments later releases added as host copies of another argument (0.5.3 gave
+# alloc_extend and alloc_decode their ``*_cpu`` twins). A build whose method lacks
+# one is given the call without it: the device tensor carries the same values.
+REDUNDANT_ARGS = {"prefix_lens_cpu": "prefix_lens", "seq_lens_cpu": "seq_lens"}
+_fits: dict[tuple[type, str], frozenset[str]] = {}
+
+
+def dropped_args(pool: Any, method: str, fn: Callable[..., Any]) -> frozenset[str]:
+    """The redundant recorded arguments ``fn`` (the build's ``method``) does not take."""
+    key = (type(pool), method)
+    if key not in _fits:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) or not params
+        _fits[key] = frozenset() if open_ended else frozenset(a for a in REDUNDANT_ARGS if a not in params)
+    return _fits[key]
+
+
+# Reads some releases declare but leave abstract (SWA pools before 0.5.11 raise
+# NotImplementedError from available_size): they are side-effect free, so one
+# probe tells.
+_READS = frozenset({"available_size"})
+_abstract: dict[tuple[type, str], bool] = {}
+
+
+def abstract(pool: Any, method: str, fn: Callable[..., Any]) -> bool:
+    """Does the build declare this read without implementing it?"""
+    if method not in _READS:
+        return False
+    key = (type(pool), method)
+    if key not in _abstract:
+        try:
+            fn()
+            _abstract[key] = False
+        except NotImplementedError:
+            _abstract[key] = True
+        except Exception:  # any other failure is the build's own, reported at the call
+            _abstract[key] = False
+    return _abstract[key]
 
 
 def _has(pool: Any, name: str) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvreplay.builds.translations import translate
+from kvreplay.builds.translations import abstract, dropped_args, translate
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import PoolView
 from kvreplay.errors import BadInput
@@ -21,7 +21,10 @@ def method_of(pool: Any, method: str) -> tuple[Callable[..., Any] | None, bool]:
     if method not in API_METHODS:
         raise BadInput(f"{method!r} is not a method of the allocator API")
     fn = getattr(pool, method, None)
-    if fn is not None and callable(fn):
+    if fn is not None and callable(fn) and not abstract(pool, method, fn):
+        drop = dropped_args(pool, method, fn)
+        if drop:  # an older signature: same call without the host copies it predates
+            return (lambda **args: fn(**{k: v for k, v in args.items() if k not in drop})), True
         return fn, False
     t = translate(pool, method)
     if t is None:

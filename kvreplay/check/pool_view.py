@@ -137,7 +137,12 @@ class PoolView:
         p = self.pool
         if avail is None:
             if self.family == "swa":
-                return int(p.available_size()), int(p.full_available_size()), int(p.swa_available_size())
+                full, swa = int(p.full_available_size()), int(p.swa_available_size())
+                try:
+                    total = int(p.available_size())
+                except NotImplementedError:  # abstract on SWA pools before 0.5.11
+                    total = min(full, swa)
+                return total, full, swa
             return int(p.available_size()), None, None
         if self.family == "swa":
             # The recorder read these through the pool's methods; for the SWA pools

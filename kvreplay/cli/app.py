@@ -14,6 +14,7 @@ import typer
 from kvreplay.cli import base
 from kvreplay.cli import corpus_cmds as _corpus  # noqa: F401 - registers its commands
 from kvreplay.cli import demo_cmd as _demo  # noqa: F401
+from kvreplay.cli import matrix_cmd as _matrix  # noqa: F401
 from kvreplay.cli import record_cmd as _record  # noqa: F401
 from kvreplay.cli import replay_cmds as _replay  # noqa: F401
 from kvreplay.cli import search_cmds as _search  # noqa: F401

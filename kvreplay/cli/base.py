@@ -19,15 +19,16 @@ from rich.text import Text
 
 EPILOG = (
     "Exit codes: 0 clean, 1 violation or divergence found, 2 bad input or usage, "
-    "125 build could not be tested: unloadable, crashed or timed out (git bisect skips it), "
+    "125 build could not be tested: unloadable, unsupported, crashed or timed out (git bisect skips it), "
     "128 bad input under replay --git-bisect, >128 kvreplay crashed."
 )
 DB_HELP = (
     "Results database: SQLAlchemy URL or SQLite file "
     "(default: $KVREPLAY_DB, else ~/.local/share/kvreplay/kvreplay.db)."
 )
-BUILD_HELP = ("Build: builtin:NAME[@VARIANT], py:MODULE:CLASS, sglang (the installed one) or "
-              "git:REPO@REV[:MODULE:CLASS]; `kvreplay builds` lists them.")
+BUILD_HELP = ("Build: builtin:NAME[@VARIANT], py:MODULE:CLASS, sglang (the installed one), "
+              "sglang==VERSION (that release, fetched once) or git:REPO@REV[:MODULE:CLASS]; "
+              "`kvreplay builds` lists them.")
 JSON_HELP = "Print the result as JSON (fields: docs/json.md)."
 # Seconds between progress lines when stderr is not a terminal (CI logs).
 PROGRESS_EVERY_S = float(os.environ.get("KVREPLAY_PROGRESS_S", "5"))

@@ -16,10 +16,12 @@ from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput, d
 from kvreplay.pool_api import method_kind
 
 MODES = ("strict", "remap")
-STATUSES = ("clean", "violation", "divergence", "unloadable", "crashed", "timeout")
-# Outcomes that say nothing about the pool code (git: builds): they exit 125, which
-# ``git bisect run`` and ``kvreplay bisect`` take as "skip this revision".
-UNTESTABLE = frozenset({"unloadable", "crashed", "timeout"})
+STATUSES = ("clean", "violation", "divergence", "unloadable", "unsupported", "crashed", "timeout")
+# Outcomes that say nothing about the pool code: they exit 125, which ``git bisect
+# run`` and ``kvreplay bisect`` take as "skip this revision". ``unsupported``: the
+# build lacks what the trace needs (its pool family, its page size).
+UNTESTABLE = frozenset({"unloadable", "unsupported", "crashed", "timeout"})
+KERNELS = ("none", "triton-interpreter", "cuda")
 
 
 @dataclass
@@ -54,6 +56,7 @@ class ReplayReport:
     stopped_early: bool = False
     message: str = ""  # why, for the statuses a git: worker can end in (unloadable, crashed, timeout)
     translated: dict[str, int] = field(default_factory=dict)  # calls replayed through an API translation
+    kernels: str = "none"  # the build's Triton kernels: none ran, ran in the interpreter, ran on CUDA
 
     @property
     def exit_code(self) -> int:
@@ -69,6 +72,11 @@ class ReplayReport:
     @property
     def divergence_kinds(self) -> list[str]:
         return sorted(self.divergence_counts)
+
+    @property
+    def rules(self) -> list[str]:
+        """``invariant/rule`` of every rule with at least one violation."""
+        return sorted(self.violation_counts)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ReplayReport:

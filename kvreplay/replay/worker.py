@@ -1,85 +1,202 @@
-"""Replaying on a ``git:`` build: one replay in a worker process of its own.
+"""Replaying on a worker build (``git:``, ``sglang==VERSION``) in a process of its own.
 
-The worker (``python -m kvreplay.replay.worker``) gets the revision's tree first on
-``sys.path`` (``python/`` too, sglang's layout), so two revisions never share an
-interpreter, and a build that crashes or hangs cannot take kvreplay down. It reads
-one request as JSON on stdin and answers one JSON line on stdout. Without
-``:MODULE:CLASS`` it uses the tree's sglang allocator for the trace's family.
+The worker (``python -m kvreplay.replay.worker``) starts with the build's code first
+on ``sys.path`` (builds/worker_code.py), so two builds never share an interpreter and
+a build that crashes or hangs cannot take kvreplay down. It reads one request as JSON
+on stdin (a build and one or more traces) and answers one JSON line per trace on
+stdout as each finishes, so that importing a release's whole server happens once for
+all the traces a matrix gives it. Without ``:MODULE:CLASS`` it uses the code's sglang
+allocator for each trace's family.
 
-Outcomes the parent turns into a run status: ``unloadable`` (the revision does not
-import or construct: exit 125, so ``git bisect run`` skips it), ``crashed`` (the
-worker died, e.g. a segfault) and ``timeout``."""
+Outcomes the parent turns into a run status: ``unloadable`` (the code does not import
+or construct: exit 125, so ``git bisect run`` skips it), ``unsupported`` (the code
+lacks what the trace needs, e.g. the pool family), ``crashed`` (the worker died, e.g.
+a segfault; the traces after it go to a fresh worker) and ``timeout``."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kvreplay.builds.git_tree import DEFAULT_TIMEOUT_S, path_for, tree_at
+from kvreplay.builds.git_tree import DEFAULT_TIMEOUT_S
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.errors import EXIT_BAD_INPUT, EXIT_UNLOADABLE, BadInput, BuildUnloadable
+from kvreplay.builds.worker_code import HIDE_ENV, prepare
+from kvreplay.errors import EXIT_BAD_INPUT, EXIT_UNLOADABLE, BadInput, BuildUnloadable, BuildUnsupported
 from kvreplay.replay.report import ReplayReport, untestable
 
 
 def replay_in_worker(trace: str | Path, spec: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                      **options: Any) -> tuple[ReplayReport, str]:
-    """Replay ``trace`` on the git build ``spec`` in a worker process; returns (the
-    report, the commit). Its status is clean, violation or divergence as usual, or
-    unloadable, crashed or timeout."""
-    g = BuildSpec.parse(spec)
-    assert g.kind == "git" and g.repo is not None
-    commit, tree = tree_at(g.repo, g.rev)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*path_for(tree), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    request = {"trace": str(Path(trace).resolve()), "cls": g.cls, "spec": spec, "options": options}
+    """Replay ``trace`` on the worker build ``spec``; returns (the report, the commit
+    or release version). Its status is clean, violation or divergence as usual, or
+    unloadable, unsupported, crashed or timeout."""
+    reports, code_id = replay_many_in_worker([trace], spec, timeout_s=timeout_s, **options)
+    return reports[0], code_id
+
+
+def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                          **options: Any) -> tuple[list[ReplayReport], str]:
+    """Replay each trace on ``spec`` in one worker process (a fresh one after a crash
+    or a timeout); ``timeout_s`` bounds each trace."""
+    s = BuildSpec.parse(spec)
+    device = options.get("device", "cpu")
     t0 = time.perf_counter()
-
-    def ended(status: str, message: str) -> tuple[ReplayReport, str]:
-        return untestable(str(trace), spec, options.get("mode", "strict"), options.get("device", "cpu"), status,
-                          message, time.perf_counter() - t0), commit
-
     try:
-        res = subprocess.run([sys.executable, "-m", "kvreplay.replay.worker"], input=json.dumps(request),
-                             capture_output=True, text=True, env=env, timeout=timeout_s, cwd=tree)
-    except subprocess.TimeoutExpired:
-        return ended("timeout", f"no result after {timeout_s:.0f} s")
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-    reply = json.loads(lines[-1]) if lines else None
-    if reply is None:
-        why = res.stderr.strip().splitlines()
-        return ended("crashed", f"the worker died ({why[-1] if why else f'exit {res.returncode}'})")
-    if reply.get("error") == "unloadable":
-        return ended("unloadable", reply["message"])
-    if reply.get("error") == "bad-input":
-        raise BadInput(reply["message"])
-    return ReplayReport.from_dict(reply["report"]), commit
+        code = prepare(s)
+    except BuildUnloadable as exc:
+        return [untestable(str(t), spec, options.get("mode", "strict"), device, "unloadable", str(exc),
+                           time.perf_counter() - t0) for t in traces], ""
+    env = code.env()
+    reports: list[ReplayReport] = []
+    todo = [str(Path(t).resolve()) for t in traces]
+    while todo:
+        request = {"traces": todo, "cls": s.cls, "spec": spec, "options": options}
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "kvreplay.replay.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=code.cwd, start_new_session=True)
+        try:
+            out, err = proc.communicate(json.dumps(request), timeout=timeout_s * len(todo))
+            ended = None
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            ended = "timeout"
+        answers = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+        for answer in answers:
+            reports.append(_report_of(answer, spec, options, device, code.code_id, code.overlay))
+        todo = todo[len(answers):]
+        if not todo:
+            break
+        wall = time.perf_counter() - started
+        if ended == "timeout":
+            why = f"no result after {timeout_s:.0f} s"
+        else:
+            ended, why = "crashed", _death(proc.returncode, err)
+        reports.append(untestable(todo[0], spec, options.get("mode", "strict"), device, ended, why, wall))
+        todo = todo[1:]
+    return reports, code.code_id
+
+
+def _death(returncode: int, stderr: str) -> str:
+    """What killed a worker, in one line: the signal, and the last line it wrote."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    fatal = next((ln for ln in lines if ln.startswith("Fatal Python error")), None)
+    how = (f"killed by {signal.Signals(-returncode).name}" if returncode < 0 and -returncode in
+           signal.valid_signals() else f"exit {returncode}")
+    last = fatal or (lines[-1] if lines else "")
+    return f"the worker died ({how}{': ' + last if last else ''})"
+
+
+def _report_of(answer: dict[str, Any], spec: str, options: dict[str, Any], device: str, code_id: str,
+               overlay: tuple[str, ...]) -> ReplayReport:
+    if "report" in answer:
+        return ReplayReport.from_dict(answer["report"])
+    if answer.get("error") == "bad-input":
+        raise BadInput(answer["message"])
+    return untestable(answer["trace"], spec, options.get("mode", "strict"), device, answer["error"],
+                      answer["message"], answer.get("wall_s", 0.0))
+
+
+def _count_kernel_launches(device: str) -> dict[str, Any]:
+    """On CPU, set Triton to interpret (before anything imports it: sglang releases
+    before 0.5.22 launch Triton kernels from their paged allocators and have no CPU
+    path; the interpreter runs those same kernels on CPU tensors). Then count the
+    kernels the build launches, so a run says whether its allocator's kernels ran,
+    not just whether they could have."""
+    counter: dict[str, Any] = {"launches": 0, "kind": "none"}
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        where, kind = "triton.runtime.interpreter:InterpretedFunction", "triton-interpreter"
+    else:
+        where, kind = "triton.runtime.jit:JITFunction", "cuda"
+    try:
+        import importlib
+
+        module, _, name = where.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+    except Exception:  # no triton here: nothing can launch
+        return counter
+    original = fn.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counter["launches"] += 1
+        return original(self, *args, **kwargs)
+
+    fn.run = run
+    counter["kind"] = kind
+    return counter
+
+
+class _Hidden:
+    """A meta-path finder that makes the overlay's casualties look uninstalled."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname.partition(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {fullname!r} (hidden: the overlay replaces a dependency "
+                                      "of it)", name=fullname)
+        return None
 
 
 def _worker() -> int:
-    """Worker side: one replay, one JSON line on stdout."""
+    """Worker side: one replay per trace, one JSON line each on stdout."""
+    import faulthandler
+
+    faulthandler.enable()  # a native crash leaves the Python stack on stderr for the parent
+    hidden = {n for n in os.environ.get(HIDE_ENV, "").split(",") if n}
+    if hidden:
+        sys.meta_path.insert(0, _Hidden(hidden))
     request = json.loads(sys.stdin.read())
+    code_build = request.get("spec", "").startswith(("git:", "sglang=="))
+    kernels = _count_kernel_launches(request["options"].get("device", "cpu")) if code_build else None
+    code = 0
+    for trace in request["traces"]:
+        t0 = time.perf_counter()
+        out = _replay_one(trace, request, kernels)
+        out.setdefault("wall_s", time.perf_counter() - t0)
+        print(json.dumps(out, default=str), flush=True)
+        if "error" in out:
+            code = EXIT_UNLOADABLE if out["error"] in ("unloadable", "unsupported") else EXIT_BAD_INPUT
+    return code
+
+
+def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | None) -> dict[str, Any]:
     try:
         from kvreplay.builds.sglang import spec_for
         from kvreplay.replay.replayer import Replayer
 
-        build = "py:" + request["cls"] if request["cls"] else "sglang"
-        replayer = Replayer(request["trace"], build, **request["options"])
+        build = request["spec"]
+        if build.startswith(("git:", "sglang==")):  # the code on sys.path: its class, or its sglang allocator
+            build = "py:" + request["cls"] if request["cls"] else "sglang"
+        replayer = Replayer(trace, build, **request["options"])
         if build == "sglang":
             spec_for(replayer.meta.family, replayer.meta.pool_class)  # fail early, with the class named
+        before = kernels["launches"] if kernels else 0
         report = replayer.run()
         report.build = request["spec"]
-        out = {"report": report.to_dict()}
+        if kernels and kernels["launches"] > before:
+            report.kernels = kernels["kind"]
+        return {"trace": trace, "report": report.to_dict()}
+    except BuildUnsupported as exc:
+        return {"trace": trace, "error": "unsupported", "message": str(exc)}
     except BuildUnloadable as exc:
-        out = {"error": "unloadable", "message": str(exc)}
+        return {"trace": trace, "error": "unloadable", "message": str(exc)}
     except BadInput as exc:
-        out = {"error": "bad-input", "message": str(exc)}
-    print(json.dumps(out, default=str), flush=True)
-    return EXIT_UNLOADABLE if out.get("error") == "unloadable" else (EXIT_BAD_INPUT if "error" in out else 0)
+        return {"trace": trace, "error": "bad-input", "message": str(exc)}
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ class Run(Base):
     capacity_assert_after_calls: Mapped[int | None] = mapped_column(Integer, nullable=True)
     kvreplay_version: Mapped[str] = mapped_column(String(32))
     message: Mapped[str | None] = mapped_column(Text, nullable=True)  # why, when no violation says (0003)
+    kernels: Mapped[str] = mapped_column(String(24), default="none", server_default="none")  # (0005)
     started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     trace: Mapped[Trace] = relationship()

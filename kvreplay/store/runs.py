@@ -72,6 +72,7 @@ def record_run(store: Store, report: Any, info: TraceInfo, *, build_version: str
                 capacity_assert_after_calls=report.capacity_assert_after_calls,
                 kvreplay_version=__version__,
                 message=getattr(report, "message", "") or None,
+                kernels=getattr(report, "kernels", "none"),
             )
             run.violations = [
                 ViolationRow(call=v.call, detected_call=v.detected_call, method=v.method, invariant=v.invariant,
@@ -142,6 +143,7 @@ def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
         "kvreplay_version": run.kvreplay_version,
         "started_at": run.started_at.isoformat() if run.started_at else None,
         "message": run.message or "",
+        "kernels": run.kernels or "none",
     }
     if details:
         d["violation_counts"] = run.violation_counts

@@ -1,0 +1,58 @@
+"""What a worker build runs: the code on its ``sys.path`` and the environment around it.
+
+``git:`` and ``sglang==VERSION`` builds replay in a worker process (replay/worker.py).
+Both get their pool code first on ``sys.path`` (a revision's tree, a release's
+package) and, where the code is sglang, an overlay of the pins it imports with
+(builds/overlay.py): a release's own ``Requires-Dist``, a checkout's own
+``pyproject.toml``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvreplay.builds.git_tree import path_for, tree_at
+from kvreplay.builds.overlay import exact_pins, overlay_for
+from kvreplay.builds.releases import fetch, requirements_of_tree
+from kvreplay.builds.spec import BuildSpec
+
+# Top-level modules the worker must treat as not installed (comma-separated).
+HIDE_ENV = "KVREPLAY_HIDE_MODULES"
+
+
+@dataclass
+class WorkerCode:
+    paths: list[str]  # first on sys.path, in order
+    cwd: Path | None  # the tree's root for git: builds
+    code_id: str  # the commit, or the release version
+    overlay: tuple[str, ...] = field(default_factory=tuple)  # name==version pins in front of the environment
+    hidden: tuple[str, ...] = field(default_factory=tuple)  # installed modules the overlay breaks
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        env["PYTHONPATH"] = os.pathsep.join([*self.paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.setdefault("OMP_NUM_THREADS", "1")  # the pools' tensors are small: one thread, no spinning
+        env[HIDE_ENV] = ",".join(self.hidden)
+        return env
+
+
+def prepare(spec: BuildSpec) -> WorkerCode:
+    """Fetch (once) what a worker needs to replay on ``spec``."""
+    if spec.kind == "release":
+        rel = fetch(spec.version)
+        return WorkerCode(rel.paths, None, rel.version, rel.overlay.packages, _shadowed(rel.overlay.hidden, rel.paths))
+    if spec.kind == "git":
+        assert spec.repo is not None
+        commit, tree = tree_at(spec.repo, spec.rev)
+        overlay = overlay_for(exact_pins(requirements_of_tree(tree)))
+        paths = ([str(overlay.path)] if overlay.path else []) + path_for(tree)
+        return WorkerCode(paths, tree, commit, overlay.packages, _shadowed(overlay.hidden, paths))
+    return WorkerCode([], None, "")  # builtin:, py:, sglang: this environment as it is
+
+
+def _shadowed(hidden: tuple[str, ...], paths: list[str]) -> tuple[str, ...]:
+    """The hidden modules, less those the build's own code provides (the installed
+    sglang needs the newer pins, but the release's sglang is the one imported)."""
+    return tuple(h for h in hidden if not any((Path(p) / h).exists() or (Path(p) / f"{h}.py").exists()
+                                               for p in paths))

@@ -1,0 +1,70 @@
+"""``kvreplay matrix``: a trace or a corpus on many builds, as one table."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, out, say
+from kvreplay.cli.render import STATUS_STYLE, row
+
+
+@app.command()
+def matrix(
+    traces: list[Path] = typer.Argument(..., help="Trace files, rotated trace directories, or a corpus "
+                                        "directory (one with manifest.json: all its traces)."),
+    builds: str = typer.Option(..., "--builds", help="Comma-separated build specs; sglang==A..B is every "
+                               "release from A to B, e.g. --builds sglang==0.5.11..0.5.23,builtin:swa."),
+    mode: str = typer.Option("strict", help="strict or remap (remap for releases older than the trace: "
+                             "API translations change nested calls)."),
+    device: str = typer.Option("auto", help="auto, cpu (Triton kernels run in Triton's interpreter) or cuda[:N]."),
+    jobs: int = typer.Option(0, "--jobs", "-j", help="Builds replayed at once (0: one per CPU core)."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds per trace before a worker is a timeout."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Replay even what the store already holds for an "
+                                  "exact build (a release, a builtin of this version)."),
+    db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Replay traces on many builds and print build x invariant.
+
+    Each cell holds the first call that broke the invariant and the rule
+    it broke; 'assert' is the call where the build's own capacity
+    assertion fired. Every run is stored (kvreplay show RUN). A release
+    is fetched and imported once and replays all the traces. Exit 1 when
+    any build shows a violation or divergence, 0 when all tested builds
+    are clean, 125 when none could be tested, 2 on bad input.
+    """
+    from kvreplay.matrix import run_matrix
+
+    def on_cell(c: object) -> None:
+        src = "stored" if c.cached else f"{c.wall_s:.1f} s"  # type: ignore[attr-defined]
+        say(f"  {Path(c.trace).name} on {c.build}: {c.status} ({src})", to_err=True)  # type: ignore[attr-defined]
+
+    res = run_matrix(traces, builds.split(","), db=db, mode=mode, device=device,
+                     jobs=jobs or os.cpu_count() or 1, timeout_s=timeout, use_cache=not no_cache, on_cell=on_cell)
+    if as_json:
+        emit_json(res.to_dict())
+        raise typer.Exit(res.exit_code)
+    invariants = res.invariants
+    kinds = sorted({k for c in res.cells for k in c.divergences})
+    for trace in res.traces:
+        t = Table("build", "status", "kernels", *invariants, *(["divergences"] if kinds else []), "assert",
+                  title=Path(trace).name, title_justify="left")
+        for b in res.builds:
+            c = res.cell(trace, b)
+            if c is None:
+                continue
+            inv = [f"#{c.firsts[i]['call']} {c.firsts[i]['rule']}" if i in c.firsts else "" for i in invariants]
+            div = [", ".join(f"{k} {n}" for k, n in sorted(c.divergences.items()))] if kinds else []
+            assert_at = f"#{c.capacity_assert_call}" if c.capacity_assert_call is not None else ""
+            row(t, b, c.status, c.kernels, *inv, *div, assert_at, style=STATUS_STYLE.get(c.status))
+        out.print(t)
+        for b in res.builds:
+            c = res.cell(trace, b)
+            if c is not None and c.message and c.status not in ("clean", "violation", "divergence"):
+                say(f"  {b}: {c.status}: {c.message}")
+    say(f"{len(res.cells)} runs in {res.wall_s:.1f} s; kvreplay show RUN for one, kvreplay matrix ... --json for all")
+    raise typer.Exit(res.exit_code)

@@ -1,0 +1,186 @@
+"""One trace (or a corpus) on many builds: "which of our releases are affected?"
+
+Each build is one unit of work: a worker process that imports the build's code once
+and replays every trace on it (replay/worker.py), so a release's whole server is
+imported once per matrix, not once per trace. Units run in parallel (``jobs`` at a
+time); the driver stores every result, so the store sees one writer. A build that
+names its code exactly (a release, a builtin of this kvreplay) is looked up in the
+store first, and a matrix asked again replays only what it has not seen.
+
+The table a release manager reads is build x invariant: in each cell the first call
+that broke the invariant and the rule it broke, next to the run's status and the
+call where the build's own capacity assertion fired, if it did."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvreplay.builds.releases import expand_all
+from kvreplay.builds.spec import BuildSpec
+from kvreplay.check.rules import INVARIANTS
+from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput
+from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
+from kvreplay.replay.worker import replay_many_in_worker
+from kvreplay.store.db import check_store, open_store
+from kvreplay.store.runs import cached_run, get_run, record_run, run_to_dict
+from kvreplay.stored_replay import trace_info
+from kvreplay.trace.hashing import content_hash
+from kvreplay.trace.reader import TraceReader
+from kvreplay.version import __version__
+
+REUSED = frozenset({"clean", "violation", "divergence", "unsupported"})
+
+
+@dataclass
+class Cell:
+    """One trace on one build, as stored."""
+
+    trace: str
+    build: str
+    run_id: int
+    status: str
+    kernels: str
+    calls_replayed: int
+    firsts: dict[str, dict[str, Any]]  # invariant -> {"call", "rule", "method"} of its first violation
+    rules: dict[str, int]  # invariant/rule -> first call
+    divergences: dict[str, int]  # kind -> count
+    capacity_assert_call: int | None
+    message: str
+    wall_s: float
+    cached: bool
+
+    @classmethod
+    def of_run(cls, d: dict[str, Any], cached: bool) -> Cell:
+        rules = {k: v["call"] for k, v in firsts_by_rule(d["violations"]).items()}
+        firsts: dict[str, dict[str, Any]] = {}
+        for v in d["violations"]:
+            firsts.setdefault(v["invariant"], {"call": v["call"], "rule": v["rule"], "method": v["method"]})
+        return cls(d["trace"], d["build"], d["run_id"], d["status"], d["kernels"], d["calls_replayed"], firsts,
+                   rules, dict(d["divergence_counts"]), d["capacity_assert_call"], d["message"], d["wall_s"], cached)
+
+
+@dataclass
+class MatrixResult:
+    traces: list[str]
+    builds: list[str]
+    cells: list[Cell] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def cell(self, trace: str, build: str) -> Cell | None:
+        return next((c for c in self.cells if c.trace == trace and c.build == build), None)
+
+    @property
+    def invariants(self) -> list[str]:
+        """The invariants broken anywhere, in the checker's order."""
+        seen = {inv for c in self.cells for inv in c.firsts}
+        return [i for i in INVARIANTS if i in seen]
+
+    @property
+    def exit_code(self) -> int:
+        """1 when any build shows a violation or divergence, 0 when every tested
+        build is clean, 125 when none could be tested."""
+        if any(c.status in ("violation", "divergence") for c in self.cells):
+            return EXIT_FOUND
+        if self.cells and all(c.status in UNTESTABLE for c in self.cells):
+            return EXIT_UNLOADABLE
+        return EXIT_CLEAN
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"traces": self.traces, "builds": self.builds, "invariants": self.invariants,
+                "cells": [asdict(c) for c in self.cells], "wall_s": round(self.wall_s, 3),
+                "exit_code": self.exit_code}
+
+
+def corpus_traces(paths: list[str | Path]) -> list[Path]:
+    """Trace files from the command line: a file, a rotated trace directory, or a
+    corpus directory (one holding manifest.json: every Parquet trace in it)."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir() and (p / "manifest.json").is_file():
+            found += sorted(p.glob("*.parquet"))
+        elif p.exists():
+            found.append(p)
+        else:
+            raise BadInput(f"{p}: no such trace or corpus")
+    if not found:
+        raise BadInput("no traces to replay")
+    return found
+
+
+def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = None, mode: str = "strict",
+               device: str = "cpu", jobs: int = 2, timeout_s: float = 1800.0, use_cache: bool = True,
+               on_cell: Callable[[Cell], None] | None = None) -> MatrixResult:
+    """Replay every trace on every build (ranges expanded), store each run, and
+    return the table. Bad input (a trace, a spec, the store) fails before any replay."""
+    specs = expand_all([b.strip() for b in builds if b.strip()])
+    if not specs:
+        raise BadInput("--builds names no build")
+    for s in specs:
+        BuildSpec.parse(s)
+    paths = corpus_traces(list(traces))
+    infos = {}
+    for p in paths:
+        reader = TraceReader(p)
+        infos[str(p.resolve())] = (trace_info(reader, reader.check_calls()), content_hash(p))
+    check_store(db)
+    result = MatrixResult([str(p.resolve()) for p in paths], specs)
+    t0 = time.perf_counter()
+    st = open_store(db)
+    try:
+        todo: dict[str, list[str]] = {}
+        for spec in specs:
+            for trace, (_, digest) in infos.items():
+                run = cached_run(st, digest, spec, mode, kvreplay_version=__version__) \
+                    if use_cache and BuildSpec.parse(spec).exact else None
+                if run is not None and run.status in REUSED:
+                    cell = Cell.of_run(run_to_dict(run, details=True), cached=True)
+                    cell.trace = trace
+                    _add(result, cell, on_cell)
+                else:
+                    todo.setdefault(spec, []).append(trace)
+
+        def unit(spec: str, trs: list[str]) -> tuple[str, list[ReplayReport], str]:
+            reports, code_id = replay_many_in_worker(trs, spec, mode=mode, device=device, timeout_s=timeout_s)
+            return spec, reports, code_id
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = [pool.submit(unit, spec, trs) for spec, trs in todo.items()]
+            for fut in as_completed(futures):
+                spec, reports, code_id = fut.result()
+                version = _version_of(spec, code_id)
+                for trace, report in zip(todo[spec], reports, strict=True):
+                    info, _ = infos[trace]
+                    report.build = spec
+                    run_id = record_run(st, report, info, build_version=version)
+                    cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
+                    cell.trace = trace
+                    _add(result, cell, on_cell)
+    finally:
+        st.close()
+    order = {(t, b): i for i, (t, b) in enumerate((t, b) for t in result.traces for b in specs)}
+    result.cells.sort(key=lambda c: order[(c.trace, c.build)])
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _add(result: MatrixResult, cell: Cell, on_cell: Callable[[Cell], None] | None) -> None:
+    result.cells.append(cell)
+    if on_cell is not None:
+        on_cell(cell)
+
+
+def _version_of(spec: str, code_id: str) -> str:
+    kind = BuildSpec.parse(spec).kind
+    if kind == "release":
+        return f"sglang {code_id}"
+    if kind == "git":
+        return f"git {code_id}"
+    return f"kvreplay {__version__}" if kind == "builtin" else ""
+
+
+__all__ = ["Cell", "MatrixResult", "corpus_traces", "run_matrix"]
