@@ -24,7 +24,7 @@ from typing import Any
 from kvreplay.builds.git_tree import resolve_commit
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable
-from kvreplay.replay.report import UNTESTABLE, Failure, ReplayReport, describe, invariant_ids
+from kvreplay.replay.report import UNTESTABLE, Failure, ReplayReport, describe, firsts_by_rule, invariant_ids
 from kvreplay.store.db import open_store
 from kvreplay.store.models import Run
 from kvreplay.store.runs import cached_run
@@ -61,12 +61,14 @@ class Outcome:
     detail: str = ""  # that violation's or divergence's message
     calls_replayed: int = 0
     failure: Failure | None = None  # the failure it shows first
+    rules: list[str] = field(default_factory=list)  # invariant/rule with at least one violation
+    firsts: dict[str, str] = field(default_factory=dict)  # invariant/rule -> its first violation, one line
 
     @classmethod
     def of_report(cls, r: ReplayReport) -> Outcome:
         item = r.first_violation or r.first_divergence
         return cls(r.status, r.invariants, r.divergence_kinds, *_first(item, r.message), r.calls_replayed,
-                   Failure.first_in(r))
+                   Failure.first_in(r), r.rules, {k: describe(v) for k, v in firsts_by_rule(r.violations).items()})
 
     @classmethod
     def of_run(cls, run: Run) -> Outcome:
@@ -75,7 +77,14 @@ class Outcome:
         if item is not None:
             failure = Failure("violation", item.invariant) if run.violations else Failure("divergence", item.kind)
         return cls(run.status, invariant_ids(run.violation_counts),
-                   sorted(run.divergence_counts), *_first(item, run.message or ""), run.calls_replayed, failure)
+                   sorted(run.divergence_counts), *_first(item, run.message or ""), run.calls_replayed, failure,
+                   sorted(run.violation_counts), {k: describe(v) for k, v in firsts_by_rule(run.violations).items()})
+
+    def shows(self, target: Failure) -> str:
+        """One line for the target failure as this outcome shows it."""
+        if target.rule is not None:
+            return self.firsts.get(f"{target.id}/{target.rule}", self.first)
+        return self.first
 
 
 def _first(item: object, message: str) -> tuple[str, str]:
@@ -90,7 +99,7 @@ class Step:
     index: int  # position in the search order
     label: str
     spec: str
-    verdict: str  # good | bad | skip
+    verdict: str  # good | bad | skip; with --fixed: bad | fixed | skip
     status: str
     why: str
     cached: bool
@@ -101,13 +110,14 @@ class Step:
 class BisectResult:
     trace: str
     target: Failure | None
-    verdict: str  # found | range | already-bad | no-failure
-    first_bad: Candidate | None
+    verdict: str  # found | range | already-bad (--fixed: already-fixed)
+    first_bad: Candidate | None  # the first build showing the failure (with --fixed: the first without it)
     candidates: list[Candidate]  # the first bad is one of these (one when found)
     bad_shows: str  # the failure as the first bad build shows it
     bad_detail: str  # its message
     steps: list[Step] = field(default_factory=list)
     searched: int = 0  # builds in the search order
+    fixed: bool = False  # searched for the fix: the old end fails, the new end does not
 
     @property
     def replays(self) -> int:
@@ -206,33 +216,51 @@ class Prober:
         return Outcome.of_report(stored.report), False, time.perf_counter() - t0
 
 
-def _verdict(o: Outcome, target: Failure) -> tuple[str, str]:
-    if o.status == "clean":
-        return "good", "clean"
+def _verdict(o: Outcome, target: Failure, fixed: bool) -> tuple[str, str]:
+    """(good | bad | skip, why); with ``fixed``: (bad | fixed | skip, why). Looking
+    for a break, a build is good only when clean; looking for a fix, a build is fixed
+    once the target is gone, whatever else it shows."""
     if o.status in UNTESTABLE:
         return "skip", f"{o.status}: {o.first}"
-    if target.shown_by(o):
-        return "bad", o.first
+    shown = target.shown_by(o)
+    if fixed:
+        if shown:
+            return "bad", o.shows(target)
+        others = ", ".join(o.rules or o.divergence_kinds)
+        return "fixed", "clean" if o.status == "clean" else f"no {target}; shows {others}"
+    if o.status == "clean":
+        return "good", "clean"
+    if shown:
+        return "bad", o.shows(target)
     return "skip", f"fails differently ({', '.join(o.invariants + o.divergence_kinds)}): {o.first}"
 
 
 def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: str | None = None,
            mode: str = "strict", device: str = "cpu", timeout_s: float = 1800.0, use_cache: bool = True,
+           failure: Failure | None = None, fixed: bool = False,
            on_step: Callable[[Step, int], None] | None = None) -> BisectResult:
-    """Binary search ``order`` (oldest first; ``good`` comes before it and is taken
-    as good, like ``git bisect``) for the first build showing the failure of the last."""
+    """Binary search ``order`` (oldest first; ``good``, the old end, comes before it)
+    for the first build showing the failure (``failure``, else the one the bad end
+    shows first), as ``git bisect`` does. With ``fixed``, the old end must show the
+    failure and the new end must not, and the search is for the first build where it
+    is gone (git's --term-old/--term-new)."""
     TraceReader(trace)  # a bad trace is a one-line error before any replay
     if not order:
-        raise BadInput("nothing to bisect: no builds between good and bad")
+        raise BadInput("nothing to bisect: no builds between the two ends")
     prober = Prober(trace, db=db, mode=mode, device=device, timeout_s=timeout_s, use_cache=use_cache)
     steps: list[Step] = []
     remaining = max(1, (len(order) - 1).bit_length())
+    old, new = ("bad", "fixed") if fixed else ("good", "bad")
 
     def run(i: int, cand: Candidate, target: Failure | None) -> tuple[str, Outcome]:
         o, cached, wall = prober.probe(cand.spec)
-        verdict, why = _verdict(o, target) if target else ("bad" if o.status in ("violation", "divergence")
-                                                           else "good" if o.status == "clean" else "skip",
-                                                           o.first or o.status)
+        if target is None:  # an end that names the target: does it fail at all?
+            failing = o.status in ("violation", "divergence")
+            verdict = ("bad" if failing else old if o.status == "clean" else "skip") if not fixed else \
+                      ("bad" if failing else "skip")
+            why = o.first or o.status
+        else:
+            verdict, why = _verdict(o, target, fixed)
         step = Step(i, cand.label, cand.spec, verdict, o.status, why, cached, wall)
         steps.append(step)
         if on_step is not None:
@@ -240,13 +268,22 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
         return verdict, o
 
     n = len(order)
-    verdict, bad_o = run(n - 1, order[-1], None)
-    target = bad_o.failure
+    failing_end, failing_label = (good, good.label) if fixed else (order[-1], order[-1].label)
+    verdict, end_o = run(-1 if fixed else n - 1, failing_end, failure)
+    target = failure or end_o.failure
     if verdict != "bad" or target is None:
-        why = "it replays clean there" if bad_o.status == "clean" else f"it could not be tested there ({bad_o.first})"
-        raise BadInput(f"the bad end {order[-1].label} does not show a failure: {why}")
-    shows = {n - 1: bad_o}
-    lo, hi = -1, n - 1  # lo: last known good (-1 is --good), hi: first known bad
+        why = ("it replays clean there" if end_o.status == "clean" else f"it could not be tested there ({end_o.first})"
+               if end_o.status in UNTESTABLE else f"it shows no {failure} there ({end_o.first})")
+        which = "old end" if fixed else "bad end"
+        raise BadInput(f"the {which} {failing_label} does not show the failure: {why}")
+    shows = {(-1 if fixed else n - 1): end_o}
+    if fixed:
+        v, o = run(n - 1, order[-1], target)
+        if v != "fixed":
+            raise BadInput(f"the new end {order[-1].label} " + ("still shows " + str(target) + f": {o.shows(target)}"
+                           if v == "bad" else f"could not be tested ({o.first})"))
+        shows[n - 1] = o
+    lo, hi = -1, n - 1  # lo: last known old-term build (-1 is --good), hi: first known new-term build
     skipped: set[int] = set()
     while hi - lo > 1:
         m = _next_probe(lo, hi, skipped)
@@ -254,21 +291,22 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
             break
         remaining = (hi - lo - 1 - len(skipped & set(range(lo + 1, hi)))).bit_length()
         v, o = run(m, order[m], target)
-        if v == "good":
-            lo = m
-        elif v == "bad":
+        if v == old:
+            lo, shows[m] = m, o
+        elif v == new:
             hi, shows[m] = m, o
         else:
             skipped.add(m)
-    if hi - lo == 1 and lo == -1:
+    if hi - lo == 1 and lo == -1 and not fixed:
         # Everything tested was bad: make sure --good really is good before blaming the first.
         v, o = run(-1, good, target)
         if v == "bad":
-            return BisectResult(str(trace), target, "already-bad", None, [], o.first, o.detail, steps, n)
+            return BisectResult(str(trace), target, "already-bad", None, [], o.shows(target), o.detail, steps, n)
     cands = order[lo + 1:hi + 1]
     verdict = "found" if len(cands) == 1 else "range"
+    shown = shows[lo if fixed else hi] if (lo if fixed else hi) in shows else end_o
     return BisectResult(str(trace), target, verdict, order[hi] if verdict == "found" else None, cands,
-                        shows[hi].first, shows[hi].detail, steps, n)
+                        shown.shows(target), shown.detail, steps, n, fixed)
 
 
 def _next_probe(lo: int, hi: int, skipped: set[int]) -> int | None:

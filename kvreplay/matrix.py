@@ -138,7 +138,7 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
                 run = cached_run(st, digest, spec, mode, kvreplay_version=__version__) \
                     if use_cache and BuildSpec.parse(spec).exact else None
                 if run is not None and run.status in REUSED:
-                    cell = Cell.of_run(run_to_dict(run, details=True), cached=True)
+                    cell = Cell.of_run(run_to_dict(get_run(st, run.id), details=True), cached=True)
                     cell.trace = trace
                     _add(result, cell, on_cell)
                 else:

@@ -31,4 +31,4 @@ if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
     echo "sglang-tier: could not install kvreplay into $VENV" >&2
     exit 3
 fi
-"$PY" -m pytest -m sglang tests/test_sglang_parity.py
+"$PY" -m pytest -m sglang -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py

@@ -115,7 +115,7 @@ def test_the_bad_end_must_fail(trace, tmp_path):
     from kvreplay.errors import BadInput
 
     good, order = build_candidates(["builtin:swa@stale-tail", "builtin:swa"])
-    with pytest.raises(BadInput, match="does not show a failure"):
+    with pytest.raises(BadInput, match="does not show the failure"):
         bisect(trace, good, order, db=str(tmp_path / "k.db"), device="cpu")
 
 

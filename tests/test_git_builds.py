@@ -15,6 +15,9 @@ BUGGY = "from kvreplay.pools.variants import StaleTailSWAPool as Pool\n"
 BROKEN = "from kvreplay.pools.swa import SWAPool as Pool\nimport no_such_module_kvreplay\n"
 CRASH = "import os\nfrom kvreplay.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
         "    def alloc_extend(self, *a, **k):\n        os.abort()\n"
+LATE_CRASH = "import os\nfrom kvreplay.pools.variants import StaleTailSWAPool\n\n\nclass Pool(StaleTailSWAPool):\n" \
+             "    n = 0\n\n    def free_group_begin(self):\n        Pool.n += 1\n" \
+             "        if Pool.n == 400:\n            os.abort()\n        return super().free_group_begin()\n"
 HANG = "import time\nfrom kvreplay.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
        "    def alloc_extend(self, *a, **k):\n        time.sleep(600)\n"
 
@@ -29,7 +32,8 @@ def repo(tmp_path_factory):
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "config", "user.email", "t@example.com")
     _git(repo, "config", "user.name", "t")
-    for tag, body in (("good", GOOD), ("buggy", BUGGY), ("broken", BROKEN), ("crash", CRASH), ("hang", HANG)):
+    for tag, body in (("good", GOOD), ("buggy", BUGGY), ("broken", BROKEN), ("crash", CRASH), ("hang", HANG),
+                      ("late-crash", LATE_CRASH)):
         (repo / "mypool.py").write_text(body)
         _git(repo, "add", "mypool.py")
         _git(repo, "commit", "-q", "-m", tag)
@@ -74,6 +78,17 @@ def test_a_crashing_or_hanging_build_does_not_take_kvreplay_down(repo, trace):
     assert crashed.status == "crashed" and crashed.exit_code == 125
     hung = replay(trace, f"git:{repo}@hang:mypool:Pool", device="cpu", timeout_s=5)
     assert hung.status == "timeout" and "5 s" in hung.message and hung.exit_code == 125
+
+
+def test_a_native_crash_says_what_killed_it_and_where_and_the_next_trace_gets_a_fresh_worker(repo, trace):
+    from kvreplay.replay.worker import replay_many_in_worker
+
+    # The pool aborts at its 400th free group in a worker: during the second trace.
+    reports, _ = replay_many_in_worker([trace, trace, trace], f"git:{repo}@late-crash:mypool:Pool", device="cpu")
+    assert [r.status for r in reports] == ["violation", "crashed", "violation"]
+    msg = reports[1].message
+    assert "killed by SIGABRT" in msg and "after call #" in msg, msg
+    assert "first violation before it: swa-mapping/" in msg, msg
 
 
 def test_the_tree_is_exported_once_per_commit_and_reused(repo, tmp_path_factory):

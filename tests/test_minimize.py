@@ -45,7 +45,7 @@ def test_the_seed_bug_trace_shrinks_to_a_reproducer_that_fails_only_on_the_bug(t
     d = json.loads(res.stdout)
     assert d["calls_before"] > 30_000 and d["calls_after"] <= 20, d
     assert d["wall_s"] < 60 and not d["timed_out"]
-    assert d["failure"] == {"kind": "violation", "id": "swa-mapping", "method_kind": "free"}
+    assert d["failure"] == {"kind": "violation", "id": "swa-mapping", "method_kind": "free", "rule": None}
     assert d["reference"] == "builtin:swa"
 
     # The minimal trace is a real trace: it replays strict on the bug variant with the

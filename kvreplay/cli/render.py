@@ -19,7 +19,8 @@ def row(t: Table, *cells: Any, style: str | None = None) -> None:
 
 
 def render_report(r: Any) -> None:
-    head = Text.assemble((r.trace, "bold"), " on ", (r.build, "bold"), f" ({r.mode}, {r.device}): ",
+    kernels = f", kernels: {r.kernels}" if getattr(r, "kernels", "none") != "none" else ""
+    head = Text.assemble((r.trace, "bold"), " on ", (r.build, "bold"), f" ({r.mode}, {r.device}{kernels}): ",
                          (r.status, STATUS_STYLE.get(r.status, "magenta")),
                          f"  {r.calls_replayed} calls in {r.wall_s:.2f} s ({r.calls_per_s:,.0f} calls/s)")
     out.print(head, soft_wrap=True)
@@ -55,7 +56,8 @@ def _capacity_line(call: int | None, after: int | None) -> None:
 
 
 def render_stored(d: dict[str, Any], *, show_all: bool = False) -> None:
-    say(f"run {d['run_id']}: {d['trace']} on {d['build']} ({d['mode']}, {d['device']}) -> {d['status']}, "
+    say(f"run {d['run_id']}: {d['trace']} on {d['build']} ({d['mode']}, {d['device']}, kernels: "
+        f"{d.get('kernels', 'none')}) -> {d['status']}, "
         f"{d['calls_replayed']} calls, {d['violation_total']} violations, {d['divergence_total']} divergences")
     if d.get("message"):
         say(f"  {d['message']}")

@@ -9,7 +9,15 @@ from rich.table import Table
 
 from kvreplay.cli.base import BUILD_HELP, DB_HELP, JSON_HELP, app, emit_json, out, progress, say
 from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row
-from kvreplay.errors import EXIT_ABORT_BISECT, EXIT_BAD_INPUT, EXIT_FOUND, EXIT_UNLOADABLE, KvreplayError
+from kvreplay.errors import (
+    EXIT_ABORT_BISECT,
+    EXIT_BAD_INPUT,
+    EXIT_CLEAN,
+    EXIT_FOUND,
+    EXIT_UNLOADABLE,
+    BadInput,
+    KvreplayError,
+)
 
 
 @app.command()
@@ -29,8 +37,11 @@ def replay(
     no_store: bool = typer.Option(False, "--no-store", help="Do not write the run to the database."),
     git_bisect: bool = typer.Option(False, "--git-bisect", help="For `git bisect run`: bad input exits 128 "
                                     "(git aborts the bisect) instead of 2 (which git would take as bad)."),
-    failure: str | None = typer.Option(None, "--failure", help="Count only this invariant id or divergence kind "
-                                       "as a failure (exit 1); any other failure exits 125 (skip)."),
+    failure: str | None = typer.Option(None, "--failure", help="Count only this invariant, invariant/rule or "
+                                       "divergence kind as a failure (exit 1); any other failure exits 125 (skip)."),
+    fixed: bool = typer.Option(False, "--fixed", help="With --git-bisect, to find a fix (git bisect start "
+                               "--term-old broken --term-new fixed): the failure exits 0 (old), its absence "
+                               "exits 1 (new); needs --failure."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace on a build, check every invariant, store the run.
@@ -48,6 +59,8 @@ def replay(
 
     try:
         wanted = Failure.parse(failure) if failure else None
+        if fixed and (wanted is None or not git_bisect):
+            raise BadInput("--fixed needs --git-bisect and --failure (the failure whose fix git bisect looks for)")
         extra = {"timeout_s": timeout} if not BuildSpec.parse(build).in_process else {}
         with progress(f"replay {trace.name}", "rows") as cb:
             res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
@@ -59,7 +72,10 @@ def replay(
         raise
     r = res.report
     code = r.exit_code
-    if wanted is not None and code == EXIT_FOUND:
+    if fixed and wanted is not None and code in (EXIT_CLEAN, EXIT_FOUND):
+        # git bisect run: 0 is the old term (still broken), 1 the new (fixed).
+        code = EXIT_CLEAN if wanted.shown_by(r) else EXIT_FOUND
+    elif wanted is not None and code == EXIT_FOUND:
         code = EXIT_FOUND if wanted.shown_by(r) else EXIT_UNLOADABLE
     if as_json:
         emit_json({**r.to_dict(), "run_id": res.run_id})
@@ -67,7 +83,10 @@ def replay(
         render_report(r)
         if res.run_id is not None:
             say(f"stored as run {res.run_id} (kvreplay show {res.run_id})")
-        if code != r.exit_code:
+        if fixed:
+            say(f"{failure} {'still shows' if code == EXIT_CLEAN else 'is gone'}: exit {code} "
+                f"({'old: broken' if code == EXIT_CLEAN else 'new: fixed'})")
+        elif code != r.exit_code:
             say(f"no {failure} failure: exit {code} (skip)")
     raise typer.Exit(code)
 
@@ -115,7 +134,8 @@ def diff(
 def runs(
     trace: str | None = typer.Option(None, help="Only runs of traces whose path contains this (or hash prefix)."),
     build: str | None = typer.Option(None, help="Only runs on this build spec."),
-    status: str | None = typer.Option(None, help="clean, violation, divergence, unloadable, crashed or timeout."),
+    status: str | None = typer.Option(None, help="clean, violation, divergence, unloadable, unsupported, "
+                                      "crashed or timeout."),
     limit: int = typer.Option(50, help="Most runs to list (newest first)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),

@@ -21,7 +21,13 @@ def bisect_cmd(
     cls: str = typer.Option("", "--class", help="MODULE:CLASS of the pool in the repository (default: the "
                             "tree's sglang allocator for the trace's family)."),
     builds: str | None = typer.Option(None, "--builds", help="Instead of a repository: build specs in order, "
-                                      "good first, bad last, e.g. builtin:swa,builtin:swa@stale-tail."),
+                                      "oldest first, e.g. builtin:swa,builtin:swa@stale-tail or a release "
+                                      "range sglang==0.5.11..0.5.23."),
+    fixed: bool = typer.Option(False, "--fixed", help="Look for the fix: the old end shows the failure, the new "
+                               "end does not; name the first build (or commit) where it is gone."),
+    failure: str | None = typer.Option(None, "--failure", help="The failure to follow: an invariant, "
+                                       "invariant/rule (that rule only) or divergence kind (default: the first "
+                                       "failure the failing end shows)."),
     mode: str = typer.Option("strict", help="Replay mode for every step (strict or remap)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     timeout: float = typer.Option(1800.0, "--timeout", help="A git: step running longer is a timeout (skipped)."),
@@ -29,25 +35,31 @@ def bisect_cmd(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Find the first commit (or build) where a trace starts failing.
+    """Find the first commit (or build) where a trace starts failing, or
+    with --fixed where it stops.
 
     Binary search over the first-parent commits after --good up to --bad,
-    each replayed as a git: build in its own process. A step is good when
-    clean, bad when it shows the failure the bad end shows (same
-    invariant, or same divergence kind), and skipped when it cannot be
-    tested (unloadable, crashed, timeout) or fails differently. Results
-    are stored, so bisecting the same trace again replays nothing it has
-    seen.
+    each replayed as a git: build in its own process, or over --builds
+    (release ranges expand to every release in them). A step is good when
+    clean, bad when it shows the failure (--failure, else the one the bad
+    end shows first), and skipped when it cannot be tested (unloadable,
+    unsupported, crashed, timeout) or fails differently. With --fixed the
+    old end (--good, or the first of --builds) must show the failure, and
+    a step is fixed as soon as the failure is gone. Results are stored,
+    so bisecting the same trace again replays nothing it has seen.
 
-    Exit 0 when the first bad commit (or a range, when skips hide it) is
-    named, 1 when --good already fails, 2 on bad input.
+    Exit 0 when the first bad (or fixed) build, or a range when skips
+    hide it, is named; 1 when --good already fails; 2 on bad input.
     """
     from kvreplay.bisect import bisect, build_candidates, git_candidates
+    from kvreplay.builds.releases import expand_all
+    from kvreplay.replay.report import Failure
 
     if builds and repo:
         raise KvreplayError("give --repo/--good/--bad or --builds, not both")
+    target = Failure.parse(failure) if failure else None
     if builds:
-        good_c, order = build_candidates(builds.split(","))
+        good_c, order = build_candidates(expand_all([b.strip() for b in builds.split(",") if b.strip()]))
     elif repo is None or good is None:
         raise KvreplayError("bisect needs --repo PATH --good REV [--bad REV], or --builds A,B,...")
     else:
@@ -59,16 +71,19 @@ def bisect_cmd(
         say(f"  {step.label:<14} {step.verdict:<5} {step.why}  ({src}; ~{left} step(s) left)", to_err=True)
 
     res = bisect(trace, good_c, order, db=db, mode=mode, device=device, timeout_s=timeout,
-                 use_cache=not no_cache, on_step=on_step)
+                 use_cache=not no_cache, failure=target, fixed=fixed, on_step=on_step)
     if as_json:
         emit_json(res.to_dict())
         raise typer.Exit(res.exit_code)
     what = "commit" if order[0].commit else "build"
+    term = "fixed" if fixed else "bad"
     if res.verdict == "found":
-        say(f"first bad {what}: {res.first_bad.describe()}")
-        say(f"  shows {res.bad_shows}: {res.bad_detail}")
+        say(f"first {term} {what}: {res.first_bad.describe()}")
+        say(f"  {'the build before it shows' if fixed else 'shows'} {res.bad_shows}")
+        if res.bad_detail:
+            say(f"  {res.bad_detail}")
     elif res.verdict == "range":
-        say(f"the first bad {what} is one of these (skipped steps hide which):")
+        say(f"the first {term} {what} is one of these (skipped steps hide which):")
         for c in res.candidates:
             say(f"  {c.describe()}")
     else:

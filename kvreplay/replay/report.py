@@ -159,13 +159,17 @@ class Failure:
     kind: str  # violation | divergence
     id: str
     method_kind: str | None = None
+    rule: str | None = None  # only this rule of the invariant (``--failure invariant/rule``)
 
     @classmethod
     def parse(cls, text: str) -> Failure:
-        """From an invariant id, ``invariant/rule`` (the invariant counts) or divergence kind."""
+        """From an invariant id (any of its rules), ``invariant/rule`` (that rule only)
+        or a divergence kind."""
         inv = text.split("/")[0]
-        if inv in INVARIANTS and (text == inv or text in RULES):
+        if inv in INVARIANTS and text == inv:
             return cls("violation", inv)
+        if inv in INVARIANTS and text in RULES:
+            return cls("violation", inv, rule=text.partition("/")[2])
         if text in DIVERGENCE_KINDS:
             return cls("divergence", text)
         known = [*INVARIANTS, *DIVERGENCE_KINDS]
@@ -183,7 +187,10 @@ class Failure:
         return None
 
     def shown_by(self, shown: Any) -> bool:
-        """Does a report (or anything with ``invariants`` and ``divergence_kinds``) show it?"""
+        """Does a report (or anything with ``invariants``, ``rules`` and
+        ``divergence_kinds``) show it?"""
+        if self.rule is not None:
+            return f"{self.id}/{self.rule}" in shown.rules
         return self.id in (shown.invariants if self.kind == "violation" else shown.divergence_kinds)
 
     def matches(self, item: Any, *, any_method: bool = False) -> bool:
@@ -193,13 +200,15 @@ class Failure:
             return False
         if (item.invariant if is_violation else item.kind) != self.id:
             return False
+        if self.rule is not None and item.rule != self.rule:
+            return False
         return any_method or self.method_kind is None or method_kind(item.method) == self.method_kind
 
     def in_items(self, items: Iterable[Any], *, any_method: bool = False) -> bool:
         return any(self.matches(x, any_method=any_method) for x in items)
 
     def __str__(self) -> str:
-        s = f"{self.id} {self.kind}"
+        s = f"{self.id}/{self.rule} {self.kind}" if self.rule else f"{self.id} {self.kind}"
         if self.method_kind:
             s += f" on a{'n' if self.method_kind[0] in 'aeio' else ''} {self.method_kind} call"
         return s

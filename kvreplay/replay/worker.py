@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.builds.worker_code import HIDE_ENV, prepare
 from kvreplay.errors import EXIT_BAD_INPUT, EXIT_UNLOADABLE, BadInput, BuildUnloadable, BuildUnsupported
 from kvreplay.replay.report import ReplayReport, untestable
+
+CRUMB_ENV = "KVREPLAY_WORKER_PROGRESS"  # the file a worker notes its progress in
 
 
 def replay_in_worker(trace: str | Path, spec: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -53,6 +57,8 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
         return [untestable(str(t), spec, options.get("mode", "strict"), device, "unloadable", str(exc),
                            time.perf_counter() - t0) for t in traces], ""
     env = code.env()
+    crumbs = Path(tempfile.mkdtemp(prefix="kvreplay-worker-")) / "progress.json"
+    env[CRUMB_ENV] = str(crumbs)
     reports: list[ReplayReport] = []
     todo = [str(Path(t).resolve()) for t in traces]
     while todo:
@@ -76,12 +82,26 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
             break
         wall = time.perf_counter() - started
         if ended == "timeout":
-            why = f"no result after {timeout_s:.0f} s"
+            why = f"no result after {timeout_s:.0f} s" + _where(crumbs, todo[0])
         else:
-            ended, why = "crashed", _death(proc.returncode, err)
+            ended, why = "crashed", _death(proc.returncode, err) + _where(crumbs, todo[0])
         reports.append(untestable(todo[0], spec, options.get("mode", "strict"), device, ended, why, wall))
         todo = todo[1:]
+    shutil.rmtree(crumbs.parent, ignore_errors=True)
     return reports, code.code_id
+
+
+def _where(crumbs: Path, trace: str) -> str:
+    """Where the replay had got to when its worker died, from its last progress note:
+    the call, and the first violation before it (the state a crash may come from)."""
+    try:
+        note = json.loads(crumbs.read_text())
+    except (OSError, ValueError):
+        return ""
+    if note.get("trace") != trace:
+        return ""
+    where = f"; after call #{note['call']} of {note['calls']}"
+    return where + (f"; first violation before it: {note['first']}" if note.get("first") else "")
 
 
 def _death(returncode: int, stderr: str) -> str:
@@ -174,6 +194,27 @@ def _worker() -> int:
     return code
 
 
+def _breadcrumbs(trace: str, replayer: Any) -> Any:
+    """A progress callback that leaves a note of where the replay is (every 512
+    calls), so that the parent can say where a worker that died natively had got to."""
+    path = os.environ.get(CRUMB_ENV)
+    if not path:
+        return None
+    from kvreplay.replay.report import describe
+
+    total = replayer.reader.count_calls() if hasattr(replayer.reader, "count_calls") else 0
+
+    def note(done: int, rows: int) -> None:
+        first = replayer.checker.log.first() if replayer.checker else None
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"trace": trace, "call": replayer.calls, "calls": total,
+                       "first": describe(first, long=True) if first else ""}, fh)
+        os.replace(tmp, path)
+
+    return note
+
+
 def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | None) -> dict[str, Any]:
     try:
         from kvreplay.builds.sglang import spec_for
@@ -186,7 +227,7 @@ def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | N
         if build == "sglang":
             spec_for(replayer.meta.family, replayer.meta.pool_class)  # fail early, with the class named
         before = kernels["launches"] if kernels else 0
-        report = replayer.run()
+        report = replayer.run(progress=_breadcrumbs(trace, replayer))
         report.build = request["spec"]
         if kernels and kernels["launches"] > before:
             report.kernels = kernels["kind"]

@@ -1,0 +1,178 @@
+"""Release builds (sglang==VERSION), ranges, overlays, matrix and bisect --fixed.
+
+These need neither sglang nor the network: ranges expand from the cached index, the
+overlay's pin selection reads requirement strings, and matrix and bisect run on
+builtin builds (the integration tier, tests/test_sglang_releases.py, replays real
+releases)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+
+from kvreplay.bisect import bisect, build_candidates
+from kvreplay.builds.cache import cache_root
+from kvreplay.builds.overlay import exact_pins, is_platform
+from kvreplay.builds.releases import _unpack_wheel, expand, expand_all, requirements_of_tree
+from kvreplay.builds.spec import BuildSpec
+from kvreplay.errors import BadInput, BuildUnloadable, UnknownBuild
+from kvreplay.matrix import run_matrix
+from kvreplay.replay.report import Failure
+
+INDEX = ["0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14"]
+
+
+@pytest.fixture
+def index():
+    """The package index's sglang versions, as `pip index versions` last gave them."""
+    path = cache_root() / "releases" / "index.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(INDEX))
+    yield INDEX
+    path.unlink()
+
+
+def test_a_release_spec_is_an_exact_worker_build():
+    s = BuildSpec.parse("sglang==0.5.12.post1")
+    assert (s.kind, s.version, s.exact, s.in_process) == ("release", "0.5.12.post1", True, False)
+
+
+@pytest.mark.parametrize("text", ["sglang==5", "sglang==latest", "sglang==0.5.12; rm -rf /", "sglang==--pre",
+                                  "sglang==0.5.12rc1"])
+def test_a_release_spec_takes_only_a_version(text):
+    with pytest.raises(BadInput, match="not a release version"):
+        BuildSpec.parse(text)
+
+
+def test_a_range_is_not_one_build():
+    with pytest.raises(UnknownBuild, match="range of builds"):
+        BuildSpec.parse("sglang==0.5.11..0.5.13")
+
+
+def test_a_range_covers_final_and_post_releases_in_order(index):
+    assert expand("sglang==0.5.11..0.5.13") == ["sglang==0.5.11", "sglang==0.5.12", "sglang==0.5.12.post1",
+                                                "sglang==0.5.13"]
+    assert expand_all(["builtin:swa", "sglang==0.5.12.post1..0.5.13"]) == [
+        "builtin:swa", "sglang==0.5.12.post1", "sglang==0.5.13"]
+    with pytest.raises(BadInput, match="backwards"):
+        expand("sglang==0.5.13..0.5.11")
+    with pytest.raises(BadInput, match="no sglang release"):
+        expand("sglang==0.6.0..0.6.9")
+
+
+def test_overlay_pins_are_exact_non_platform_pins_that_apply_here():
+    reqs = ["transformers==4.55.2; extra == 'runtime-common'", "torch==2.8.0; extra == 'srt'",
+            "tokenizers>=0.21", "openai==1.99.1", "flashinfer_python==0.2.11.post3", "nvidia-cutlass-dsl==4.1.0",
+            "decord2; sys_platform == 'linux' and platform_machine == 'aarch64'",
+            "timm==1.0.16; extra == 'test'", "not a requirement ((", "av==16.1.0; platform_machine == 'armv7l'"]
+    assert exact_pins(reqs) == ["openai==1.99.1", "transformers==4.55.2"]
+    assert is_platform("Torch") and is_platform("sglang-kernel") and not is_platform("transformers")
+
+
+def test_a_checkout_gives_its_requirements_from_its_own_pyproject(tmp_path):
+    (tmp_path / "python").mkdir()
+    (tmp_path / "python" / "pyproject.toml").write_text(
+        '[project]\nname = "sglang"\ndependencies = ["transformers==5.6.0"]\n'
+        '[project.optional-dependencies]\nsrt = ["timm==1.0.16"]\n')
+    reqs = requirements_of_tree(tmp_path)
+    assert exact_pins(reqs) == ["timm==1.0.16", "transformers==5.6.0"]
+    (tmp_path / "python" / "pyproject.toml").write_text('[project]\nname = "mypools"\ndependencies = ["x==1"]\n')
+    assert requirements_of_tree(tmp_path) == []
+
+
+def test_a_release_archive_with_an_escaping_path_is_refused(tmp_path):
+    wheel = tmp_path / "sglang-0.5.99-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("sglang/__init__.py", "")
+        zf.writestr("../../evil.py", "print('pwned')")
+    with pytest.raises(BuildUnloadable, match="unsafe path"):
+        _unpack_wheel(wheel, tmp_path / "out")
+    assert not (tmp_path / "evil.py").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_rule_failure_is_that_rule_only():
+    f = Failure.parse("swa-mapping/tail-prealloc-nontail-mapped")
+    assert (f.id, f.rule) == ("swa-mapping", "tail-prealloc-nontail-mapped")
+    assert Failure.parse("swa-mapping").rule is None
+    shown = type("R", (), {"invariants": ["swa-mapping"], "rules": ["swa-mapping/released-page-keeps-peer"],
+                           "divergence_kinds": []})()
+    assert not f.shown_by(shown) and Failure.parse("swa-mapping").shown_by(shown)
+
+
+def test_bisect_fixed_names_the_first_build_where_the_failure_is_gone(swa_trace_80, tmp_path):
+    # stale-tail shows tail-prealloc-nontail-mapped; page-partial-clear still breaks
+    # swa-mapping (released-page-keeps-peer) but not that rule: it is the fix.
+    old, order = build_candidates(["builtin:swa@stale-tail", "builtin:swa@stale-tail", "builtin:swa@page-partial-clear",
+                                   "builtin:swa@page-partial-clear", "builtin:swa"])
+    target = Failure.parse("swa-mapping/tail-prealloc-nontail-mapped")
+    res = bisect(swa_trace_80, old, order, db=str(tmp_path / "k.db"), device="cpu", failure=target, fixed=True)
+    assert res.verdict == "found" and res.fixed
+    assert res.first_bad.spec == "builtin:swa@page-partial-clear" and order.index(res.first_bad) == 1
+    assert "tail-prealloc-nontail-mapped" in res.bad_shows
+    with pytest.raises(BadInput, match="old end builtin:swa does not show"):
+        bisect(swa_trace_80, *build_candidates(["builtin:swa", "builtin:swa@stale-tail"]),
+               db=str(tmp_path / "k.db"), failure=target, fixed=True)
+    with pytest.raises(BadInput, match="new end builtin:swa@stale-tail still shows"):
+        bisect(swa_trace_80, *build_candidates(["builtin:swa@stale-tail", "builtin:swa@stale-tail"]),
+               db=str(tmp_path / "k.db"), failure=target, fixed=True)
+
+
+def test_bisect_fixed_from_the_command_line(cli, swa_trace_80, tmp_path):
+    r = cli("bisect", str(swa_trace_80), "--builds", "builtin:swa@stale-tail,builtin:swa@page-partial-clear",
+            "--fixed", "--failure", "swa-mapping/tail-prealloc-nontail-mapped", "--db", str(tmp_path / "k.db"),
+            "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["fixed"] and d["first_bad"]["spec"] == "builtin:swa@page-partial-clear"
+    assert [s["verdict"] for s in d["steps"]] == ["bad", "fixed"]
+
+
+@pytest.mark.parametrize("build,code", [("builtin:swa@stale-tail", 0), ("builtin:swa@page-partial-clear", 1),
+                                        ("builtin:swa", 1)])
+def test_replay_git_bisect_fixed_maps_the_failure_to_old(cli, swa_trace_80, build, code):
+    r = cli("replay", str(swa_trace_80), "--build", build, "--no-store", "--git-bisect", "--fixed",
+            "--failure", "swa-mapping/tail-prealloc-nontail-mapped", "--device", "cpu")
+    assert r.returncode == code, r.stdout + r.stderr
+
+
+def test_replay_fixed_needs_a_failure(cli, swa_trace_80):
+    r = cli("replay", str(swa_trace_80), "--build", "builtin:swa", "--no-store", "--fixed")
+    assert r.returncode == 2 and "--fixed needs --git-bisect and --failure" in r.stderr
+
+
+def test_matrix_stores_one_run_per_cell_and_reuses_exact_builds(swa_trace_80, tmp_path):
+    db = str(tmp_path / "m.db")
+    builds = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@unfiltered-page0"]
+    res = run_matrix([swa_trace_80], builds, db=db, device="cpu", jobs=2)
+    cells = {c.build: c for c in res.cells}
+    assert [c.build for c in res.cells] == builds and res.exit_code == 1
+    assert cells["builtin:swa"].status == "clean" and not cells["builtin:swa"].firsts
+    stale = cells["builtin:swa@stale-tail"]
+    assert stale.status == "violation" and stale.firsts["swa-mapping"]["rule"] == "released-page-keeps-peer"
+    assert "swa-mapping/tail-prealloc-nontail-mapped" in stale.rules and stale.kernels == "none"
+    assert "swa-mapping" in res.invariants
+    again = run_matrix([swa_trace_80], builds, db=db, device="cpu", jobs=2)
+    assert all(c.cached for c in again.cells)
+    assert [(c.status, c.rules) for c in again.cells] == [(c.status, c.rules) for c in res.cells]
+
+
+def test_matrix_from_the_command_line(cli, swa_trace_80, tmp_path):
+    r = cli("matrix", str(swa_trace_80), "--builds", "builtin:swa,builtin:swa@stale-tail", "--db",
+            str(tmp_path / "m.db"), "--device", "cpu", "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 1 and d["builds"] == ["builtin:swa", "builtin:swa@stale-tail"]
+    assert [c["status"] for c in d["cells"]] == ["clean", "violation"]
+    r = cli("matrix", str(swa_trace_80), "--builds", "builtin:swa,builtin:swa@stale-tail", "--db",
+            str(tmp_path / "m.db"), "--device", "cpu")
+    assert "#" in r.stdout and "stored" in r.stderr
+
+
+def test_matrix_bad_input_is_one_line_and_writes_nothing(cli, swa_trace_80, tmp_path):
+    db = tmp_path / "m.db"
+    for argv in (["--builds", "builtin:nope"], ["--builds", "sglang==0.5.x"], ["--builds", " , "]):
+        r = cli("matrix", str(swa_trace_80), *argv, "--db", str(db))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = cli("matrix", str(tmp_path / "missing.parquet"), "--builds", "builtin:swa", "--db", str(db))
+    assert r.returncode == 2 and "no such trace" in r.stderr
+    assert not db.exists()

@@ -1,0 +1,83 @@
+"""The integration tier, across releases: sglang==VERSION builds on their own code.
+
+Run by scripts/sglang-tier.sh (``-m sglang``), in an environment with sglang's
+runtime dependencies (the tier's .venv-sglang). Each release is fetched from the
+package index once into the kvreplay cache (``KVREPLAY_CACHE``, kept between CI
+runs); its paged allocators run their Triton kernels in Triton's interpreter. Three
+releases cover the layouts: 0.5.12 (SWA allocator in swa_memory_pool.py, before the
+allocator package), 0.5.17 (the allocator package, before the segment frees) and
+0.5.23 (the reference)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang", reason="sglang not installed")
+
+from kvreplay.bisect import bisect, build_candidates  # noqa: E402
+from kvreplay.builds.releases import expand  # noqa: E402
+from kvreplay.matrix import run_matrix  # noqa: E402
+from kvreplay.replay.dispatch import replay  # noqa: E402
+from kvreplay.replay.report import Failure  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+CORPUS = Path(__file__).resolve().parents[1] / "traces"
+SEED = "swa-mapping/tail-prealloc-nontail-mapped"
+
+
+@pytest.fixture(autouse=True)
+def _shared_cache(monkeypatch):
+    # Releases are big: keep them where CI keeps them, not in a per-test temp dir.
+    monkeypatch.setenv("KVREPLAY_CACHE", os.environ.get("KVREPLAY_RELEASE_CACHE",
+                                                        os.path.expanduser("~/.cache/kvreplay")))
+
+
+def test_the_seed_bug_shows_on_0_5_12_at_the_tail_preallocation(cli, tmp_path):
+    r = cli("replay", str(CORPUS / "disagg-mtp-2000.parquet"), "--build", "sglang==0.5.12", "--device", "cpu",
+            "--db", str(tmp_path / "k.db"), "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 1, r.stderr
+    seed = [v for v in d["violations"] if f"{v['invariant']}/{v['rule']}" == SEED]
+    assert seed and seed[0]["method"] == "alloc_extend_swa_tail"
+    assert d["kernels"] == "triton-interpreter" and d["build"] == "sglang==0.5.12"
+    shown = cli("show", str(d["run_id"]), "--db", str(tmp_path / "k.db"), "--json")
+    assert json.loads(shown.stdout)["kernels"] == "triton-interpreter"
+
+
+def test_the_seed_fix_is_in_0_5_12_post1():
+    r = replay(CORPUS / "disagg-mtp-2000.parquet", "sglang==0.5.12.post1", device="cpu")
+    assert r.status in ("violation", "clean", "divergence") and SEED not in r.rules
+    assert r.kernels == "triton-interpreter"
+
+
+def test_bisect_over_releases_names_the_fix(tmp_path):
+    old, order = build_candidates(expand("sglang==0.5.11..0.5.23"))
+    res = bisect(CORPUS / "disagg-mtp-2000.parquet", old, order, db=str(tmp_path / "k.db"), device="cpu",
+                 failure=Failure.parse(SEED), fixed=True)
+    assert res.verdict == "found" and res.first_bad.spec == "sglang==0.5.12.post1", res.steps
+
+
+def test_three_layouts_replay_the_corpus_without_a_crash(tmp_path):
+    traces = [CORPUS / f"{t}.parquet" for t in ("disagg-mtp-azure-1000", "sglang-0.5.23-swa-page0",
+                                                 "sglang-0.5.23-decode-none-leak")]
+    res = run_matrix(traces, ["sglang==0.5.12", "sglang==0.5.17", "sglang==0.5.23"], db=str(tmp_path / "m.db"),
+                     mode="remap", device="cpu", jobs=2)
+    assert len(res.cells) == 9
+    assert not [c for c in res.cells if c.status in ("crashed", "timeout", "unloadable")], \
+        [(c.build, c.status, c.message) for c in res.cells]
+    # #38519: the page-0 free shows where free_swa_segment is the release's own (0.5.20 on).
+    page0 = {c.build: c for c in res.cells if c.trace.endswith("sglang-0.5.23-swa-page0.parquet")}
+    assert "free-list/padding-page-free" in page0["sglang==0.5.23"].rules
+    # The release build of 0.5.23 is the installed 0.5.23, call for call.
+    installed = replay(traces[1], "sglang", mode="remap", device="cpu")
+    assert page0["sglang==0.5.23"].rules == {k: v.call for k, v in _firsts(installed).items()}
+
+
+def _firsts(report):
+    from kvreplay.replay.report import firsts_by_rule
+
+    return firsts_by_rule(report.violations)
