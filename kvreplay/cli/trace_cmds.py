@@ -109,4 +109,6 @@ def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -
     ver = sglang_adapter.version()
     say("Also: py:MODULE:CLASS (any importable allocator class); sglang (the installed sglang's allocator "
         f"for the trace's family{': sglang ' + ver + ' here' if ver else ': not installed here'}); "
+        "sglang==VERSION (that release's pool code, fetched once into the kvreplay cache and replayed in its "
+        "own process; sglang==A..B for every release from A to B where a command takes several builds); "
         "git:REPO@REV[:MODULE:CLASS] (pool code at a revision, replayed in its own process).")
