@@ -110,7 +110,7 @@ class Step:
 class BisectResult:
     trace: str
     target: Failure | None
-    verdict: str  # found | range | already-bad (--fixed: already-fixed)
+    verdict: str  # found | range | already-bad | already-fixed (--fixed)
     first_bad: Candidate | None  # the first build showing the failure (with --fixed: the first without it)
     candidates: list[Candidate]  # the first bad is one of these (one when found)
     bad_shows: str  # the failure as the first bad build shows it
@@ -269,8 +269,13 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
 
     n = len(order)
     failing_end, failing_label = (good, good.label) if fixed else (order[-1], order[-1].label)
-    verdict, end_o = run(-1 if fixed else n - 1, failing_end, failure)
-    target = failure or end_o.failure
+    if fixed and failure is not None:
+        # Looking for the fix of a named failure: the old end is taken as broken, as
+        # --good is taken as good (it may predate the API the failure needs).
+        verdict, end_o, target = "bad", Outcome("violation", [], [], str(failure)), failure
+    else:
+        verdict, end_o = run(-1 if fixed else n - 1, failing_end, failure)
+        target = failure or end_o.failure
     if verdict != "bad" or target is None:
         why = ("it replays clean there" if end_o.status == "clean" else f"it could not be tested there ({end_o.first})"
                if end_o.status in UNTESTABLE else f"it shows no {failure} there ({end_o.first})")
@@ -302,6 +307,13 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
         v, o = run(-1, good, target)
         if v == "bad":
             return BisectResult(str(trace), target, "already-bad", None, [], o.shows(target), o.detail, steps, n)
+    if hi - lo == 1 and lo == -1 and fixed and -1 not in {st.index for st in steps}:
+        # Everything tested was fixed: make sure the old end really shows the failure.
+        v, o = run(-1, good, target)
+        if v == "fixed":
+            return BisectResult(str(trace), target, "already-fixed", None, [], o.first, o.detail, steps, n, True)
+        if v == "bad":
+            shows[-1] = o
     cands = order[lo + 1:hi + 1]
     verdict = "found" if len(cands) == 1 else "range"
     shown = shows[lo if fixed else hi] if (lo if fixed else hi) in shows else end_o

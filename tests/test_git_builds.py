@@ -87,7 +87,7 @@ def test_a_native_crash_says_what_killed_it_and_where_and_the_next_trace_gets_a_
     reports, _ = replay_many_in_worker([trace, trace, trace], f"git:{repo}@late-crash:mypool:Pool", device="cpu")
     assert [r.status for r in reports] == ["violation", "crashed", "violation"]
     msg = reports[1].message
-    assert "killed by SIGABRT" in msg and "after call #" in msg, msg
+    assert "killed by SIGABRT" in msg and "in call #" in msg and "free_group_begin" in msg, msg
     assert "first violation before it: swa-mapping/" in msg, msg
 
 

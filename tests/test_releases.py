@@ -111,9 +111,14 @@ def test_bisect_fixed_names_the_first_build_where_the_failure_is_gone(swa_trace_
     assert res.verdict == "found" and res.fixed
     assert res.first_bad.spec == "builtin:swa@page-partial-clear" and order.index(res.first_bad) == 1
     assert "tail-prealloc-nontail-mapped" in res.bad_shows
-    with pytest.raises(BadInput, match="old end builtin:swa does not show"):
-        bisect(swa_trace_80, *build_candidates(["builtin:swa", "builtin:swa@stale-tail"]),
-               db=str(tmp_path / "k.db"), failure=target, fixed=True)
+    with pytest.raises(BadInput, match="old end builtin:swa does not show"):  # no --failure: the old end is tested
+        bisect(swa_trace_80, *build_candidates(["builtin:swa", "builtin:swa@stale-tail", "builtin:swa"]),
+               db=str(tmp_path / "k.db"), fixed=True)
+    # With --failure the old end is taken as broken (it may predate the API the
+    # failure needs), and checked only when every other build is fixed.
+    res = bisect(swa_trace_80, *build_candidates(["builtin:swa", "builtin:swa@page-partial-clear", "builtin:swa"]),
+                 db=str(tmp_path / "k.db"), failure=target, fixed=True)
+    assert res.verdict == "already-fixed"
     with pytest.raises(BadInput, match="new end builtin:swa@stale-tail still shows"):
         bisect(swa_trace_80, *build_candidates(["builtin:swa@stale-tail", "builtin:swa@stale-tail"]),
                db=str(tmp_path / "k.db"), failure=target, fixed=True)
@@ -125,7 +130,9 @@ def test_bisect_fixed_from_the_command_line(cli, swa_trace_80, tmp_path):
             "--json")
     d = json.loads(r.stdout)
     assert r.returncode == 0 and d["fixed"] and d["first_bad"]["spec"] == "builtin:swa@page-partial-clear"
-    assert [s["verdict"] for s in d["steps"]] == ["bad", "fixed"]
+    # The new end first; the old end only to confirm it, since every other build was fixed.
+    assert [(s["label"], s["verdict"]) for s in d["steps"]] == [("builtin:swa@page-partial-clear", "fixed"),
+                                                                 ("builtin:swa@stale-tail", "bad")]
 
 
 @pytest.mark.parametrize("build,code", [("builtin:swa@stale-tail", 0), ("builtin:swa@page-partial-clear", 1),

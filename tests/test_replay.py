@@ -42,11 +42,13 @@ def test_other_free_policy_diverges_in_strict_and_replays_clean_in_remap(decode_
     assert remap.status == "clean", (remap.violation_counts, remap.divergence_counts)
 
 
-def test_missing_method_is_an_unsupported_divergence_not_a_crash(decode_trace):
+def test_missing_method_stops_the_replay_as_unsupported_not_a_crash(decode_trace):
     r = replay(decode_trace, "py:pool_policies:NoDecodePagedPool", mode="remap", device="cpu")
-    assert r.divergence_counts.get("unsupported", 0) > 0
+    assert r.divergence_counts == {"unsupported": 1} and r.stopped_early
     assert r.first_divergence.kind == "unsupported" and r.first_divergence.method == "alloc_decode"
-    assert r.exit_code == 1
+    assert r.status == "unsupported" and r.exit_code == 125
+    assert f"no method alloc_decode and no translation applies (call #{r.first_divergence.call})" in r.message
+    assert r.calls_replayed == r.first_divergence.call
 
 
 def test_a_method_the_build_lacks_is_replayed_through_its_translation(decode_trace, disagg_trace):

@@ -86,6 +86,8 @@ def bisect_cmd(
         say(f"the first {term} {what} is one of these (skipped steps hide which):")
         for c in res.candidates:
             say(f"  {c.describe()}")
+    elif res.verdict == "already-fixed":
+        say(f"the old end {good_c.label} does not show {res.target} either: nothing to look for ({res.bad_shows})")
     else:
         say(f"--good {good_c.label} already shows the failure: {res.bad_shows}")
     say("step log:")

@@ -149,6 +149,9 @@ class Replayer:
                                   PageTable(swa.num_pages, swa.page_size) if swa else None)
         self.calls = 0
         self.capacity_call: int | None = None
+        # The first call the build cannot make that changes the pool's state: every call
+        # after it would replay on a state the recording never had, so the replay stops.
+        self.unsupported: str | None = None
 
     def _diverge(self, call: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
         self.div_counts[kind] += 1
@@ -161,15 +164,19 @@ class Replayer:
         self.calls += 1
         fn, translated = method_of(self.pool, c.method)
         if fn is None:
-            self._diverge(n, c.method, "unsupported", "method", "missing",
-                          f"build {self.build_spec} has no method {c.method} and no translation applies")
+            why = f"build {self.build_spec} has no method {c.method} and no translation applies"
+            self._diverge(n, c.method, "unsupported", "method", "missing", why)
+            if c.method not in COUNTER_METHODS and self.unsupported is None:
+                self.unsupported = f"{why} (call #{n})"
             return None, UNSUPPORTED
         if translated:
             self.translated[c.method] += 1
         opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
         if opaque:
-            self._diverge(n, c.method, "unsupported", "recordable arguments", ",".join(opaque),
-                          f"argument(s) {', '.join(opaque)} were not recorded losslessly")
+            why = f"argument(s) {', '.join(opaque)} of {c.method} were not recorded losslessly"
+            self._diverge(n, c.method, "unsupported", "recordable arguments", ",".join(opaque), why)
+            if c.method not in COUNTER_METHODS and self.unsupported is None:
+                self.unsupported = f"{why} (call #{n})"
             return None, UNSUPPORTED
         args = self.remap.args(c.args) if self.remap else c.args
         if c.method in COUNTER_METHODS:
@@ -288,7 +295,7 @@ class Replayer:
             last = tc.number
             if progress is not None and self.calls % 512 == 0:
                 progress(rows, total)
-            if self.stop_at_first and self.found_something():
+            if self.unsupported is not None or (self.stop_at_first and self.found_something()):
                 stopped = True
                 break
         held = self.checker.finish(last) if self.checker and not stopped else {}
@@ -302,6 +309,11 @@ class Replayer:
         first_v = log.first() if log else None
         first_d = min(self.divergences, key=lambda d: d.call) if self.divergences else None
         status = "violation" if violations else ("divergence" if self.divergences else "clean")
+        message = ""
+        if self.unsupported is not None:
+            status = "violation" if violations else "unsupported"
+            message = f"{self.unsupported}: the replay stops there, since every later call would meet a state " \
+                      "the recording never had"
         after = None
         if self.capacity_call is not None and first_v is not None:
             after = self.capacity_call - first_v.call
@@ -314,7 +326,7 @@ class Replayer:
             divergences=sorted(self.divergences, key=lambda d: d.call), divergence_counts=dict(self.div_counts),
             first_violation=first_v, first_divergence=first_d, capacity_assert_call=self.capacity_call,
             capacity_assert_after_calls=after, held_at_end=held, stopped_early=stopped,
-            translated=dict(self.translated),
+            translated=dict(self.translated), message=message,
         )
 
 

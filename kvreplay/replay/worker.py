@@ -92,15 +92,19 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
 
 
 def _where(crumbs: Path, trace: str) -> str:
-    """Where the replay had got to when its worker died, from its last progress note:
-    the call, and the first violation before it (the state a crash may come from)."""
+    """Where the replay had got to when its worker died: the call it was making (from
+    the note the worker updates before each call) and the first violation before it
+    (the state a crash may come from, from the note it leaves every 512 calls)."""
     try:
-        note = json.loads(crumbs.read_text())
+        raw = crumbs.read_bytes()
+        call = int.from_bytes(raw[:8], "little")
+        method = raw[8:72].rstrip(b"\0").decode("ascii", "replace")
+        note = json.loads(Path(f"{crumbs}.json").read_text()) if Path(f"{crumbs}.json").exists() else {}
     except (OSError, ValueError):
         return ""
-    if note.get("trace") != trace:
+    if not call or note.get("trace", trace) != trace:
         return ""
-    where = f"; after call #{note['call']} of {note['calls']}"
+    where = f"; in call #{call} {method}" + (f" of {note['calls']}" if note.get("calls") else "")
     return where + (f"; first violation before it: {note['first']}" if note.get("first") else "")
 
 
@@ -195,23 +199,45 @@ def _worker() -> int:
 
 
 def _breadcrumbs(trace: str, replayer: Any) -> Any:
-    """A progress callback that leaves a note of where the replay is (every 512
-    calls), so that the parent can say where a worker that died natively had got to."""
+    """Leave notes of where the replay is, so that the parent can say where a worker
+    that died natively had got to: the number and method of each call as it is made
+    (eight bytes and a name in a shared page, cheap enough for every call) and the
+    first violation, as soon as there is one. Returns the progress callback."""
     path = os.environ.get(CRUMB_ENV)
     if not path:
         return None
+    import mmap
+
     from kvreplay.replay.report import describe
 
-    total = replayer.reader.count_calls() if hasattr(replayer.reader, "count_calls") else 0
+    with open(path, "wb") as fh:
+        fh.write(b"\0" * 72)
+    with open(path, "r+b") as fh:
+        page = mmap.mmap(fh.fileno(), 72)
+    step = replayer.step
+    total = replayer.reader.count_calls()
+
+    seen = [False]
+
+    def noted_step(tc: Any) -> Any:
+        page[:8] = tc.number.to_bytes(8, "little")
+        page[8:72] = tc.call.method.encode("ascii", "replace")[:64].ljust(64, b"\0")
+        out = step(tc)
+        if not seen[0] and replayer.checker is not None and replayer.checker.log.total:
+            seen[0] = True  # the first violation: noted at once, a crash may follow it
+            note(0, 0)
+        return out
+
+    replayer.step = noted_step
 
     def note(done: int, rows: int) -> None:
         first = replayer.checker.log.first() if replayer.checker else None
-        tmp = f"{path}.tmp"
+        tmp = f"{path}.json.tmp"
         with open(tmp, "w") as fh:
-            json.dump({"trace": trace, "call": replayer.calls, "calls": total,
-                       "first": describe(first, long=True) if first else ""}, fh)
-        os.replace(tmp, path)
+            json.dump({"trace": trace, "calls": total, "first": describe(first, long=True) if first else ""}, fh)
+        os.replace(tmp, f"{path}.json")
 
+    note(0, 0)
     return note
 
 
