@@ -42,6 +42,26 @@ class NoSWAFreeSWAPool(OldAPISWAPool):
     free_swa = None  # type: ignore[assignment]
 
 
+class PreMappingAPISWAPool:
+    """sglang 0.5.8-0.5.11's SWA surface over a correct pool: no segment frees, the
+    caller writes the mapping tensor itself (no set/clear_full_to_swa_mapping), no
+    free_full, and available_size() is abstract."""
+
+    HIDDEN = frozenset({"free_segment", "free_swa_segment", "free_full_segment", "free_segments",
+                        "free_full_segments", "set_full_to_swa_mapping", "clear_full_to_swa_mapping", "free_full"})
+
+    def __init__(self, *a, **k) -> None:
+        self._pool = SWAPool(*a, **k)
+
+    def __getattr__(self, name: str):
+        if name in PreMappingAPISWAPool.HIDDEN:
+            raise AttributeError(name)
+        return getattr(self._pool, name)
+
+    def available_size(self) -> int:
+        raise NotImplementedError()
+
+
 class BrokenImportPool:  # pragma: no cover - never constructed
     def __init__(self, *a, **k) -> None:
         raise RuntimeError("this build cannot be constructed")

@@ -60,6 +60,16 @@ def test_a_method_the_build_lacks_is_replayed_through_its_translation(decode_tra
     assert {"free_swa_segment", "free_segments", "free_full_segments"} <= set(swa.translated)
 
 
+def test_an_older_swa_surface_replays_the_prefix_cache_through_translations(tmp_path_factory):
+    from kvreplay.workload.synth import SynthConfig, synthesize
+
+    radix = tmp_path_factory.mktemp("t") / "radix.parquet"
+    synthesize(SynthConfig(scenario="radix-swa", out=radix, requests=300))
+    r = replay(radix, "py:pool_policies:PreMappingAPISWAPool", mode="remap", device="cpu")
+    assert r.status == "clean", (r.first_divergence, r.first_violation)
+    assert {"set_full_to_swa_mapping", "clear_full_to_swa_mapping", "available_size"} & set(r.translated)
+
+
 def test_a_method_with_no_usable_translation_is_unsupported(disagg_trace):
     r = replay(disagg_trace, "py:pool_policies:NoSWAFreeSWAPool", mode="remap", device="cpu")
     assert r.first_divergence.kind == "unsupported" and r.first_divergence.method == "free_swa_segment"

@@ -25,7 +25,7 @@ import torch
 @dataclass(frozen=True)
 class Translation:
     method: str  # the recorded method
-    needs: tuple[str, ...]  # methods the build must have
+    needs: tuple[str, ...]  # methods the build must have (``.name``: an attribute it must keep)
     since: str  # sglang release that introduced the recorded method
     note: str
     call: Callable[[Any, dict[str, Any]], Any]
@@ -39,6 +39,12 @@ def _cat(segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
 def _page_tokens(pool: Any, page_ids: torch.Tensor) -> torch.Tensor:
     # One slot per page: the older free() takes slots and frees their pages.
     return page_ids.reshape(-1).to(torch.int64) * int(getattr(pool, "page_size", 1) or 1)
+
+
+def _write_mapping(pool: Any, full: torch.Tensor, swa: torch.Tensor) -> None:
+    if full.numel():
+        mapping = pool.full_to_swa_index_mapping
+        mapping[full.to(torch.int64)] = swa.to(mapping.dtype)
 
 
 TABLE: dict[str, list[Translation]] = {}
@@ -68,6 +74,14 @@ for _t in [
                 lambda p, a: p.free(_page_tokens(p, a.get("page_ids", a.get("free_index"))))),
     Translation("clear_full_to_swa_mapping", ("set_full_to_swa_mapping",), "0.5.20", "mapping set to 0",
                 lambda p, a: p.set_full_to_swa_mapping(a["full_indices"], torch.zeros_like(a["full_indices"]))),
+    # Before 0.5.12 the caller wrote the mapping tensor itself (every SWA allocator
+    # since 0.5.1 keeps it as full_to_swa_index_mapping): the same write.
+    Translation("set_full_to_swa_mapping", (".full_to_swa_index_mapping",), "0.5.12",
+                "the mapping tensor written directly",
+                lambda p, a: _write_mapping(p, a["full_indices"], a["swa_indices"])),
+    Translation("clear_full_to_swa_mapping", (".full_to_swa_index_mapping",), "0.5.20",
+                "the mapping tensor zeroed directly",
+                lambda p, a: _write_mapping(p, a["full_indices"], torch.zeros_like(a["full_indices"]))),
     Translation("available_size", ("full_available_size", "swa_available_size"), "0.5.11",
                 "the smaller of the sub-pools' counts, as later SWA pools answer",
                 lambda p, a: min(p.full_available_size(), p.swa_available_size())),
@@ -82,20 +96,23 @@ for _t in [
 # Arguments later releases added as host copies of another argument (0.5.3 gave
 # alloc_extend and alloc_decode their ``*_cpu`` twins). A build whose method lacks
 # one is given the call without it: the device tensor carries the same values.
-REDUNDANT_ARGS = {"prefix_lens_cpu": "prefix_lens", "seq_lens_cpu": "seq_lens"}
+HOST_COPIES = {"alloc_extend": ("prefix_lens_cpu", "seq_lens_cpu"), "alloc_decode": ("seq_lens_cpu",),
+               "alloc_extend_swa_tail": ("prefix_lens_cpu", "seq_lens_cpu")}
 _fits: dict[tuple[type, str], frozenset[str]] = {}
 
 
 def dropped_args(pool: Any, method: str, fn: Callable[..., Any]) -> frozenset[str]:
-    """The redundant recorded arguments ``fn`` (the build's ``method``) does not take."""
+    """The host copies ``method`` is recorded with that ``fn`` (the build's) does not take."""
     key = (type(pool), method)
+    if method not in HOST_COPIES:
+        return frozenset()
     if key not in _fits:
         try:
             params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
             params = {}
         open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) or not params
-        _fits[key] = frozenset() if open_ended else frozenset(a for a in REDUNDANT_ARGS if a not in params)
+        _fits[key] = frozenset() if open_ended else frozenset(a for a in HOST_COPIES[method] if a not in params)
     return _fits[key]
 
 
@@ -123,6 +140,9 @@ def abstract(pool: Any, method: str, fn: Callable[..., Any]) -> bool:
 
 
 def _has(pool: Any, name: str) -> bool:
+    """A method the build has, or (``.name``) an attribute it keeps."""
+    if name.startswith("."):
+        return getattr(pool, name[1:], None) is not None
     return callable(getattr(pool, name, None))
 
 

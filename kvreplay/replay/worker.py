@@ -30,6 +30,7 @@ from kvreplay.builds.git_tree import DEFAULT_TIMEOUT_S
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.builds.worker_code import HIDE_ENV, prepare
 from kvreplay.errors import EXIT_BAD_INPUT, EXIT_UNLOADABLE, BadInput, BuildUnloadable, BuildUnsupported
+from kvreplay.replay.kernels import instrument
 from kvreplay.replay.report import ReplayReport, untestable
 
 CRUMB_ENV = "KVREPLAY_WORKER_PROGRESS"  # the file a worker notes its progress in
@@ -128,41 +129,6 @@ def _report_of(answer: dict[str, Any], spec: str, options: dict[str, Any], devic
                       answer["message"], answer.get("wall_s", 0.0))
 
 
-def _count_kernel_launches(device: str) -> dict[str, Any]:
-    """On CPU, set Triton to interpret (before anything imports it: sglang releases
-    before 0.5.22 launch Triton kernels from their paged allocators and have no CPU
-    path; the interpreter runs those same kernels on CPU tensors). Then count the
-    kernels the build launches, so a run says whether its allocator's kernels ran,
-    not just whether they could have."""
-    counter: dict[str, Any] = {"launches": 0, "kind": "none"}
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        where, kind = "triton.runtime.interpreter:InterpretedFunction", "triton-interpreter"
-    else:
-        where, kind = "triton.runtime.jit:JITFunction", "cuda"
-    try:
-        import importlib
-
-        module, _, name = where.partition(":")
-        fn = getattr(importlib.import_module(module), name)
-    except Exception:  # no triton here: nothing can launch
-        return counter
-    original = fn.run
-
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        counter["launches"] += 1
-        return original(self, *args, **kwargs)
-
-    fn.run = run
-    counter["kind"] = kind
-    return counter
-
-
 class _Hidden:
     """A meta-path finder that makes the overlay's casualties look uninstalled."""
 
@@ -186,7 +152,7 @@ def _worker() -> int:
         sys.meta_path.insert(0, _Hidden(hidden))
     request = json.loads(sys.stdin.read())
     code_build = request.get("spec", "").startswith(("git:", "sglang=="))
-    kernels = _count_kernel_launches(request["options"].get("device", "cpu")) if code_build else None
+    kernels = instrument(request["options"].get("device", "cpu")) if code_build else None
     code = 0
     for trace in request["traces"]:
         t0 = time.perf_counter()
