@@ -13,9 +13,10 @@ call where the build's own capacity assertion fired, if it did."""
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,22 +145,34 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
                 else:
                     todo.setdefault(spec, []).append(trace)
 
-        def unit(spec: str, trs: list[str]) -> tuple[str, list[ReplayReport], str]:
-            reports, code_id = replay_many_in_worker(trs, spec, mode=mode, device=device, timeout_s=timeout_s)
-            return spec, reports, code_id
+        # Units report each trace as its worker answers; only this thread stores.
+        answers: queue.Queue[tuple[str, str, ReplayReport, str] | None] = queue.Queue()
+
+        def unit(spec: str, trs: list[str]) -> None:
+            try:
+                replay_many_in_worker(trs, spec, mode=mode, device=device, timeout_s=timeout_s,
+                                      on_report=lambda r, code_id: answers.put((spec, r.trace, r, code_id)))
+            finally:
+                answers.put(None)
 
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             futures = [pool.submit(unit, spec, trs) for spec, trs in todo.items()]
-            for fut in as_completed(futures):
-                spec, reports, code_id = fut.result()
-                version = _version_of(spec, code_id)
-                for trace, report in zip(todo[spec], reports, strict=True):
-                    info, _ = infos[trace]
-                    report.build = spec
-                    run_id = record_run(st, report, info, build_version=version)
-                    cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
-                    cell.trace = trace
-                    _add(result, cell, on_cell)
+            running = len(futures)
+            while running:
+                item = answers.get()
+                if item is None:
+                    running -= 1
+                    continue
+                spec, trace, report, code_id = item
+                trace = str(Path(trace).resolve())
+                info, _ = infos[trace]
+                report.build = spec
+                run_id = record_run(st, report, info, build_version=_version_of(spec, code_id))
+                cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
+                cell.trace = trace
+                _add(result, cell, on_cell)
+            for fut in futures:
+                fut.result()  # a unit's own failure (not a build's) is ours: let it out
     finally:
         st.close()
     order = {(t, b): i for i, (t, b) in enumerate((t, b) for t in result.traces for b in specs)}

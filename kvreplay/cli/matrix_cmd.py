@@ -61,7 +61,8 @@ def matrix(
             div = [", ".join(f"{k} {n}" for k, n in sorted(c.divergences.items()))] if kinds else []
             assert_at = f"#{c.capacity_assert_call}" if c.capacity_assert_call is not None else ""
             row(t, b, c.status, c.kernels, *inv, *div, assert_at, style=STATUS_STYLE.get(c.status))
-        out.print(t)
+        # A log or a file is not 80 columns wide: do not fold a table meant to be read whole.
+        out.print(t, width=None if out.is_terminal else 240)
         for b in res.builds:
             c = res.cell(trace, b)
             if c is not None and c.message and c.status not in ("clean", "violation", "divergence"):

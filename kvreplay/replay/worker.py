@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,50 +48,93 @@ def replay_in_worker(trace: str | Path, spec: str, *, timeout_s: float = DEFAULT
 
 
 def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                          on_report: Callable[[ReplayReport, str], None] | None = None,
                           **options: Any) -> tuple[list[ReplayReport], str]:
     """Replay each trace on ``spec`` in one worker process (a fresh one after a crash
-    or a timeout); ``timeout_s`` bounds each trace."""
+    or a timeout); ``timeout_s`` bounds each trace. ``on_report(report, code id)``
+    sees each report as soon as the worker gives it."""
     s = BuildSpec.parse(spec)
     device = options.get("device", "cpu")
+    mode = options.get("mode", "strict")
     t0 = time.perf_counter()
+    reports: list[ReplayReport] = []
+
+    def done(report: ReplayReport, code_id: str) -> None:
+        reports.append(report)
+        if on_report is not None:
+            on_report(report, code_id)
+
     try:
         code = prepare(s)
     except BuildUnloadable as exc:
-        return [untestable(str(t), spec, options.get("mode", "strict"), device, "unloadable", str(exc),
-                           time.perf_counter() - t0) for t in traces], ""
+        for t in traces:
+            done(untestable(str(t), spec, mode, device, "unloadable", str(exc), time.perf_counter() - t0), "")
+        return reports, ""
     env = code.env()
-    crumbs = Path(tempfile.mkdtemp(prefix="kvreplay-worker-")) / "progress.json"
+    scratch = Path(tempfile.mkdtemp(prefix="kvreplay-worker-"))
+    crumbs = scratch / "progress"
     env[CRUMB_ENV] = str(crumbs)
-    reports: list[ReplayReport] = []
     todo = [str(Path(t).resolve()) for t in traces]
-    while todo:
-        request = {"traces": todo, "cls": s.cls, "spec": spec, "options": options}
-        started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "kvreplay.replay.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                cwd=code.cwd, start_new_session=True)
-        try:
-            out, err = proc.communicate(json.dumps(request), timeout=timeout_s * len(todo))
-            ended = None
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            ended = "timeout"
-        answers = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-        for answer in answers:
-            reports.append(_report_of(answer, spec, options, device, code.code_id, code.overlay))
-        todo = todo[len(answers):]
-        if not todo:
-            break
-        wall = time.perf_counter() - started
-        if ended == "timeout":
-            why = f"no result after {timeout_s:.0f} s" + _where(crumbs, todo[0])
-        else:
-            ended, why = "crashed", _death(proc.returncode, err) + _where(crumbs, todo[0])
-        reports.append(untestable(todo[0], spec, options.get("mode", "strict"), device, ended, why, wall))
-        todo = todo[1:]
-    shutil.rmtree(crumbs.parent, ignore_errors=True)
+    try:
+        while todo:
+            request = {"traces": todo, "cls": s.cls, "spec": spec, "options": options}
+            started = time.perf_counter()
+            with open(scratch / "stderr", "w+") as err:
+                proc = subprocess.Popen([sys.executable, "-m", "kvreplay.replay.worker"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=err, env=env, cwd=code.cwd,
+                                        start_new_session=True, bufsize=0)
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(json.dumps(request).encode())
+                proc.stdin.close()
+                ended = None
+                for answer in _answers(proc, timeout_s):
+                    if answer is None:  # a trace ran past its time
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        ended = "timeout"
+                        break
+                    done(_report_of(answer, spec, options, device), code.code_id)
+                    todo.pop(0)
+                    started = time.perf_counter()
+                proc.wait()
+                err.seek(0)
+                stderr = err.read()
+            if not todo:
+                break
+            wall = time.perf_counter() - started
+            if ended == "timeout":
+                why = f"no result after {timeout_s:.0f} s" + _where(crumbs, todo[0])
+            else:
+                ended, why = "crashed", _death(proc.returncode, stderr) + _where(crumbs, todo[0])
+            done(untestable(todo[0], spec, mode, device, ended, why, wall), code.code_id)
+            todo = todo[1:]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return reports, code.code_id
+
+
+def _answers(proc: subprocess.Popen, timeout_s: float) -> Iterator[dict[str, Any] | None]:
+    """The worker's answers as they come; None when one takes longer than ``timeout_s``.
+    Reads the raw pipe (no buffer that select cannot see) and splits lines itself."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    sel = selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(timeout=left):
+                yield None
+                return
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return  # the worker is gone: finished, or died
+            pending += chunk
+        line, _, pending = pending.partition(b"\n")
+        if line.startswith(b"{"):
+            yield json.loads(line)
+            deadline = time.monotonic() + timeout_s
 
 
 def _where(crumbs: Path, trace: str) -> str:
@@ -119,8 +164,7 @@ def _death(returncode: int, stderr: str) -> str:
     return f"the worker died ({how}{': ' + last if last else ''})"
 
 
-def _report_of(answer: dict[str, Any], spec: str, options: dict[str, Any], device: str, code_id: str,
-               overlay: tuple[str, ...]) -> ReplayReport:
+def _report_of(answer: dict[str, Any], spec: str, options: dict[str, Any], device: str) -> ReplayReport:
     if "report" in answer:
         return ReplayReport.from_dict(answer["report"])
     if answer.get("error") == "bad-input":
