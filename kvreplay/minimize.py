@@ -178,10 +178,15 @@ class Subject:
         r = self._replayer()
         log = r.checker.log
         found = None
+        inv, _, rule = (invariant or "").partition("/")
+
+        def wanted(v: Any) -> bool:  # ``invariant`` or ``invariant/rule``
+            return invariant is None or (v.invariant == inv and (not rule or v.rule == rule))
+
         for i, tc in enumerate(self.reader.top_calls()):
             self.calls.append(tc)
             r.step(tc)
-            if len(log.kept) and (invariant is None or any(v.invariant == invariant for v in log.kept)):
+            if len(log.kept) and any(wanted(v) for v in log.kept):
                 found = i
                 break
         if found is None and self.calls:
@@ -190,12 +195,11 @@ class Subject:
         self.deps = Dependencies(self.calls, main.capacity + main.page_size, main.page_size)
         position = {tc.number: i for i, tc in enumerate(self.calls)}
         vs = sorted(log.kept, key=lambda v: (v.detected_call, v.call))
-        if invariant is not None:
-            vs = [v for v in vs if v.invariant == invariant]
+        vs = [v for v in vs if wanted(v)]
         if vs:
             v = vs[0]
-            return Failure("violation", v.invariant, method_kind(v.method)), position.get(v.detected_call,
-                                                                                           len(self.calls) - 1)
+            return Failure("violation", v.invariant, method_kind(v.method), rule or None), position.get(
+                v.detected_call, len(self.calls) - 1)
         if invariant is None and r.divergences:
             d = min(r.divergences, key=lambda d: d.call)
             return Failure("divergence", d.kind, method_kind(d.method)), position[d.call]

@@ -55,10 +55,19 @@ def test_the_seed_fix_is_in_0_5_12_post1():
 
 
 def test_bisect_over_releases_names_the_fix(tmp_path):
+    # The seed bug minimized (169 calls): the bisect's cost is the releases' imports.
     old, order = build_candidates(expand("sglang==0.5.11..0.5.23"))
-    res = bisect(CORPUS / "disagg-mtp-2000.parquet", old, order, db=str(tmp_path / "k.db"), device="cpu",
-                 failure=Failure.parse(SEED), fixed=True)
+    res = bisect(CORPUS / "sglang-0.5.12-swa-tail-prealloc.parquet", old, order, db=str(tmp_path / "k.db"),
+                 device="cpu", mode="remap", failure=Failure.parse(SEED), fixed=True)
     assert res.verdict == "found" and res.first_bad.spec == "sglang==0.5.12.post1", res.steps
+
+
+def test_the_minimal_seed_trace_shows_the_bug_and_the_fix():
+    trace = CORPUS / "sglang-0.5.12-swa-tail-prealloc.parquet"
+    bug = replay(trace, "sglang==0.5.12", mode="remap", device="cpu")
+    fix = replay(trace, "sglang==0.5.12.post1", mode="remap", device="cpu")
+    assert bug.violation_counts.get(SEED) == 1 and bug.kernels == "triton-interpreter"
+    assert SEED not in fix.rules and "swa-mapping/released-page-keeps-peer" in fix.rules  # #27779 still in
 
 
 def test_three_layouts_replay_the_corpus_without_a_crash(tmp_path):

@@ -106,8 +106,9 @@ def minimize(
     build: str = typer.Option(..., "--build", "-b", help="The build it fails on (builtin:, py: or sglang)."),
     out_path: Path = typer.Option(..., "-o", "--out", help="Minimal trace to write (Parquet)."),
     emit_test: Path | None = typer.Option(None, "--emit-test", help="Also write a standalone pytest reproducer."),
-    invariant: str | None = typer.Option(None, "--invariant", help="Keep this invariant's failure (default: the "
-                                         "first failure the trace shows)."),
+    invariant: str | None = typer.Option(None, "--invariant", help="Keep this invariant's failure, or with "
+                                         "invariant/rule that rule's (default: the first failure the trace "
+                                         "shows)."),
     reference: str = typer.Option("auto", "--reference", help="A build every candidate must stay clean on, so the "
                                   "result shows the bug and not a misuse of the API (auto: a builtin variant's "
                                   "base pool; none: no such check)."),
@@ -134,10 +135,10 @@ def minimize(
             say(f"  {size} calls  ({tests} candidates tried, {elapsed:.1f} s)", to_err=True)
 
     if invariant is not None:
-        from kvreplay.check.rules import INVARIANTS
+        from kvreplay.check.rules import INVARIANTS, RULES
         from kvreplay.errors import one_of
 
-        one_of("invariant", invariant, INVARIANTS)
+        one_of("invariant", invariant, [*INVARIANTS, *RULES] if "/" in invariant else INVARIANTS)
     res = run_minimize(trace, build, out_path, invariant=invariant,
                        reference=None if reference == "none" else reference, emit_test=emit_test,
                        timeout_s=timeout, device=device, progress=progress)
