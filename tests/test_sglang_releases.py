@@ -90,3 +90,38 @@ def _firsts(report):
     from kvreplay.replay.report import firsts_by_rule
 
     return firsts_by_rule(report.violations)
+
+
+KERNELS = '''
+from kvreplay.replay.kernels import instrument
+counter = instrument("cpu")
+import torch, triton, triton.language as tl
+
+@triton.jit
+def read_past(src, dst, n: tl.constexpr):
+    tl.store(dst, tl.load(src + n))
+
+@triton.jit
+def write_past(dst, n: tl.constexpr):
+    tl.store(dst + n, 7)
+
+out = torch.full((1,), -1, dtype=torch.int64)
+read_past[(1,)](torch.empty(0, dtype=torch.int64), out, 3)
+print("read", out.item(), counter["launches"], counter["kind"])
+try:
+    write_past[(1,)](torch.zeros(2, dtype=torch.int64), 5)
+    print("wrote")
+except RuntimeError as exc:
+    print("refused", exc)
+'''
+
+
+def test_interpreted_kernels_read_zeros_past_the_end_and_refuse_to_write_there():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", KERNELS], capture_output=True, text=True, timeout=300, env=env)
+    lines = res.stdout.splitlines()
+    assert res.returncode == 0 and lines[0] == "read 0 1 triton-interpreter", res.stderr[-2000:]
+    assert lines[1].startswith("refused Triton kernel write_past wrote past the end of its argument 0")
