@@ -37,6 +37,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kvreplay.builds.sglang import CLASSES as SGLANG_CLASSES
+
 log = logging.getLogger("kvreplay.autorecord")
 
 DIR_ENV = "KVREPLAY_RECORD_DIR"
@@ -44,11 +46,9 @@ CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
 RANK_ENV = "KVREPLAY_RANK"
 FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
 COUNTERS_ENV = "KVREPLAY_COUNTERS_EVERY"  # N: read the pool's counters after every Nth call (0: never)
-DEFAULT_CLASSES = (
-    "sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator",
-    "sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator",
-    "sglang.srt.mem_cache.allocator.swa:SWATokenToKVPoolAllocator",
-)
+# sglang's allocators wherever a release keeps them (0.5.1 to 0.5.23: builds/sglang.py
+# knows the layouts); the paths a release lacks are never imported, so cost nothing.
+DEFAULT_CLASSES = tuple(path for family in ("token", "paged", "swa") for path in SGLANG_CLASSES[family])
 SITE_DIR = Path(__file__).with_name("_site")
 
 _state = threading.local()
@@ -56,6 +56,7 @@ _counter = itertools.count()
 _targets: dict[str, list[str]] = {}  # module -> class names still to patch
 _out: Path | None = None
 _failed = False
+_defaults = False  # targets are the default layouts: a module without one of them is expected
 
 
 def site_dir() -> Path:
@@ -68,7 +69,10 @@ def install_from_env() -> None:
     out = os.environ.get(DIR_ENV)
     if not out:
         return
-    classes = [c.strip() for c in os.environ.get(CLASSES_ENV, "").split(",") if c.strip()] or list(DEFAULT_CLASSES)
+    global _defaults
+    classes = [c.strip() for c in os.environ.get(CLASSES_ENV, "").split(",") if c.strip()]
+    _defaults = not classes
+    classes = classes or list(DEFAULT_CLASSES)
     try:
         install(Path(out), classes)
     except Exception:
@@ -136,7 +140,7 @@ def _patch_module(module: ModuleType) -> None:
         cls = getattr(module, name, None)
         if isinstance(cls, type):
             _patch_class(cls)
-        else:
+        elif not _defaults:
             log.warning("kvreplay: %s has no class %s to record", module.__name__, name)
 
 
