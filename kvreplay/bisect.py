@@ -63,12 +63,13 @@ class Outcome:
     failure: Failure | None = None  # the failure it shows first
     rules: list[str] = field(default_factory=list)  # invariant/rule with at least one violation
     firsts: dict[str, str] = field(default_factory=dict)  # invariant/rule -> its first violation, one line
+    details: dict[str, str] = field(default_factory=dict)  # invariant/rule -> that violation's message
 
     @classmethod
     def of_report(cls, r: ReplayReport) -> Outcome:
         item = r.first_violation or r.first_divergence
         return cls(r.status, r.invariants, r.divergence_kinds, *_first(item, r.message), r.calls_replayed,
-                   Failure.first_in(r), r.rules, {k: describe(v) for k, v in firsts_by_rule(r.violations).items()})
+                   Failure.first_in(r), r.rules, *_firsts(firsts_by_rule(r.violations)))
 
     @classmethod
     def of_run(cls, run: Run) -> Outcome:
@@ -78,13 +79,24 @@ class Outcome:
             failure = Failure("violation", item.invariant) if run.violations else Failure("divergence", item.kind)
         return cls(run.status, invariant_ids(run.violation_counts),
                    sorted(run.divergence_counts), *_first(item, run.message or ""), run.calls_replayed, failure,
-                   sorted(run.violation_counts), {k: describe(v) for k, v in firsts_by_rule(run.violations).items()})
+                   sorted(run.violation_counts), *_firsts(firsts_by_rule(run.violations)))
+
+    def detail_of(self, target: Failure) -> str:
+        """The message of the target failure's first instance here."""
+        if target.rule is not None:
+            return self.details.get(f"{target.id}/{target.rule}", self.detail)
+        return self.detail
 
     def shows(self, target: Failure) -> str:
         """One line for the target failure as this outcome shows it."""
         if target.rule is not None:
             return self.firsts.get(f"{target.id}/{target.rule}", self.first)
         return self.first
+
+
+def _firsts(firsts: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    return ({k: describe(v) for k, v in firsts.items()},
+            {k: str(v["message"] if isinstance(v, dict) else getattr(v, "message", "")) for k, v in firsts.items()})
 
 
 def _first(item: object, message: str) -> tuple[str, str]:
@@ -318,7 +330,7 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
     verdict = "found" if len(cands) == 1 else "range"
     shown = shows[lo if fixed else hi] if (lo if fixed else hi) in shows else end_o
     return BisectResult(str(trace), target, verdict, order[hi] if verdict == "found" else None, cands,
-                        shown.shows(target), shown.detail, steps, n, fixed)
+                        shown.shows(target), shown.detail_of(target), steps, n, fixed)
 
 
 def _next_probe(lo: int, hi: int, skipped: set[int]) -> int | None:
