@@ -260,6 +260,7 @@ def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | N
         if build.startswith(("git:", "sglang==")):  # the code on sys.path: its class, or its sglang allocator
             build = "py:" + request["cls"] if request["cls"] else "sglang"
         replayer = Replayer(trace, build, **request["options"])
+        replayer.build_spec = request["spec"]  # findings name the build as the user gave it
         if build == "sglang":
             spec_for(replayer.meta.family, replayer.meta.pool_class)  # fail early, with the class named
         before = kernels["launches"] if kernels else 0
