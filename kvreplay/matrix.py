@@ -29,7 +29,7 @@ from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
 from kvreplay.replay.worker import replay_many_in_worker
 from kvreplay.store.db import check_store, open_store
 from kvreplay.store.runs import cached_run, get_run, record_run, run_to_dict
-from kvreplay.stored_replay import trace_info
+from kvreplay.stored_replay import trace_info, worker_build_version
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader
 from kvreplay.version import __version__
@@ -188,12 +188,10 @@ def _add(result: MatrixResult, cell: Cell, on_cell: Callable[[Cell], None] | Non
 
 
 def _version_of(spec: str, code_id: str) -> str:
-    kind = BuildSpec.parse(spec).kind
-    if kind == "release":
-        return f"sglang {code_id}"
-    if kind == "git":
-        return f"git {code_id}"
-    return f"kvreplay {__version__}" if kind == "builtin" else ""
+    s = BuildSpec.parse(spec)
+    if not s.in_process:
+        return worker_build_version(s, code_id)
+    return f"kvreplay {__version__}" if s.kind == "builtin" else ""
 
 
 __all__ = ["Cell", "MatrixResult", "corpus_traces", "run_matrix"]

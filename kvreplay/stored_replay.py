@@ -34,6 +34,11 @@ def build_version(pool: Any) -> str:
     return f"{top} {ver}".strip()
 
 
+def worker_build_version(spec: BuildSpec, code_id: str) -> str:
+    """What a worker build resolved to: the release, or the commit."""
+    return f"sglang {code_id}" if spec.kind == "release" else f"git {code_id}"
+
+
 @dataclass
 class StoredReplay:
     report: ReplayReport
@@ -54,7 +59,7 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
         check_store(db)
     if not spec.in_process:
         report, code_id = replay_in_worker(trace, build, **options)
-        version = f"sglang {code_id}" if spec.kind == "release" else f"git {code_id}"
+        version = worker_build_version(spec, code_id)
     else:
         from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
 

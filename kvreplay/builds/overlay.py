@@ -116,8 +116,8 @@ def overlay_for(pins: list[str]) -> Overlay:
         _settle(tmp, wanted, have)
         # Installed packages the overlay breaks: a version of each that fits it, if
         # there is one (pip's resolver picks it); the rest are hidden at run time.
-        broken = _broken_names({n: d.version for n, d in _in(tmp).items()})
-        fits = _resolve(broken, [f"{n}=={d.version}" for n, d in _in(tmp).items()])
+        inside = {n: d.version for n, d in _in(tmp).items()}
+        fits = _resolve(_broken_names(inside), [f"{n}=={v}" for n, v in inside.items()])
         if fits:
             _settle(tmp, fits, have)
 
@@ -133,9 +133,10 @@ def _settle(tmp: Path, wanted: list[str], have: dict[str, str]) -> None:
     todo = wanted
     for _ in range(_ROUNDS):
         _pip_install(tmp, todo)
-        inside = {n: d.version for n, d in _in(tmp).items()}
+        dists = _in(tmp)
+        inside = {n: d.version for n, d in dists.items()}
         todo = []
-        for dist in _in(tmp).values():
+        for dist in dists.values():
             for text in dist.requires or []:
                 req = Requirement(text)
                 if req.marker is not None and not req.marker.evaluate({"extra": ""}):

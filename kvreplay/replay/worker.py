@@ -140,7 +140,7 @@ def _answers(proc: subprocess.Popen, timeout_s: float) -> Iterator[dict[str, Any
 def _where(crumbs: Path, trace: str) -> str:
     """Where the replay had got to when its worker died: the call it was making (from
     the note the worker updates before each call) and the first violation before it
-    (the state a crash may come from, from the note it leaves every 512 calls)."""
+    (the state a crash may come from, noted as soon as it is found)."""
     try:
         raw = crumbs.read_bytes()
         call = int.from_bytes(raw[:8], "little")
@@ -195,7 +195,7 @@ def _worker() -> int:
     if hidden:
         sys.meta_path.insert(0, _Hidden(hidden))
     request = json.loads(sys.stdin.read())
-    code_build = request.get("spec", "").startswith(("git:", "sglang=="))
+    code_build = not BuildSpec.parse(request["spec"]).in_process
     kernels = instrument(request["options"].get("device", "cpu")) if code_build else None
     code = 0
     for trace in request["traces"]:
@@ -257,7 +257,7 @@ def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | N
         from kvreplay.replay.replayer import Replayer
 
         build = request["spec"]
-        if build.startswith(("git:", "sglang==")):  # the code on sys.path: its class, or its sglang allocator
+        if not BuildSpec.parse(build).in_process:  # the code on sys.path: its class, or its sglang allocator
             build = "py:" + request["cls"] if request["cls"] else "sglang"
         replayer = Replayer(trace, build, **request["options"])
         replayer.build_spec = request["spec"]  # findings name the build as the user gave it
@@ -265,7 +265,6 @@ def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | N
             spec_for(replayer.meta.family, replayer.meta.pool_class)  # fail early, with the class named
         before = kernels["launches"] if kernels else 0
         report = replayer.run(progress=_breadcrumbs(trace, replayer))
-        report.build = request["spec"]
         if kernels and kernels["launches"] > before:
             report.kernels = kernels["kind"]
         return {"trace": trace, "report": report.to_dict()}
