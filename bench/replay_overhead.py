@@ -1,5 +1,5 @@
 """Replay with every check against bare build calls, on the same decoded calls, in
-one run: prints the ratio and calls/s (issue target: ratio <= 1.5).
+one run: prints the ratio and calls/s (target: strict ratio <= 1.3, decoding >= 5x the checked calls/s).
 
     python bench/replay_overhead.py [TRACE] [--build builtin:swa] [--repeat 3]
 
@@ -61,9 +61,19 @@ def main() -> None:
         trace = Path(tempfile.mkdtemp()) / "t.parquet"
         subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth", "disagg-mtp", "--requests", "2000",
                         "-o", str(trace)], check=True)
-    t0 = time.perf_counter()
-    calls = list(TraceReader(trace).top_calls())
-    decode_s = time.perf_counter() - t0
+    # Both sides collect garbage at the pace a replay sets for itself (few_collections).
+    gc.set_threshold(20_000, *gc.get_threshold()[1:])
+    reader = TraceReader(trace)
+    for _tc in reader.top_calls():  # warm-up: the first pass also pays one-time set-up (page cache, imports)
+        pass
+    decode_times = []
+    for _ in range(a.repeat):  # decoding as a replay consumes it: streamed, nothing kept
+        t0 = time.perf_counter()
+        for _tc in reader.top_calls():
+            pass
+        decode_times.append(time.perf_counter() - t0)
+    decode_s = statistics.median(decode_times)
+    calls = list(reader.top_calls())
     gc.freeze()  # the decoded calls live through every run; keep GC from rescanning them
     times: dict[str, list[float]] = {"bare": [], "strict": [], "remap": [], "strict-unchecked": []}
     status = {}
@@ -78,13 +88,17 @@ def main() -> None:
     print(f"trace {trace.name}: {n} top-level calls, decoded in {decode_s:.2f} s ({n / decode_s:,.0f} calls/s)")
     print(f"bare build calls        {med['bare']:.3f} s  {n / med['bare']:>9,.0f} calls/s")
     for mode in ("strict", "remap"):
+        # The ratio of each interleaved pair, then their median: a slow spell of this
+        # shared machine slows both sides of one pair, not one side of the median.
+        ratio = statistics.median(m / b for m, b in zip(times[mode], times["bare"], strict=True))
         print(f"replay {mode:6s} + checks  {med[mode]:.3f} s  {n / med[mode]:>9,.0f} calls/s  "
-              f"ratio {med[mode] / med['bare']:.2f}  ({status[mode]})")
+              f"ratio {ratio:.2f}  ({status[mode]})")
+    print(f"decoding / checked strict replay, calls/s: {med['strict'] / decode_s:.1f}x (target >= 5)")
     u = med["strict-unchecked"]
     print(f"(breakdown: strict comparison alone {u / med['bare']:.2f}x bare; "
           f"the invariant checker {med['strict'] / u:.2f}x on top of it)")
     print(f"median of {a.repeat} interleaved runs, torch intra-op threads: {torch.get_num_threads()}; "
-          "target ratio <= 1.5")
+          "target ratio <= 1.3")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,12 @@ def checked_call(view: PoolView, checker: InvariantChecker | None, call: int, me
     None inside a free group, where nothing reads them). ``in_group`` stands in for
     the checker's own knowledge when there is no checker; ``between`` sees the call's
     outcome before the checker does."""
-    pre = _checking(call, method, checker.before, method, args) if checker is not None else None
+    pre = None
+    if checker is not None:
+        try:
+            pre = checker.before(method, args)
+        except _UNREADABLE as exc:
+            raise _unreadable(call, method, exc) from None
     raised: BaseException | None = None
     result: Any = None
     try:
@@ -53,18 +58,18 @@ def checked_call(view: PoolView, checker: InvariantChecker | None, call: int, me
     if between is not None:
         between(result, raised, avail)
     if checker is not None:
-        _checking(call, method, checker.after, call, method, args, result, raised is not None, pre, avail)
+        try:
+            checker.after(call, method, args, result, raised is not None, pre, avail)
+        except _UNREADABLE as exc:
+            raise _unreadable(call, method, exc) from None
     return result, raised, avail
 
 
 _UNREADABLE = (TypeError, ValueError, IndexError, KeyError, AttributeError, OverflowError)
 
 
-def _checking(call: int, method: str, check: Callable[..., Any], *args: Any) -> Any:
-    """Run a checker step; arguments it cannot read (None where slots belong, a
-    string, a wrong shape) make the trace bad input, named at its call."""
-    try:
-        return check(*args)
-    except _UNREADABLE as exc:
-        raise BadInput(f"call #{call} {method}: arguments the checker cannot read "
-                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+def _unreadable(call: int, method: str, exc: BaseException) -> BadInput:
+    """Arguments the checker cannot read (None where slots belong, a string, a wrong
+    shape) make the trace bad input, named at its call."""
+    return BadInput(f"call #{call} {method}: arguments the checker cannot read "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")

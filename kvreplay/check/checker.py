@@ -164,11 +164,14 @@ class InvariantChecker:
         self.shadows = {name: Shadow(sub) for name, sub in view.subs.items()}
         self.main = self.shadows["full"] if self.swa else self.shadows["pool"]
         self.ps = self.main.ps
+        # A pool's size never changes: read once, not after every call.
+        self._bounds = [(name, sh, sh.sub.size, sh.sub.capacity) for name, sh in self.shadows.items()]
         self.full_check_every = full_check_every
         self.log = ViolationLog(keep=keep)
         self.in_group = False
         self.calls = 0
         self._since_full = 0
+        self._avail: dict[str, int] | None = None  # sub-pool counters the last call left, outside groups
         self._pending_released: list[tuple[int, str, np.ndarray]] = []
         self._pending_touched: list[tuple[int, str, np.ndarray]] = []
         if self.swa:
@@ -217,7 +220,9 @@ class InvariantChecker:
         """Cheap reads that must happen before the call mutates the pool: counters
         before an alloc; for a free, the pages it names and their SWA peers now."""
         if method in ALLOCS:
-            return self.view.counters()
+            # The counters are those the last call left (nothing changes the pool between
+            # calls), from the sub-pools' reads; read now only when none were kept.
+            return self.view.counters(self._avail if self._avail is not None else self.view.sub_available())
         if method in FREES:
             pages = _index_args(method, args, self.ps)
             if not (self.swa and method not in FULL_ONLY_FREES):
@@ -250,7 +255,7 @@ class InvariantChecker:
             self._pending_released.clear()
             self._pending_touched.clear()
         elif method in ALLOCS:
-            self._after_alloc(call, method, args, result, raised, pre)
+            self._after_alloc(call, method, args, result, raised, pre, avail)
         elif method in FREES and pre is not None:
             self._after_free(call, method, *pre)
         elif method == "set_full_to_swa_mapping" and self.swa:
@@ -262,14 +267,20 @@ class InvariantChecker:
         if method == "free_group_end" and not raised:
             self.in_group = False
         if not self.in_group:
-            self._settle(call, method, avail if avail is not None else self.view.sub_available())
+            if avail is None:
+                avail = self.view.sub_available()
+            self._settle(call, method, avail)
+            self._avail = avail
+        else:
+            self._avail = None
 
     def _after_alloc(self, call: int, method: str, args: dict[str, Any], result: Any, raised: bool,
-                     pre: Any) -> None:
+                     pre: Any, avail: dict[str, int] | None) -> None:
         if result is None:
-            if not raised and pre is not None and self.view.counters() != pre:
+            now = self.view.counters(avail if avail is not None else self.view.sub_available())
+            if not raised and pre is not None and now != pre:
                 self._flag(call, method, "none-unchanged", "none-changed-state", "pool", [],
-                           f"{method} returned None but counters went from {pre} to {self.view.counters()}")
+                           f"{method} returned None but counters went from {pre} to {now}")
             return
         if not isinstance(result, torch.Tensor):
             return
@@ -401,13 +412,13 @@ class InvariantChecker:
         if self.swa and (self._pending_released or self._pending_touched):
             self._check_released_unmapped(call)
             self._check_touched(call)
-        for name, shadow in self.shadows.items():
-            sub = shadow.sub
+        for name, shadow, size, capacity in self._bounds:
             avail = available[name]
-            if not 0 <= avail <= sub.size:
+            if not 0 <= avail <= size:
                 self._flag(call, method, "capacity", "available-out-of-bounds", name, [],
-                           f"{name}: available_size() is {avail}, outside 0..{sub.size}")
-            if shadow.owned_count * shadow.ps + avail != sub.capacity:
+                           f"{name}: available_size() is {avail}, outside 0..{size}")
+            if shadow.owned_count * shadow.ps + avail != capacity:
+                sub = shadow.sub
                 self._flag(call, method, "ownership", "live-plus-available", name, [],
                            f"{name}: caller holds {shadow.owned_count * shadow.ps} slots and the pool says "
                            f"{avail} are available; together {shadow.owned_count * shadow.ps + avail}, "

@@ -81,6 +81,7 @@ class PoolView:
     pool: Any
     _np_of: Any = None
     _np: Any = None
+    _readers: Any = None  # (name, bound available_size) per sub-pool
 
     @property
     def mapping(self) -> torch.Tensor | None:
@@ -129,7 +130,9 @@ class PoolView:
         return pages
 
     def sub_available(self) -> dict[str, int]:
-        return {name: sub.available() for name, sub in self.subs.items()}
+        if self._readers is None:
+            self._readers = [(name, sub.obj.available_size) for name, sub in self.subs.items()]
+        return {name: int(read()) for name, read in self._readers}
 
     def counters(self, avail: dict[str, int] | None = None) -> tuple[int | None, int | None, int | None]:
         """The counters a trace records: available_size() and, on SWA pools, those of

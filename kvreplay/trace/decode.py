@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from kvreplay.trace.format import (
@@ -29,51 +30,104 @@ from kvreplay.trace.format import (
 
 
 class _Values:
-    """One struct column of values (``args`` elements or ``result``), decoded column-wise:
-    a tensor value is a slice of a single per-batch tensor, not a new allocation."""
+    """One struct column of values (``args`` elements or ``result``), decoded column-wise
+    into ``values``: index tensors are views of one per-batch tensor, split in a single
+    call, and ints come straight from the column; only the rarer kinds (bools, floats,
+    strings, segment lists, opaque values, other dtypes or shapes) are decoded one by one."""
 
     def __init__(self, arr: pa.Array, device: str | torch.device) -> None:
         fields = dict(zip([f.name for f in arr.type], arr.flatten(), strict=True))
-        self.kind = fields["kind"].to_pylist()
-        self.i = fields["i"].to_pylist()
-        self.f = fields["f"].to_pylist()
-        self.s = fields["s"].to_pylist()
-        self.dtype = fields["dtype"].to_pylist()
-        self.shape_off, self.shape = _list_parts(fields["shape"])
-        self.shape = self.shape.tolist()
-        self.data_off, data = _list_parts(fields["data"])
-        self.data = torch.from_numpy(data).to(device)
-        self.device = device
+        n = len(arr)
+        kind = fields["kind"]
+        self.kind = kind.to_pylist()
+        self.opaque = _where(kind, OPAQUE)
+        shape_off, shape = _list_parts(fields["shape"])
+        data_off, data = _list_parts(fields["data"])
+        if n and (len(data_off) != n + 1 or len(shape_off) != n + 1):
+            raise ValueError("value lists do not line up with their values")
+        flat = torch.from_numpy(data).to(device)
+        views = _Views(flat, data_off)
+        values: list[Any] = fields["i"].to_pylist()
+        for j in _where(kind, NONE):
+            values[j] = None
+        tensors = _where(kind, TENSOR)
+        if len(tensors):
+            ndim = np.diff(shape_off)[tensors]
+            plain = (ndim == 1) & _where_mask(fields["dtype"], "torch.int64")[tensors]
+            simple = tensors[plain]
+            if len(simple):
+                length = np.diff(data_off)[simple]
+                if (shape[shape_off[simple]] != length).any():
+                    j = int(simple[np.flatnonzero(shape[shape_off[simple]] != length)[0]])
+                    raise ValueError(f"a tensor of shape {shape[shape_off[j]:shape_off[j + 1]].tolist()} "
+                                     f"holds {int(length[simple == j][0])} values")
+                for j, t in zip(simple.tolist(), views.many(simple), strict=True):
+                    values[j] = t
+            dtypes = fields["dtype"]
+            for j in tensors[~plain].tolist():
+                dims = shape[shape_off[j]:shape_off[j + 1]].tolist()
+                t = views[j]
+                if math.prod(dims) != len(t) or any(d < 0 for d in dims):
+                    raise ValueError(f"a tensor of shape {dims} holds {len(t)} values")
+                dtype = dtypes[j].as_py()
+                if dtype != "torch.int64":
+                    t = t.to(tensor_dtype(dtype))
+                values[j] = t if len(dims) == 1 else t.reshape(dims)
+        rare = np.flatnonzero(~np.isin(np.asarray(self.kind, dtype=object), _COMMON)) if n else _NO_ROWS
+        if len(rare):
+            f, s, dtype = fields["f"], fields["s"], fields["dtype"]
+            for j in rare.tolist():
+                values[j] = decode_value({
+                    "kind": self.kind[j], "i": values[j], "f": f[j].as_py(), "s": s[j].as_py(),
+                    "dtype": dtype[j].as_py(), "shape": shape[shape_off[j]:shape_off[j + 1]].tolist(),
+                    "data": views[j],
+                }, device)
+        self.values = values
 
-    def get(self, j: int) -> Any:
-        kind = self.kind[j]
-        if kind == TENSOR:
-            t = self.data[self.data_off[j]:self.data_off[j + 1]]
-            shape = self.shape[self.shape_off[j]:self.shape_off[j + 1]]
-            if math.prod(shape) != len(t) or any(d < 0 for d in shape):
-                raise ValueError(f"a tensor of shape {shape} holds {len(t)} values")
-            dtype = self.dtype[j]
-            if dtype != "torch.int64":
-                t = t.to(tensor_dtype(dtype))
-            return t if len(shape) == 1 else t.reshape(shape)
-        if kind == NONE:
-            return None
-        if kind == INT:
-            return self.i[j]
-        # The rarer kinds take the general decoder.
-        return decode_value({
-            "kind": kind, "i": self.i[j], "f": self.f[j], "s": self.s[j], "dtype": self.dtype[j],
-            "shape": self.shape[self.shape_off[j]:self.shape_off[j + 1]],
-            "data": self.data[self.data_off[j]:self.data_off[j + 1]].tolist(),
-        }, self.device)
+
+class _Views:
+    """Slices of a batch's index data, one per value: ``many`` makes those of many
+    values in one ``split`` call (a Python-level slice per value costs more than the
+    rest of decoding)."""
+
+    def __init__(self, flat: torch.Tensor, off: np.ndarray) -> None:
+        self.flat, self.off = flat, off
+
+    def __getitem__(self, j: int) -> torch.Tensor:
+        return self.flat[int(self.off[j]):int(self.off[j + 1])]
+
+    def many(self, js: np.ndarray) -> list[torch.Tensor]:
+        starts, ends = self.off[js], self.off[js + 1]
+        if len(js) and (np.diff(starts) < 0).any():
+            return [self[j] for j in js.tolist()]
+        # Chunk edges: every value's start and end; empty values and the data between
+        # values (segment lists, int lists) become chunks of their own, not views.
+        edges = np.unique(np.concatenate([[0], starts, ends, [len(self.flat)]]))
+        chunks = self.flat.split(np.diff(edges).tolist())
+        at = np.searchsorted(edges, starts)
+        empty = starts == ends
+        return [self.flat[s:s] if e else chunks[k] for k, s, e in zip(at.tolist(), starts.tolist(), empty.tolist(),
+                                                                        strict=True)]
 
 
-def _list_parts(arr: pa.Array) -> tuple[list[int], np.ndarray]:
+_COMMON = np.array([NONE, INT, TENSOR], dtype=object)
+_NO_ROWS = np.empty(0, dtype=np.int64)
+
+
+def _where_mask(col: pa.Array, value: str) -> np.ndarray:
+    return pc.fill_null(pc.equal(col, value), False).to_numpy(zero_copy_only=False)
+
+
+def _where(col: pa.Array, value: str) -> np.ndarray:
+    return np.flatnonzero(_where_mask(col, value))
+
+
+def _list_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Offsets (from 0) and flat int64 values of a list<int64> array."""
     off = arr.offsets.to_numpy()
     # A writable copy: replayed tensors are views into it, and a build may write to its arguments.
     values = np.array(arr.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
-    return (off - off[0]).tolist(), values
+    return off - off[0], values
 
 
 def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torch.device) -> Iterator[Call]:
@@ -88,27 +142,25 @@ def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torc
     t1 = col(names.index("t_end_ns")).to_pylist()
     exc_type = col(names.index("exc_type")).to_pylist()
     exc_msg = col(names.index("exc_msg")).to_pylist()
-    counters = {k: col(names.index(k)).to_pylist() for k in COUNTERS}
+    avail, full_avail, swa_avail = (col(names.index(k)).to_pylist() for k in COUNTERS)
     args = col(names.index("args"))
     arg_off = args.offsets.to_numpy()
-    arg_off = (arg_off - arg_off[0]).tolist()
+    arg_off = arg_off - arg_off[0]
     flat_args = args.flatten()
     arg_names = flat_args.flatten()[flat_args.type.get_field_index("name")].to_pylist()
     av = _Values(flat_args, device)
     rv = _Values(col(names.index("result")), device)
+    values, results = av.values, rv.values
+    opaque_rows = set((np.searchsorted(arg_off, av.opaque, side="right") - 1).tolist()) if len(av.opaque) else ()
+    bounds = arg_off.tolist()
     for r in range(batch.num_rows):
         if top_level_only and depth[r] != 0:
             continue
-        lo, hi = arg_off[r], arg_off[r + 1]
-        yield Call(
-            seq=seq[r], parent=parent[r], depth=depth[r], target=target[r], method=method[r],
-            args={arg_names[j]: av.get(j) for j in range(lo, hi)},
-            has_opaque=OPAQUE in av.kind[lo:hi],
-            result=rv.get(r),
-            exc_type=exc_type[r], exc_msg=exc_msg[r],
-            counters={k: v[r] for k, v in counters.items()},
-            t_start_ns=t0[r], t_end_ns=t1[r],
-        )
+        lo, hi = bounds[r], bounds[r + 1]
+        yield Call(seq[r], parent[r], depth[r], target[r], method[r],
+                   dict(zip(arg_names[lo:hi], values[lo:hi])), results[r], exc_type[r], exc_msg[r],
+                   {"available": avail[r], "full_available": full_avail[r], "swa_available": swa_avail[r]},
+                   t0[r], t1[r], r in opaque_rows)
 
 
 # -- values -----------------------------------------------------------------------
@@ -134,7 +186,8 @@ def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -
     if kind == TENSOR:
         return _tensor(v["data"], v["dtype"], device).reshape(v["shape"])
     if kind == INTS:
-        return tuple(v["data"]) if v["i"] else list(v["data"])
+        data = v["data"].tolist() if isinstance(v["data"], torch.Tensor) else v["data"]
+        return tuple(data) if v["i"] else list(data)
     if kind == SEGMENTS:
         out, pos, shape = [], 0, v["shape"]
         dtypes = v["dtype"].split(",")
@@ -151,5 +204,8 @@ def tensor_dtype(name: str) -> torch.dtype:
     return _DTYPES.get(name, torch.int64)
 
 
-def _tensor(data: list[int], dtype: str, device: str | torch.device) -> torch.Tensor:
-    return torch.tensor(data, dtype=torch.int64, device=device).to(tensor_dtype(dtype))
+def _tensor(data: Any, dtype: str, device: str | torch.device) -> torch.Tensor:
+    """``data``: a list of ints or an int64 tensor (a view of the batch's index data)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.int64, device=device)
+    dt = tensor_dtype(dtype)
+    return t if dt == torch.int64 else t.to(dt)

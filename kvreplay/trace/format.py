@@ -170,7 +170,7 @@ def check_ctor_args(family: str, args: dict[str, Any]) -> None:
         raise ValueError(f"constructor argument dtype must be one of {', '.join(INDEX_DTYPES)}, not {args['dtype']!r}")
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One recorded allocator call, decoded."""
 
@@ -193,7 +193,7 @@ class Call:
         return self.depth == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class TopCall:
     """A recorded top-level call, its number (1..N among the trace's top-level
     calls; reports name calls by it) and the sub-allocator calls it made."""

@@ -163,21 +163,27 @@ class TraceReader:
         trace order (gap rows, which stand for lost calls, are passed on unnumbered)."""
         current: TopCall | None = None
         number = 0
-        for c in self.calls(device=device):
-            if c.depth == 0:
+        for c in self._decoded(False, device, 4096):
+            if c.depth:
                 if current is not None:
-                    yield current
-                if c.target != GAP_TARGET:
-                    number += 1
-                current = TopCall(c, number if c.target != GAP_TARGET else 0)
-            elif current is not None:
-                current.nested.append(c)
+                    current.nested.append(c)
+                continue
+            if current is not None:
+                yield current
+            if c.target != GAP_TARGET:
+                number += 1
+                current = TopCall(c, number, [])
+            else:
+                current = TopCall(c, 0, [])
         if current is not None:
             yield current
 
     def calls(self, *, top_level_only: bool = False, device: str | torch.device = "cpu",
               batch_size: int = 4096) -> Iterator[Call]:
         """Decoded calls in recorded order (nested rows follow their parent)."""
+        return self._decoded(top_level_only, device, batch_size)
+
+    def _decoded(self, top_level_only: bool, device: str | torch.device, batch_size: int) -> Iterator[Call]:
         from kvreplay.trace.decode import decode_batch
 
         for batch in self.iter_batches(batch_size=batch_size):
