@@ -3,35 +3,26 @@ replays and stores (replay, bisect, ci, corpus add, demo) goes through."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvreplay.builds.resolve import build_version
 from kvreplay.builds.spec import BuildSpec
+from kvreplay.errors import BadInput
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker
 from kvreplay.store.db import check_store, open_store
 from kvreplay.store.runs import TraceInfo, record_run
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader
-from kvreplay.version import __version__
 
 
 def trace_info(reader: TraceReader, calls: int | None = None) -> TraceInfo:
     return TraceInfo(path=str(reader.path.resolve()), content_hash=content_hash(reader.path),
                      pool_class=reader.meta.pool_class, family=reader.meta.family, meta=asdict(reader.meta),
                      rows=reader.num_rows, calls=calls)
-
-
-def build_version(pool: Any) -> str:
-    """What the build resolved to: kvreplay's version for builtins, else its package's."""
-    top = type(pool).__module__.split(".")[0]
-    if top == "kvreplay":
-        return f"kvreplay {__version__}"
-    ver = getattr(sys.modules.get(top), "__version__", "")
-    return f"{top} {ver}".strip()
 
 
 def worker_build_version(spec: BuildSpec, code_id: str) -> str:
@@ -46,21 +37,40 @@ class StoredReplay:
 
 
 def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, store: bool = True,
-                     progress: Callable[[int, int], None] | None = None, **options: Any) -> StoredReplay:
+                     progress: Callable[[int, int], None] | None = None, jobs: int = 1, ray: str | None = None,
+                     **options: Any) -> StoredReplay:
     """Replay and, unless ``store`` is False, write the run to the database.
 
     The trace and the database are checked first, so bad input fails before any work;
     the database is created or migrated, and the run written in one transaction, only
-    once the replay has a result: bad input anywhere leaves nothing behind."""
+    once the replay has a result: bad input anywhere leaves nothing behind.
+
+    ``jobs`` > 1 or ``ray`` (an address, "" for a local instance): the trace's segments
+    (between its checkpoints) replay in parallel workers, or on Ray, and merge into
+    the run a serial replay gives (replay/segments.py); the run is stored from here."""
+    if jobs < 1:
+        raise BadInput(f"--jobs must be at least 1, not {jobs}")
     spec = BuildSpec.parse(build)
     reader = TraceReader(trace)
     reader.check_calls()
     if store:
         check_store(db)
+    report = None
     if not spec.in_process:
+        if jobs > 1 or ray is not None:
+            raise BadInput(f"--jobs and --ray split in-process builds (builtin:, module:); {build} replays in "
+                           "its own worker")
         report, code_id = replay_in_worker(trace, build, **options)
         version = worker_build_version(spec, code_id)
-    else:
+    elif jobs > 1 or ray is not None:
+        from kvreplay.replay.segments import replay_segments  # imports torch
+
+        options.pop("timeout_s", None)
+        parallel = replay_segments(str(trace), build, jobs=jobs, ray=ray, progress=progress, reader=reader,
+                                   **options)
+        if parallel is not None:
+            report, version = parallel
+    if report is None and spec.in_process:
         from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
 
         options.pop("timeout_s", None)

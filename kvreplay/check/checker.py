@@ -11,6 +11,8 @@ group it was in only ended later (``detected_call``)."""
 
 from __future__ import annotations
 
+import base64
+import zlib
 from typing import Any
 
 import numpy as np
@@ -171,6 +173,7 @@ class InvariantChecker:
         self.in_group = False
         self.calls = 0
         self._since_full = 0
+        self.settles = 0  # calls settled outside free groups, ever: full checks fall every full_check_every
         self._avail: dict[str, int] | None = None  # sub-pool counters the last call left, outside groups
         self._pending_released: list[tuple[int, str, np.ndarray]] = []
         self._pending_touched: list[tuple[int, str, np.ndarray]] = []
@@ -207,6 +210,38 @@ class InvariantChecker:
         pool = self.view.pool
         self.in_group = getattr(pool, "is_not_in_free_group", True) is False or \
             isinstance(getattr(pool, "free_group", None), list)
+
+    # -- checkpoints ---------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What the checker knows beyond the pool's own state (which slots the caller
+        holds, token by token), as JSON for a checkpoint: a replay that starts from the
+        checkpoint with it checks every later call as a replay from the start would.
+        Only between calls and outside a free group (nothing pending)."""
+        if self.in_group or self._pending_released or self._pending_touched:
+            raise ValueError("a checker state is taken outside free groups only")
+        out: dict[str, Any] = {"format": 1, "calls": self.calls, "settles": self.settles, "shadows": {}}
+        for name, sh in self.shadows.items():
+            out["shadows"][name] = {"owned": _packed(sh.owned), "live": _packed(sh.live_tok)}
+        if self.swa:
+            out["swa_owner"] = _squeezed(self.swa_owner)
+        return out
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take up a ``state()``; the pool must already hold the checkpoint's state."""
+        if state.get("format") != 1 or set(state.get("shadows", {})) != set(self.shadows):
+            raise ValueError("the checkpoint's checker state is not one for this pool")
+        for name, sh in self.shadows.items():
+            enc = state["shadows"][name]
+            sh.owned[:] = _unpacked(enc["owned"], len(sh.owned))
+            sh.live_tok[:] = _unpacked(enc["live"], len(sh.live_tok))
+            sh.owned_count = int(sh.owned.sum())
+        if self.swa:
+            self.swa_owner[:] = _unsqueezed(state["swa_owner"], len(self.swa_owner))
+        self.calls = int(state["calls"])
+        self.settles = int(state["settles"])
+        self._since_full = self.settles % self.full_check_every if self.full_check_every else 0
+        self.in_group = False
+        self._avail = None
 
     # -- reporting -------------------------------------------------------------
     def _flag(self, call: int, method: str, invariant: str, rule: str, sub: str, idx: Any, msg: str,
@@ -424,6 +459,7 @@ class InvariantChecker:
                            f"{avail} are available; together {shadow.owned_count * shadow.ps + avail}, "
                            f"not the pool's {sub.capacity}")
         self._since_full += 1
+        self.settles += 1
         if self.full_check_every and self._since_full >= self.full_check_every:
             self.full_check(call, method)
 
@@ -542,3 +578,26 @@ class InvariantChecker:
         """End of trace: the O(pool) checks as quiescence, plus what is still held."""
         self.full_check(call, "end-of-trace", final=True)
         return {name: s.owned_count * s.ps for name, s in self.shadows.items()}
+
+
+def _packed(bits: np.ndarray) -> str:
+    return base64.b64encode(zlib.compress(np.packbits(bits).tobytes(), 1)).decode()
+
+
+def _unpacked(text: str, n: int) -> np.ndarray:
+    raw = np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.uint8)
+    bits = np.unpackbits(raw)[:n].astype(bool)
+    if len(bits) != n:
+        raise ValueError("a checkpoint's checker state has the wrong size for this pool")
+    return bits
+
+
+def _squeezed(a: np.ndarray) -> str:
+    return base64.b64encode(zlib.compress(a.astype(np.int64).tobytes(), 1)).decode()
+
+
+def _unsqueezed(text: str, n: int) -> np.ndarray:
+    a = np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.int64)
+    if len(a) != n:
+        raise ValueError("a checkpoint's checker state has the wrong size for this pool")
+    return a

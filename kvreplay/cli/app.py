@@ -6,6 +6,7 @@ every command that reports something takes ``--json`` (docs/json.md)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import NoReturn
 
@@ -59,10 +60,27 @@ def _pin_torch_threads() -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ.get("KVREPLAY_TORCH_THREADS", "1")
 
 
+_RAY_ADDRESS = re.compile(r"^(auto|local|ray://\S+|[\w.-]+:\d+)$")
+
+
+def _ray_value(argv: list[str]) -> list[str]:
+    """``--ray`` takes an optional address: alone (last, or before another option or
+    an argument that is not an address) it means a local instance, spelled "local"."""
+    out = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if a == "--ray":
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or not _RAY_ADDRESS.match(nxt):
+                out.append("local")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: turns library errors into one line and an exit code."""
     _pin_torch_threads()
-    base.argv[:] = sys.argv[1:] if argv is None else argv
+    argv = _ray_value(sys.argv[1:] if argv is None else argv)
+    base.argv[:] = argv
     try:
         # Not standalone: click hands usage errors back instead of printing a box,
         # and returns the code of typer.Exit.

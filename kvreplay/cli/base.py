@@ -30,6 +30,10 @@ BUILD_HELP = ("Build: builtin:NAME[@VARIANT], py:MODULE:CLASS, sglang (the insta
               "sglang==VERSION (that release, fetched once) or git:REPO@REV[:MODULE:CLASS]; "
               "`kvreplay builds` lists them.")
 JSON_HELP = "Print the result as JSON (fields: docs/json.md)."
+JOBS_HELP = ("Worker processes: the trace's segments (between the checkpoints synth/record --checkpoint-every "
+             "wrote) replay in parallel and merge into the serial run.")
+RAY_HELP = ("Send the work to Ray: --ray alone starts a local instance, --ray ADDRESS joins a cluster "
+            "(auto, HOST:PORT, ray://HOST:PORT). Needs pip install 'kvreplay[ray]'.")
 # Seconds between progress lines when stderr is not a terminal (CI logs).
 PROGRESS_EVERY_S = float(os.environ.get("KVREPLAY_PROGRESS_S", "5"))
 

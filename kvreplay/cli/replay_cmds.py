@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvreplay.cli.base import BUILD_HELP, DB_HELP, JSON_HELP, app, emit_json, out, progress, say
+from kvreplay.cli.base import BUILD_HELP, DB_HELP, JOBS_HELP, JSON_HELP, RAY_HELP, app, emit_json, out, progress, say
 from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row
 from kvreplay.errors import (
     EXIT_ABORT_BISECT,
@@ -42,6 +42,8 @@ def replay(
     fixed: bool = typer.Option(False, "--fixed", help="With --git-bisect, to find a fix (git bisect start "
                                "--term-old broken --term-new fixed): the failure exits 0 (old), its absence "
                                "exits 1 (new); needs --failure."),
+    jobs: int = typer.Option(1, "--jobs", "-j", help=JOBS_HELP),
+    ray: str | None = typer.Option(None, "--ray", help=RAY_HELP, metavar="[ADDRESS]"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace on a build, check every invariant, store the run.
@@ -65,7 +67,7 @@ def replay(
         with progress(f"replay {trace.name}", "rows") as cb:
             res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
                                    full_check_every=full_check_every, stop_at_first=stop_first,
-                                   after_gap=after_gap, **extra)
+                                   after_gap=after_gap, jobs=jobs, ray=ray, **extra)
     except KvreplayError as exc:
         if git_bisect and exc.exit_code == EXIT_BAD_INPUT:
             exc.exit_code = EXIT_ABORT_BISECT

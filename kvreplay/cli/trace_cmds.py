@@ -34,6 +34,8 @@ def synth(
     length_scale: float = typer.Option(1.0, help="Scale a workload file's token lengths (e.g. 0.02)."),
     speedup: float = typer.Option(1.0, help="Divide a workload's arrival times by this."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
+    checkpoint_every: int = typer.Option(
+        0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Drive a pool the way an SGLang decode server does; record the trace.
@@ -46,7 +48,7 @@ def synth(
         scenario=scenario, out=out_path, requests=requests, seed=seed, workload=workload, build=build,
         page_size=page_size, full_size=full_size, swa_size=swa_size, window=window, k=k,
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, speedup=speedup,
-        device=device,
+        device=device, checkpoint_every=checkpoint_every,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:

@@ -44,7 +44,7 @@ from kvreplay.recorder.raw_batch import RawBatch
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of
 from kvreplay.recorder.writer_process import ProcessTraceWriter
 from kvreplay.trace import snapshot as pool_snapshot
-from kvreplay.trace.format import GapRecord, TraceMeta
+from kvreplay.trace.format import CheckpointRecord, GapRecord, TraceMeta
 from kvreplay.version import __version__
 
 log = logging.getLogger("kvreplay.recorder")
@@ -90,6 +90,7 @@ class Recording:
         rotate_rows: int = 0,
         rotate_s: float = 0.0,
         counters_every: int = 1,
+        checkpoint_every: int = 0,
     ) -> None:
         self.pool = pool
         if snapshot is None:  # attach: a pool already in use starts its trace with its state
@@ -121,6 +122,8 @@ class Recording:
                               self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
                               raised=self._raised, counters_every=counters_every)
         self._patched: list[tuple[Any, str]] = []
+        # Checkpoints need a writer (the flight recorder keeps its own snapshots).
+        self._checkpoints = _Checkpointer(self, checkpoint_every) if checkpoint_every > 0 and path else None
         self._patch(pool, "root")
         for target, attr in SUB_POOLS:
             sub = getattr(pool, attr, None)
@@ -163,6 +166,8 @@ class Recording:
             ids = self._names
             wrapped = self._engine.wrap(fn, ids.id(target), ids.id(name), tuple(ids.id(p) for p in params),
                                         _FINISH.get(name, FINISH_CALL), name)
+            if target == "root" and self._checkpoints is not None:
+                wrapped = self._checkpoints.wrap(wrapped, name, params)
             setattr(obj, name, wrapped)
             self._patched.append((obj, name))
 
@@ -199,6 +204,21 @@ class Recording:
         gap = GapRecord(int(top_seqs[0]), int(top_seqs[-1]), len(top_seqs), reason, "", time.time_ns(), pending)
         self._gap = gap if self._gap is None else self._gap.merged(gap)
         self.lost_calls += len(top_seqs)
+
+    def _checkpoint(self, calls: int, checker_state: str) -> None:
+        """Write a checkpoint row after top-level call ``calls``: the rows so far go to
+        the writer first, so the checkpoint sits exactly between two calls."""
+        with self._lock:
+            self._deliver(self._engine.take())
+            if self._gap is not None or self._stopped_by is not None:
+                return  # calls were lost: a checkpoint would stand after a hole, not a call
+            try:  # device copies here; the writer's side encodes them
+                pending = functools.partial(_state_json, pool_snapshot.capture(self.pool))
+            except Exception:  # a pool the snapshot cannot read has no checkpoints
+                return
+            seq = self._engine.next_seq - 1
+            self._writer.submit(CheckpointRecord(seq, seq, 0, "checkpoint", "", time.time_ns(), pending,
+                                                 calls=calls, checker=checker_state))
 
     def _raised(self) -> None:
         """A top-level call raised: get its row to the writer now (the program may be dying)."""
@@ -251,6 +271,84 @@ class Recording:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Checkpointer:
+    """Counts top-level calls and, every ``every`` of them (at the first moment outside
+    a free group), has the recording write a checkpoint. It keeps an invariant checker
+    on the recorded pool, fed as a replay feeds its own, because a checkpoint must
+    carry what the checker knows (which tokens the caller holds) for a replay started
+    there to check exactly as one from the start. That costs the checker's time per
+    call, so checkpoints are asked for, not on by default."""
+
+    def __init__(self, rec: Recording, every: int) -> None:
+        from kvreplay.check.checker import InvariantChecker
+        from kvreplay.check.pool_view import view_of
+
+        self.rec, self.every = rec, every
+        view = view_of(rec.pool, family_of_pool(rec.pool))
+        view.sub_available()  # binds the counter reads now, before the pool's methods are recorded
+        self.checker = InvariantChecker(view, full_check_every=0, keep=0)
+        self.depth = 0
+        self.calls = 0
+        self.due = False
+        self.broken = False
+
+    def wrap(self, fn: Callable[..., Any], name: str, params: tuple[str, ...]) -> Callable[..., Any]:
+        if name in COUNTER_METHODS:  # numbered like every top-level call, but nothing to check
+            def counted(*a: Any, **k: Any) -> Any:
+                if self.depth:
+                    return fn(*a, **k)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._done()
+            return counted
+
+        def checked(*a: Any, **k: Any) -> Any:
+            if self.depth or self.broken:
+                if not self.depth:
+                    self.calls += 1
+                return fn(*a, **k)
+            args = {**dict(zip(params, a, strict=False)), **k}
+            pre = self._safely(self.checker.before, name, args)
+            self.depth += 1
+            try:
+                result = fn(*a, **k)
+            except BaseException:
+                self.depth -= 1
+                self._safely(self.checker.after, self.calls + 1, name, args, None, True, pre, None)
+                self._done()
+                raise
+            self.depth -= 1
+            self._safely(self.checker.after, self.calls + 1, name, args, result, False, pre, None)
+            self._done()
+            return result
+        return checked
+
+    def _safely(self, step: Callable[..., Any], *args: Any) -> Any:
+        """The recorded program never pays for the checker's trouble: checkpoints stop."""
+        if self.broken:
+            return None
+        try:
+            return step(*args)
+        except Exception as exc:
+            self.broken = True
+            log.warning("kvreplay recorder: checkpoints stop (the checker could not follow: %s)", exc)
+            return None
+
+    def _done(self) -> None:
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.due = True
+        if self.due and not self.broken and not self.checker.in_group:
+            self.due = False
+            try:
+                state = json.dumps(self.checker.state())
+            except ValueError:  # something pending: the next call outside a group takes it
+                self.due = True
+                return
+            self.rec._checkpoint(self.calls, state)
 
 
 def _state_json(captured: dict[str, dict[str, Any]]) -> str:

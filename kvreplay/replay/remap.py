@@ -48,6 +48,10 @@ class Remapper:
         self.full = full
         self.swa = swa
 
+    def is_identity(self) -> bool:
+        """Whether every recorded page still names the build's own page of that number."""
+        return all(t is None or bool((t.table == np.arange(len(t.table))).all()) for t in (self.full, self.swa))
+
     def args(self, args: dict[str, Any]) -> dict[str, Any]:
         out = dict(args)
         for name in FULL_TOKEN_ARGS:

@@ -16,6 +16,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,14 @@ from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.check.checked_call import checked_call, method_of
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
+from kvreplay.check.rules import ViolationLog
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
 from kvreplay.replay.compare import json_value, same
 from kvreplay.replay.remap import PageTable, Remapper
 from kvreplay.replay.report import MODES, Divergence, ReplayReport
 from kvreplay.trace import snapshot
-from kvreplay.trace.format import GAP_TARGET, Opaque, TopCall
+from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_TARGET, Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
 
 
@@ -131,7 +133,8 @@ class Replayer:
     def __init__(self, trace: str | Path, build: str, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
-                 start: tuple[int, dict[str, Any] | None] | None = None, checked: bool = False) -> None:
+                 start: tuple[int, dict[str, Any] | None] | None = None, checked: bool = False,
+                 segment: Segment | None = None) -> None:
         """``reader`` and ``start`` (``start_point``'s answer) let a caller that replays
         one trace many times (minimize) open it and scan it for gaps once; ``checked``
         says its rows were already checked (``TraceReader.check_calls``)."""
@@ -140,6 +143,9 @@ class Replayer:
         if not checked:
             self.reader.check_calls()
         self.meta = self.reader.meta
+        self.segment = segment
+        if segment is not None and segment.start_row > 0:
+            start = (-1, None)  # the segment's checkpoint holds its state (_start_segment)
         self.start_after, start_state = start or start_point(self.reader, after_gap)
         self.build_spec = build
         self.device = resolve_device(device)
@@ -150,6 +156,9 @@ class Replayer:
         self.checker = InvariantChecker(self.view, full_check_every=full_check_every, keep=keep) if check else None
         if self.checker is not None and start_state is not None:
             self.checker.adopt()
+        if segment is not None and segment.start_row > 0:
+            self._start_segment(segment)
+        self.ended_at: int | None = None  # the checkpoint row a segment replay ended at
         self.capture = NestedCapture(self.pool) if mode == "strict" else None
         self.stop_at_first = stop_at_first
         self.divergences: list[Divergence] = []
@@ -317,11 +326,24 @@ class Replayer:
         stopped = False
         rows = 0
         step, start_after, stop_at_first = self.step, self.start_after, self.stop_at_first
+        seg = self.segment
+        if calls is None:
+            calls = self.reader.top_calls(device=self.device) if seg is None else self.reader.top_calls(
+                device=self.device, rows=(seg.start_row, self.reader.num_rows), number_from=seg.number_from)
+        first_row = seg.start_row if seg is not None else 0
         with few_collections():
-            for tc in calls if calls is not None else self.reader.top_calls(device=self.device):
-                rows += 1 + len(tc.nested)
+            for tc in calls:
                 c = tc.call
-                if c.seq <= start_after or c.target == GAP_TARGET:
+                if c.target == GAP_TARGET:
+                    if (seg is not None and seg.end_row is not None and c.method == CHECKPOINT_METHOD
+                            and first_row + rows >= seg.end_row and first_row + rows in seg.stop_rows
+                            and self.at_checkpoint(c)):
+                        self.ended_at = first_row + rows
+                        break
+                    rows += 1 + len(tc.nested)
+                    continue
+                rows += 1 + len(tc.nested)
+                if c.seq <= start_after:
                     continue
                 step(tc)
                 last = tc.number
@@ -330,36 +352,101 @@ class Replayer:
                 if self.unsupported is not None or (stop_at_first and self.found_something()):
                     stopped = True
                     break
-            held = self.checker.finish(last) if self.checker and not stopped else {}
+            ends = self.ended_at is None and not stopped  # a segment that ended at a checkpoint goes on elsewhere
+            held = self.checker.finish(last) if self.checker and ends else {}
         if progress is not None:
             progress(total, total)
         return self.report(time.perf_counter() - t0, held, stopped)
 
     def report(self, wall: float, held: dict[str, int], stopped: bool) -> ReplayReport:
-        log = self.checker.log if self.checker else None
-        violations = sorted(log.kept, key=lambda v: (v.call, v.detected_call)) if log else []
-        first_v = log.first() if log else None
-        first_d = min(self.divergences, key=lambda d: d.call) if self.divergences else None
-        status = "violation" if violations else ("divergence" if self.divergences else "clean")
-        message = ""
-        if self.unsupported is not None:
-            status = "violation" if violations else "unsupported"
-            message = f"{self.unsupported}: the replay stops there, since every later call would meet a state " \
-                      "the recording never had"
-        after = None
-        if self.capacity_call is not None and first_v is not None:
-            after = self.capacity_call - first_v.call
-        return ReplayReport(
+        return compose_report(
             trace=str(self.reader.path), build=self.build_spec, mode=self.mode, device=self.device,
-            status=status, calls_replayed=self.calls, wall_s=wall,
-            calls_per_s=self.calls / wall if wall > 0 else 0.0,
-            violations=violations,
-            violation_counts={f"{k[0]}/{k[1]}": n for k, n in (log.counts.items() if log else [])},
-            divergences=sorted(self.divergences, key=lambda d: d.call), divergence_counts=dict(self.div_counts),
-            first_violation=first_v, first_divergence=first_d, capacity_assert_call=self.capacity_call,
-            capacity_assert_after_calls=after, held_at_end=held, stopped_early=stopped,
-            translated=dict(self.translated), message=message,
-        )
+            calls=self.calls, wall=wall, log=self.checker.log if self.checker else None,
+            divergences=self.divergences, div_counts=dict(self.div_counts), capacity_call=self.capacity_call,
+            held=held, stopped=stopped, translated=dict(self.translated), unsupported=self.unsupported)
+
+    # -- segments (replay --jobs) --------------------------------------------------
+    def _start_segment(self, seg: Segment) -> None:
+        """Put the build and the checker in the state of the checkpoint the segment starts at."""
+        cp = next(iter(self.reader.calls(rows=(seg.start_row, seg.start_row + 1))), None)
+        if cp is None or cp.target != GAP_TARGET or cp.method != CHECKPOINT_METHOD:
+            raise BadInput(f"{self.reader.path.name}: row {seg.start_row} is not a checkpoint")
+        state, checker = _checkpoint_states(self.reader, cp)
+        restore_snapshot(self.pool, state, self.build_spec)
+        if self.checker is not None:
+            try:
+                self.checker.restore(checker)
+            except (ValueError, KeyError, TypeError, zlib.error, binascii.Error) as exc:
+                raise BadInput(f"{self.reader.path.name}: the checkpoint at row {seg.start_row} has an "
+                               f"unreadable checker state ({exc})") from None
+
+    def at_checkpoint(self, cp: Any) -> bool:
+        """Whether the build and the checker are now exactly where the recording was at
+        checkpoint row ``cp``: then a replay started there goes on as this one would."""
+        try:
+            state, checker = _checkpoint_states(self.reader, cp)
+        except BadInput:
+            return False
+        if not snapshot.matches(self.pool, state):
+            return False
+        if self.remap is not None and not self.remap.is_identity():
+            return False  # the build named pages its own way: a fresh start would not know
+        if self.checker is not None:
+            try:
+                return self.checker.state() == checker
+            except ValueError:
+                return False
+        return True
 
 
-__all__ = ["Replayer", "restore_snapshot", "start_point"]
+@dataclass(frozen=True)
+class Segment:
+    """Where a segment replay starts (a checkpoint row, whose call numbers continue
+    after ``number_from``) and the checkpoint rows it may end at: the first of them at
+    or after ``end_row`` where the build's state is the recording's."""
+
+    start_row: int
+    number_from: int
+    end_row: int | None  # None: to the end of the trace
+    stop_rows: frozenset[int] = frozenset()
+
+
+def _checkpoint_states(reader: TraceReader, cp: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    try:
+        return json.loads(cp.args["state"]), json.loads(cp.args["checker"])
+    except (KeyError, TypeError, ValueError):
+        raise BadInput(f"{reader.path.name}: a checkpoint row (after call #{cp.args.get('calls', '?')}) "
+                       "is damaged") from None
+
+
+def compose_report(*, trace: str, build: str, mode: str, device: str, calls: int, wall: float,
+                   log: ViolationLog | None, divergences: list[Divergence], div_counts: dict[str, int],
+                   capacity_call: int | None, held: dict[str, int], stopped: bool, translated: dict[str, int],
+                   unsupported: str | None) -> ReplayReport:
+    """A run's report from what its replay (or the segments of one) found."""
+    violations = sorted(log.kept, key=lambda v: (v.call, v.detected_call)) if log else []
+    first_v = log.first() if log else None
+    first_d = min(divergences, key=lambda d: d.call) if divergences else None
+    status = "violation" if violations else ("divergence" if divergences else "clean")
+    message = ""
+    if unsupported is not None:
+        status = "violation" if violations else "unsupported"
+        message = f"{unsupported}: the replay stops there, since every later call would meet a state " \
+                  "the recording never had"
+    after = None
+    if capacity_call is not None and first_v is not None:
+        after = capacity_call - first_v.call
+    return ReplayReport(
+        trace=trace, build=build, mode=mode, device=device,
+        status=status, calls_replayed=calls, wall_s=wall,
+        calls_per_s=calls / wall if wall > 0 else 0.0,
+        violations=violations,
+        violation_counts={f"{k[0]}/{k[1]}": n for k, n in (log.counts.items() if log else [])},
+        divergences=sorted(divergences, key=lambda d: d.call), divergence_counts=dict(div_counts),
+        first_violation=first_v, first_divergence=first_d, capacity_assert_call=capacity_call,
+        capacity_assert_after_calls=after, held_at_end=held, stopped_early=stopped,
+        translated=dict(translated), message=message,
+    )
+
+
+__all__ = ["Replayer", "Segment", "compose_report", "restore_snapshot", "start_point"]

@@ -158,7 +158,7 @@ def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torc
             continue
         lo, hi = bounds[r], bounds[r + 1]
         yield Call(seq[r], parent[r], depth[r], target[r], method[r],
-                   dict(zip(arg_names[lo:hi], values[lo:hi])), results[r], exc_type[r], exc_msg[r],
+                   dict(zip(arg_names[lo:hi], values[lo:hi], strict=True)), results[r], exc_type[r], exc_msg[r],
                    {"available": avail[r], "full_available": full_avail[r], "swa_available": swa_avail[r]},
                    t0[r], t1[r], r in opaque_rows)
 

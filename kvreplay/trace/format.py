@@ -218,6 +218,11 @@ def part_name(n: int) -> str:
 # (``reason``), and, when the recorder could take one, the pool's state right after
 # them (``state``, snapshot JSON), from which a replay can start.
 GAP_TARGET, GAP_METHOD = "recorder", "gap"
+# Every N calls (when asked) the recorder also writes a checkpoint row with the same
+# target: the pool's state there (``state``), what the invariant checker knew
+# (``checker``) and how many top-level calls came before it (``calls``). A long trace
+# splits at checkpoints into segments that replay independently (replay --jobs).
+CHECKPOINT_METHOD = "checkpoint"
 
 
 @dataclass(frozen=True)
@@ -268,3 +273,23 @@ class Opaque:
     """A value kvreplay could not record losslessly; replay refuses to pass it on."""
 
     text: str
+
+
+@dataclass(frozen=True)
+class CheckpointRecord(GapRecord):
+    """A checkpoint row, carried through the recorder's queue and writer as a gap is
+    (it loses no call: ``lost_calls`` is 0)."""
+
+    calls: int = 0
+    checker: str = ""
+
+    def to_table(self) -> pa.Table:
+        row = {
+            "seq": self.last_seq, "parent": -1, "depth": 0, "target": GAP_TARGET, "method": CHECKPOINT_METHOD,
+            "t_start_ns": self.t_ns, "t_end_ns": self.t_ns,
+            "args": [{"name": "calls", "kind": INT, "i": self.calls},
+                     {"name": "state", "kind": STR, "s": self.state},
+                     {"name": "checker", "kind": STR, "s": self.checker}],
+            "result": {"kind": NONE},
+        }
+        return pa.Table.from_pylist([row], schema=SCHEMA)

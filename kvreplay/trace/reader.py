@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -20,6 +22,7 @@ import pyarrow.parquet as pq
 from kvreplay.errors import TraceFormatError
 from kvreplay.pool_api import API_METHODS
 from kvreplay.trace.format import (
+    CHECKPOINT_METHOD,
     GAP_METHOD,
     GAP_TARGET,
     PART_GLOB,
@@ -99,7 +102,7 @@ class TraceReader:
         Returns the number of calls (top-level, not gaps)."""
         calls = 0
         last_seq = -1
-        names = API_METHODS | {GAP_METHOD}
+        names = API_METHODS | {GAP_METHOD, CHECKPOINT_METHOD}
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method"]):
             seq, depth, target, method = (batch.column(i) for i in range(4))
             # gap rows carry the lost calls' numbers (or -1): only recorded rows must grow
@@ -138,6 +141,28 @@ class TraceReader:
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
 
+    def row_range(self, start: int, end: int, batch_size: int = 4096) -> Iterator[pa.RecordBatch]:
+        """Rows start..end-1 of the whole trace (across parts), reading only the row
+        groups that hold them."""
+        offset = 0
+        try:
+            for f in self._files:
+                for g in range(f.metadata.num_row_groups):
+                    n = f.metadata.row_group(g).num_rows
+                    lo, hi = max(start - offset, 0), min(end - offset, n)
+                    if lo < hi:
+                        at = 0
+                        for batch in f.iter_batches(batch_size=batch_size, row_groups=[g]):
+                            b_lo, b_hi = max(lo - at, 0), min(hi - at, batch.num_rows)
+                            if b_lo < b_hi:
+                                yield batch.slice(b_lo, b_hi - b_lo)
+                            at += batch.num_rows
+                    offset += n
+                    if offset >= end:
+                        return
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
+
     def count_calls(self) -> int:
         """Top-level calls (reports number them 1..N), by a scan of two columns."""
         n = 0
@@ -156,14 +181,35 @@ class TraceReader:
                 break
         if not found:
             return []
-        return [c for c in self.calls(top_level_only=True) if c.target == GAP_TARGET]
+        return [c for c in self.calls(top_level_only=True) if c.target == GAP_TARGET and c.method == GAP_METHOD]
 
-    def top_calls(self, device: str | torch.device = "cpu") -> Iterator[TopCall]:
+    def checkpoints(self) -> list[Checkpoint]:
+        """The trace's checkpoint rows, in order: where each is (row) and after how many
+        top-level calls. Their states are read only by the replay that starts there."""
+        rows, offset = [], 0
+        for batch in self.iter_batches(columns=["method", "target"]):
+            hit = pc.and_(pc.equal(batch.column(0), CHECKPOINT_METHOD), pc.equal(batch.column(1), GAP_TARGET))
+            rows.extend(offset + int(i) for i in np.flatnonzero(hit.to_numpy(zero_copy_only=False)))
+            offset += batch.num_rows
+        if not rows:
+            return []
+        out = []
+        for c in self.calls(rows=(rows[0], rows[-1] + 1), top_level_only=True):
+            if c.target == GAP_TARGET and c.method == CHECKPOINT_METHOD:
+                calls = c.args.get("calls")
+                if not isinstance(calls, int) or calls < 0:
+                    raise TraceFormatError(f"{self.path}: a checkpoint row is damaged (calls must be a count)")
+                out.append(Checkpoint(rows[len(out)], calls))
+        return out
+
+    def top_calls(self, device: str | torch.device = "cpu", *, rows: tuple[int, int] | None = None,
+                  number_from: int = 0) -> Iterator[TopCall]:
         """Top-level calls with the sub-allocator calls each made, numbered 1..N in
-        trace order (gap rows, which stand for lost calls, are passed on unnumbered)."""
+        trace order (gap and checkpoint rows are passed on unnumbered). ``rows``: only
+        rows start..end-1 (a segment from a checkpoint), numbered from ``number_from``+1."""
         current: TopCall | None = None
-        number = 0
-        for c in self._decoded(False, device, 4096):
+        number = number_from
+        for c in self._decoded(False, device, 4096, rows):
             if c.depth:
                 if current is not None:
                     current.nested.append(c)
@@ -179,20 +225,28 @@ class TraceReader:
             yield current
 
     def calls(self, *, top_level_only: bool = False, device: str | torch.device = "cpu",
-              batch_size: int = 4096) -> Iterator[Call]:
+              batch_size: int = 4096, rows: tuple[int, int] | None = None) -> Iterator[Call]:
         """Decoded calls in recorded order (nested rows follow their parent)."""
-        return self._decoded(top_level_only, device, batch_size)
+        return self._decoded(top_level_only, device, batch_size, rows)
 
-    def _decoded(self, top_level_only: bool, device: str | torch.device, batch_size: int) -> Iterator[Call]:
+    def _decoded(self, top_level_only: bool, device: str | torch.device, batch_size: int,
+                 rows: tuple[int, int] | None = None) -> Iterator[Call]:
         from kvreplay.trace.decode import decode_batch
 
-        for batch in self.iter_batches(batch_size=batch_size):
+        batches = self.iter_batches(batch_size=batch_size) if rows is None else self.row_range(*rows, batch_size)
+        for batch in batches:
             try:
                 yield from decode_batch(batch, top_level_only, device)
             except Exception as exc:  # whatever damaged data makes decoding raise, it is the data's fault
                 if isinstance(exc, TraceFormatError):
                     raise
                 raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    row: int  # the checkpoint row's place among the trace's rows
+    calls: int  # top-level calls before it: the first call after it is number calls + 1
 
 
 def _increasing(seq: pa.Array) -> bool:

@@ -131,4 +131,31 @@ def restore(pool: Any, snapshot: dict[str, Any]) -> list[str]:
     return missing
 
 
-__all__ = ["FORMAT", "capture", "encode", "restore", "take"]
+def matches(pool: Any, snapshot: dict[str, Any]) -> bool:
+    """Whether ``pool`` holds exactly the snapshot's state (every attribute it names)."""
+    if snapshot.get("format") != FORMAT:
+        return False
+    objects = _objects(pool)
+    for name, attrs in snapshot["objects"].items():
+        obj = objects.get(name)
+        if obj is None:
+            return False
+        own = vars(obj)
+        for key, enc in attrs.items():
+            if key not in own or not _same(own[key], _decode(enc, "cpu")):
+                return False
+    return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b, strict=True)))
+    return type(a) is type(b) and a == b
+
+
+__all__ = ["FORMAT", "capture", "encode", "matches", "restore", "take"]

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvreplay.pool_api import VOID_METHODS, sub_pool_sizes
-from kvreplay.trace.format import GAP_METHOD
+from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD
 from kvreplay.trace.reader import TraceReader
 
 _COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
@@ -79,9 +79,12 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         lost = sum(max(0, g.args.get("lost_calls", 0)) for g in gaps)
         notes.append(f"{len(gaps)} gap(s): the recorder lost {lost or 'an unknown number of'} calls "
                      f"(last: {gaps[-1].args.get('reason', '?')}); replay with --after-gap")
+    checkpoints = methods.pop(CHECKPOINT_METHOD, 0)
+    if checkpoints:
+        notes.append(f"{checkpoints} checkpoint(s): replay --jobs N replays the segments between them in parallel")
     size = reader.file_size
     return TraceSummary(
-        path=str(reader.path), meta=asdict(meta), rows=rows, calls=top - methods.get(GAP_METHOD, 0),
+        path=str(reader.path), meta=asdict(meta), rows=rows, calls=top - methods.get(GAP_METHOD, 0) - checkpoints,
         nested_rows=rows - top,
         calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
         time_span_s=((t_max or 0) - (t_min or 0)) / 1e9,

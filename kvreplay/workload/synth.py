@@ -61,6 +61,7 @@ class SynthConfig:
     length_scale: float = 1.0
     speedup: float = 1.0
     device: str = "cpu"
+    checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
 
 
 @dataclass(kw_only=True)
@@ -88,6 +89,8 @@ def validate(cfg: SynthConfig) -> Scenario:
     for name in ("window", "k", "max_running"):
         if getattr(cfg, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
+    if cfg.checkpoint_every < 0:
+        raise BadInput("--checkpoint-every must be 0 (no checkpoints) or positive")
     if cfg.length_scale <= 0 or cfg.speedup <= 0:
         raise BadInput("--length-scale and --speedup must be positive")
     cfg.device = resolve_device(cfg.device)
@@ -138,7 +141,8 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
     # Written under a partial name and renamed when finished: a synth that is stopped
     # (a signal, an error) never leaves a file under the name asked for.
     partial = out.with_name(f".{out.name}.partial")
-    rec = record(pool, partial, extra=extra, snapshot=False)  # a new pool: replay builds the same
+    # A new pool: replay builds the same, no snapshot needed.
+    rec = record(pool, partial, extra=extra, snapshot=False, checkpoint_every=cfg.checkpoint_every)
     try:
         stats = run_model(pool, cfg, sc, progress)
     except AssertionError as exc:

@@ -1,0 +1,107 @@
+"""Independent units of work (a trace x a build x a segment), run where there is room:
+in this process, in local worker processes (``jobs``), or on a Ray cluster (``ray``:
+the cluster at that address, or "" for a local one started here).
+
+Only the results come back; whoever called stores them, so a store sees one writer
+per run however many machines replayed it. A unit and its result must pickle, and
+the function must be importable by name (Ray and spawned workers import it)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, TypeVar
+
+from kvreplay.errors import BadInput
+
+U = TypeVar("U")
+R = TypeVar("R")
+
+
+def run_units(fn: Callable[[U], R], units: Sequence[U], *, jobs: int = 1, ray: str | None = None,
+              done: Callable[[int, int], None] | None = None) -> list[R]:
+    """``[fn(u) for u in units]``, computed in parallel; results in the units' order.
+    ``done(finished, total)`` is told as units finish."""
+    return list(iter_units(fn, units, jobs=jobs, ray=ray, done=done))
+
+
+def iter_units(fn: Callable[[U], R], units: Sequence[U], *, jobs: int = 1, ray: str | None = None,
+               done: Callable[[int, int], None] | None = None) -> Iterator[R]:
+    """Like ``run_units``, yielding each result (in order) as soon as it and those
+    before it are in, so a caller can act on the first ones while the rest run."""
+    if jobs < 1:
+        raise BadInput(f"--jobs must be at least 1, not {jobs}")
+    total = len(units)
+    if ray is not None:
+        yield from _on_ray(fn, units, ray, done)
+        return
+    if jobs == 1 or total <= 1:
+        for i, u in enumerate(units):
+            yield fn(u)
+            if done is not None:
+                done(i + 1, total)
+        return
+    with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=_context()) as ex:
+        futures = [ex.submit(fn, u) for u in units]
+        for i, f in enumerate(futures):
+            yield f.result()
+            if done is not None:
+                done(i + 1, total)
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    # fork: a worker starts in milliseconds with kvreplay and torch already imported;
+    # a spawned one would spend seconds importing them again. KVREPLAY_START_METHOD
+    # overrides (spawn for a CUDA device, which a forked child cannot use).
+    method = os.environ.get("KVREPLAY_START_METHOD") or ("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                                         else "spawn")
+    return multiprocessing.get_context(method)
+
+
+def ray_module() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise BadInput("--ray needs Ray: pip install 'kvreplay[ray]'") from None
+    return ray
+
+
+def connect_ray(address: str) -> Any:
+    """Ray, connected to the cluster at ``address`` ("" or "local": start one here)."""
+    ray = ray_module()
+    if not ray.is_initialized():
+        local = address in ("", "local")
+        try:
+            ray.init(address=None if local else address, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                     **({"num_cpus": os.cpu_count() or 1} if local else {}))
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise BadInput(f"cannot reach a Ray cluster at {address or 'a new local instance'}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    return ray
+
+
+def _on_ray(fn: Callable[[U], R], units: Sequence[U], address: str,
+            done: Callable[[int, int], None] | None) -> Iterator[R]:
+    ray = connect_ray(address)
+    remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+    refs = [remote.remote(u) for u in units]
+    pending = set(refs)
+    finished = 0
+    for ref in refs:
+        while ref in pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            pending -= set(ready)
+            finished += len(ready)
+            if done is not None:
+                done(finished, len(units))
+        try:
+            yield ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            raise cause from None
+
+
+__all__ = ["connect_ray", "iter_units", "ray_module", "run_units"]
