@@ -371,6 +371,9 @@ class Replayer:
         cp = next(iter(self.reader.calls(rows=(seg.start_row, seg.start_row + 1))), None)
         if cp is None or cp.target != GAP_TARGET or cp.method != CHECKPOINT_METHOD:
             raise BadInput(f"{self.reader.path.name}: row {seg.start_row} is not a checkpoint")
+        if cp.args.get("calls") != seg.number_from:
+            raise BadInput(f"{self.reader.path.name}: the checkpoint at row {seg.start_row} says it follows call "
+                           f"#{cp.args.get('calls')}, but call #{seg.number_from} comes before it")
         state, checker = _checkpoint_states(self.reader, cp)
         restore_snapshot(self.pool, state, self.build_spec)
         if self.checker is not None:

@@ -141,7 +141,8 @@ class TraceReader:
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
 
-    def row_range(self, start: int, end: int, batch_size: int = 4096) -> Iterator[pa.RecordBatch]:
+    def row_range(self, start: int, end: int, batch_size: int = 4096,
+                  columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
         """Rows start..end-1 of the whole trace (across parts), reading only the row
         groups that hold them."""
         offset = 0
@@ -152,7 +153,7 @@ class TraceReader:
                     lo, hi = max(start - offset, 0), min(end - offset, n)
                     if lo < hi:
                         at = 0
-                        for batch in f.iter_batches(batch_size=batch_size, row_groups=[g]):
+                        for batch in f.iter_batches(batch_size=batch_size, row_groups=[g], columns=columns):
                             b_lo, b_hi = max(lo - at, 0), min(hi - at, batch.num_rows)
                             if b_lo < b_hi:
                                 yield batch.slice(b_lo, b_hi - b_lo)
@@ -175,8 +176,8 @@ class TraceReader:
         """The gap rows (where the recorder lost calls), in order; a cheap column scan
         first, since almost every trace has none."""
         found = False
-        for batch in self.iter_batches(columns=["target"]):
-            if GAP_TARGET in batch.column(0).to_pylist():
+        for batch in self.iter_batches(columns=["target", "method"]):
+            if pc.any(pc.and_(pc.equal(batch.column(0), GAP_TARGET), pc.equal(batch.column(1), GAP_METHOD))).as_py():
                 found = True
                 break
         if not found:
@@ -185,21 +186,18 @@ class TraceReader:
 
     def checkpoints(self) -> list[Checkpoint]:
         """The trace's checkpoint rows, in order: where each is (row) and after how many
-        top-level calls. Their states are read only by the replay that starts there."""
-        rows, offset = [], 0
-        for batch in self.iter_batches(columns=["method", "target"]):
-            hit = pc.and_(pc.equal(batch.column(0), CHECKPOINT_METHOD), pc.equal(batch.column(1), GAP_TARGET))
-            rows.extend(offset + int(i) for i in np.flatnonzero(hit.to_numpy(zero_copy_only=False)))
+        top-level calls, both from a scan of three small columns. Their states are read
+        only by the replay that starts there."""
+        out, offset, calls = [], 0, 0
+        for batch in self.iter_batches(columns=["method", "target", "depth"]):
+            method, target, depth = (batch.column(i) for i in range(3))
+            gap = pc.equal(target, GAP_TARGET)
+            hit = pc.and_(pc.equal(method, CHECKPOINT_METHOD), gap).to_numpy(zero_copy_only=False)
+            call = pc.and_(pc.equal(depth, 0), pc.invert(gap)).to_numpy(zero_copy_only=False)
+            before = calls + np.cumsum(call) - call  # calls before each row
+            out.extend(Checkpoint(offset + int(i), int(before[i])) for i in np.flatnonzero(hit))
             offset += batch.num_rows
-        if not rows:
-            return []
-        out = []
-        for c in self.calls(rows=(rows[0], rows[-1] + 1), top_level_only=True):
-            if c.target == GAP_TARGET and c.method == CHECKPOINT_METHOD:
-                calls = c.args.get("calls")
-                if not isinstance(calls, int) or calls < 0:
-                    raise TraceFormatError(f"{self.path}: a checkpoint row is damaged (calls must be a count)")
-                out.append(Checkpoint(rows[len(out)], calls))
+            calls += int(call.sum())
         return out
 
     def top_calls(self, device: str | torch.device = "cpu", *, rows: tuple[int, int] | None = None,
