@@ -91,3 +91,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.name in SLOW_CASES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def postgres_admin(tmp_path_factory):
+    """A running PostgreSQL server (started here unless .ci/run started one)."""
+    from servers import postgres
+
+    with postgres(tmp_path_factory.mktemp("pg")) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A fresh, empty store of each kind: a SQLite file, a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "r.db")
+    from servers import fresh_database
+
+    return fresh_database(request.getfixturevalue("postgres_admin"))

@@ -39,17 +39,20 @@ def counts(db):
     return n
 
 
-def test_opening_creates_the_schema_through_alembic(tmp_path):
-    st = open_store(str(tmp_path / "r.db"))
+def test_opening_creates_the_schema_through_alembic(db_url):
+    st = open_store(db_url)
     assert {"alembic_version", "traces", "builds", "runs", "violations", "divergences"} <= set(tables(st.engine))
+    with st.engine.connect() as c:
+        assert c.exec_driver_sql("select version_num from alembic_version").scalar() == "0005"
+    assert st.engine.dialect.name == ("postgresql" if "://" in db_url else "sqlite")
     st.close()
-    with sqlite3.connect(tmp_path / "r.db") as con:
-        assert con.execute("pragma journal_mode").fetchone()[0] == "wal"
-        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0005"
+    if "://" not in db_url:
+        with sqlite3.connect(db_url) as con:
+            assert con.execute("pragma journal_mode").fetchone()[0] == "wal"
 
 
-def test_a_run_is_stored_whole(tmp_path, trace, capsys):
-    db = str(tmp_path / "r.db")
+def test_a_run_is_stored_whole(db_url, trace, capsys):
+    db = db_url
     code, out, _ = run_cli(capsys, "replay", str(trace), "--build", "builtin:swa@stale-tail", "--db", db, "--json")
     rep = json.loads(out)
     assert code == 1 and rep["status"] == "violation" and rep["run_id"] == 1
@@ -66,8 +69,8 @@ def test_a_run_is_stored_whole(tmp_path, trace, capsys):
     assert json.loads(out) == []
 
 
-def test_a_failure_while_storing_leaves_nothing(tmp_path, trace, monkeypatch):
-    db = str(tmp_path / "r.db")
+def test_a_failure_while_storing_leaves_nothing(db_url, trace, monkeypatch):
+    db = db_url
     replay_and_store(trace, "builtin:swa", db=db)
     import kvreplay.store.runs as runs_mod
 
@@ -82,10 +85,11 @@ def test_a_failure_while_storing_leaves_nothing(tmp_path, trace, monkeypatch):
 
 
 @pytest.mark.slow
-def test_four_replays_writing_at_once_lose_nothing(tmp_path, trace):
-    db = str(tmp_path / "r.db")
+def test_eight_replays_writing_at_once_lose_nothing(db_url, trace):
+    db = db_url
     open_store(db).close()
-    builds = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@page-partial-clear", "builtin:swa@deferred-lookup"]
+    builds = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@page-partial-clear", "builtin:swa@deferred-lookup",
+              "builtin:swa@unfiltered-page0", "builtin:swa@stale-tail", "builtin:swa", "builtin:swa@page-partial-clear"]
     procs = [subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "replay", str(trace), "--build", b,
                                "--db", db, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for b in builds]
@@ -99,7 +103,7 @@ def test_four_replays_writing_at_once_lose_nothing(tmp_path, trace):
     st.close()
     assert sorted(r.build.spec for r in stored) == sorted(builds)
     expected_violations = sum(len(r["violations"]) for r in reports)
-    assert counts(db) == (4, expected_violations)
+    assert counts(db) == (8, expected_violations)
 
 
 @pytest.mark.parametrize("make_db, message", [
@@ -122,16 +126,16 @@ def test_a_database_that_cannot_be_opened_is_bad_input(tmp_path, trace, capsys, 
     (["--build", "builtin:swa", "--mode", "fuzzy"], "unknown mode"),
     (["--build", "py:no_such_module_xyz:Pool"], "could not be loaded"),
 ])
-def test_bad_replay_input_exits_2_or_125_and_stores_nothing(tmp_path, trace, capsys, argv, message):
-    db = str(tmp_path / "r.db")
+def test_bad_replay_input_exits_2_or_125_and_stores_nothing(db_url, trace, capsys, argv, message):
+    db = db_url
     code, out, err = run_cli(capsys, "replay", str(trace), *argv, "--db", db)
     assert code == (125 if "loaded" in message else 2)
     assert message in err and err.count("\n") == 1
     assert counts(db) == (0, 0)
 
 
-def test_corrupt_or_truncated_trace_is_bad_input_and_stores_nothing(tmp_path, trace, capsys):
-    db = str(tmp_path / "r.db")
+def test_corrupt_or_truncated_trace_is_bad_input_and_stores_nothing(tmp_path, db_url, trace, capsys):
+    db = db_url
     cut = tmp_path / "cut.parquet"
     cut.write_bytes(trace.read_bytes()[: trace.stat().st_size // 3])
     junk = tmp_path / "junk.parquet"

@@ -1,0 +1,103 @@
+"""Real servers for the tests that need one, started by the tests themselves when
+.ci/run has not started them already: PostgreSQL (scripts/postgres.sh; .ci/run
+exports KVREPLAY_TEST_PG) and an S3-compatible object store (moto's server mode;
+.ci/run exports KVREPLAY_TEST_S3). With KVREPLAY_REQUIRE_SERVICES=1 (.ci/run) a
+server that cannot be had fails the test instead of skipping it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def unavailable(why: str) -> None:
+    if os.environ.get("KVREPLAY_REQUIRE_SERVICES") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+@contextmanager
+def postgres(tmp: Path) -> Iterator[str]:
+    """The URL of a PostgreSQL server's admin database (its own, or .ci/run's)."""
+    given = os.environ.get("KVREPLAY_TEST_PG")
+    if given:
+        yield given
+        return
+    if not (shutil.which("initdb") or list(Path("/usr/lib/postgresql").glob("*/bin/initdb"))):
+        unavailable("PostgreSQL is not installed (no initdb)")
+    # A short path: a Unix socket's name has a length limit.
+    where = Path(f"/tmp/kvpg-{uuid.uuid4().hex[:8]}")
+    script = ROOT / "scripts" / "postgres.sh"
+    try:
+        out = subprocess.run(["bash", str(script), "start", str(where)], capture_output=True, text=True,
+                             timeout=120)
+        if out.returncode != 0:
+            unavailable(f"PostgreSQL did not start: {out.stderr.strip()[:300]}")
+        yield out.stdout.strip().split("=", 1)[1].strip("'")
+    finally:
+        subprocess.run(["bash", str(script), "stop", str(where)], capture_output=True, timeout=60)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def fresh_database(admin_url: str) -> str:
+    """A new, empty database on the server; its URL."""
+    import sqlalchemy as sa
+    from sqlalchemy.engine import make_url
+
+    name = f"kv_{uuid.uuid4().hex[:12]}"
+    eng = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    eng.dispose()
+    return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def s3_server() -> Iterator[str]:
+    """The endpoint URL of an S3-compatible server (moto's server mode, or .ci/run's)."""
+    given = os.environ.get("KVREPLAY_TEST_S3")
+    if given:
+        yield given
+        return
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        unavailable("moto[server] is not installed (pip install -e '.[dev]')")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    unavailable("the local S3 server (moto) did not start")
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
