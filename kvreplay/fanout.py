@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
-from kvreplay.errors import BadInput
+from kvreplay.errors import BadInput, KvreplayError
 
 U = TypeVar("U")
 R = TypeVar("R")
@@ -28,14 +28,17 @@ def run_units(fn: Callable[[U], R], units: Sequence[U], *, jobs: int = 1, ray: s
 
 
 def iter_units(fn: Callable[[U], R], units: Sequence[U], *, jobs: int = 1, ray: str | None = None,
-               done: Callable[[int, int], None] | None = None) -> Iterator[R]:
+               done: Callable[[int, int], None] | None = None, start_method: str | None = None,
+               on_error: Callable[[U, BaseException], R] | None = None) -> Iterator[R]:
     """Like ``run_units``, yielding each result (in order) as soon as it and those
-    before it are in, so a caller can act on the first ones while the rest run."""
+    before it are in, so a caller can act on the first ones while the rest run.
+    ``on_error(unit, exc)`` stands in for a unit whose worker died or whose Ray task
+    failed (without it, that failure is raised)."""
     if jobs < 1:
         raise BadInput(f"--jobs must be at least 1, not {jobs}")
     total = len(units)
     if ray is not None:
-        yield from _on_ray(fn, units, ray, done)
+        yield from _on_ray(fn, units, ray, done, on_error)
         return
     if jobs == 1 or total <= 1:
         for i, u in enumerate(units):
@@ -43,20 +46,26 @@ def iter_units(fn: Callable[[U], R], units: Sequence[U], *, jobs: int = 1, ray: 
             if done is not None:
                 done(i + 1, total)
         return
-    with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=_context()) as ex:
+    with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=_context(start_method)) as ex:
         futures = [ex.submit(fn, u) for u in units]
         for i, f in enumerate(futures):
-            yield f.result()
+            try:
+                result = f.result()
+            except Exception as exc:
+                if on_error is None or isinstance(exc, KvreplayError):
+                    raise
+                result = on_error(units[i], exc)
+            yield result
             if done is not None:
                 done(i + 1, total)
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    # fork: a worker starts in milliseconds with kvreplay and torch already imported;
-    # a spawned one would spend seconds importing them again. KVREPLAY_START_METHOD
+def _context(method: str | None = None) -> multiprocessing.context.BaseContext:
+    # fork by default: a worker starts in milliseconds with kvreplay and torch already
+    # imported; a spawned one spends seconds importing them again. KVREPLAY_START_METHOD
     # overrides (spawn for a CUDA device, which a forked child cannot use).
-    method = os.environ.get("KVREPLAY_START_METHOD") or ("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                                         else "spawn")
+    method = os.environ.get("KVREPLAY_START_METHOD") or method or (
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     return multiprocessing.get_context(method)
 
 
@@ -74,8 +83,10 @@ def connect_ray(address: str) -> Any:
     if not ray.is_initialized():
         local = address in ("", "local")
         try:
+            # The workers see the store, trace and credentials settings this process sees.
+            env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "KVREPLAY_", "GOOGLE_"))}
             ray.init(address=None if local else address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                     configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **env}},
                      **({"num_cpus": os.cpu_count() or 1} if local else {}))
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise BadInput(f"cannot reach a Ray cluster at {address or 'a new local instance'}: "
@@ -83,14 +94,14 @@ def connect_ray(address: str) -> Any:
     return ray
 
 
-def _on_ray(fn: Callable[[U], R], units: Sequence[U], address: str,
-            done: Callable[[int, int], None] | None) -> Iterator[R]:
+def _on_ray(fn: Callable[[U], R], units: Sequence[U], address: str, done: Callable[[int, int], None] | None,
+            on_error: Callable[[U, BaseException], R] | None) -> Iterator[R]:
     ray = connect_ray(address)
     remote = ray.remote(num_cpus=1, max_retries=0)(fn)
     refs = [remote.remote(u) for u in units]
     pending = set(refs)
     finished = 0
-    for ref in refs:
+    for i, ref in enumerate(refs):
         while ref in pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             pending -= set(ready)
@@ -101,7 +112,13 @@ def _on_ray(fn: Callable[[U], R], units: Sequence[U], address: str,
             yield ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()
-            raise cause from None
+            if on_error is None or isinstance(cause, KvreplayError):
+                raise cause from None
+            yield on_error(units[i], cause)
+        except ray.exceptions.RayError as exc:  # the worker died, the node went away
+            if on_error is None:
+                raise BadInput(f"a Ray task failed: {str(exc).splitlines()[0]}") from None
+            yield on_error(units[i], exc)
 
 
 __all__ = ["connect_ray", "iter_units", "ray_module", "run_units"]

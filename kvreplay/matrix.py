@@ -30,6 +30,7 @@ from kvreplay.replay.worker import replay_many_in_worker
 from kvreplay.store.db import check_store, open_store
 from kvreplay.store.runs import cached_run, get_run, record_run, run_to_dict
 from kvreplay.stored_replay import trace_info, worker_build_version
+from kvreplay.trace import location
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader
 from kvreplay.version import __version__
@@ -70,6 +71,7 @@ class MatrixResult:
     traces: list[str]
     builds: list[str]
     cells: list[Cell] = field(default_factory=list)
+    partitions: dict[str, dict[str, str]] = field(default_factory=dict)  # trace -> its hive keys, if any
     wall_s: float = 0.0
 
     def cell(self, trace: str, build: str) -> Cell | None:
@@ -92,22 +94,28 @@ class MatrixResult:
         return EXIT_CLEAN
 
     def to_dict(self) -> dict[str, Any]:
-        return {"traces": self.traces, "builds": self.builds, "invariants": self.invariants,
+        return {"traces": self.traces, "partitions": self.partitions, "builds": self.builds,
+                "invariants": self.invariants,
                 "cells": [asdict(c) for c in self.cells], "wall_s": round(self.wall_s, 3),
                 "exit_code": self.exit_code}
 
 
-def corpus_traces(paths: list[str | Path]) -> list[Path]:
-    """Trace files from the command line: a file, a rotated trace directory, or a
-    corpus directory (one holding manifest.json: every Parquet trace in it)."""
-    found: list[Path] = []
-    for p in map(Path, paths):
+def matrix_traces(paths: list[str | Path]) -> list[tuple[Path, dict[str, str]]]:
+    """Trace files from the command line, each with its hive partition keys: a file,
+    a rotated trace directory, a corpus directory (one holding manifest.json: every
+    Parquet trace in it), or any other directory of traces (host=.../rank=...
+    partitions); paths or URIs (a remote one is mirrored locally first)."""
+    found: list[tuple[Path, dict[str, str]]] = []
+    for given in paths:
+        p = location.local_path(given)
         if p.is_dir() and (p / "manifest.json").is_file():
-            found += sorted(p.glob("*.parquet"))
+            found += [(f, {}) for f in sorted(p.glob("*.parquet"))]
+        elif p.is_dir() and not location.is_rotated_trace(p):
+            found += [(location.local_path(t.location), t.partition) for t in location.corpus_traces(given)]
         elif p.exists():
-            found.append(p)
+            found.append((p, {}))
         else:
-            raise BadInput(f"{p}: no such trace or corpus")
+            raise BadInput(f"{given}: no such trace or corpus")
     if not found:
         raise BadInput("no traces to replay")
     return found
@@ -123,13 +131,15 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
         raise BadInput("--builds names no build")
     for s in specs:
         BuildSpec.parse(s)
-    paths = corpus_traces(list(traces))
+    listed = matrix_traces(list(traces))
+    paths = [p for p, _ in listed]
     infos = {}
     for p in paths:
         reader = TraceReader(p)
         infos[str(p.resolve())] = (trace_info(reader, reader.check_calls()), content_hash(p))
     check_store(db)
-    result = MatrixResult([str(p.resolve()) for p in paths], specs)
+    result = MatrixResult([str(p.resolve()) for p in paths], specs,
+                          partitions={str(p.resolve()): keys for p, keys in listed if keys})
     t0 = time.perf_counter()
     st = open_store(db)
     try:
@@ -194,4 +204,4 @@ def _version_of(spec: str, code_id: str) -> str:
     return f"kvreplay {__version__}" if s.kind == "builtin" else ""
 
 
-__all__ = ["Cell", "MatrixResult", "corpus_traces", "run_matrix"]
+__all__ = ["Cell", "MatrixResult", "matrix_traces", "run_matrix"]

@@ -35,6 +35,7 @@ from kvreplay.replay.dispatch import replay
 from kvreplay.replay.replayer import Replayer, start_point
 from kvreplay.replay.report import Failure, describe
 from kvreplay.trace.format import TopCall
+from kvreplay.trace.location import is_remote, output_path, publish
 from kvreplay.trace.reader import TraceReader
 
 
@@ -312,8 +313,9 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
              progress: Callable[[int, int, float], None] | None = None) -> MinimizeResult:
     """Write to ``out`` a smallest trace (that delta debugging finds) still showing
     the failure of ``trace`` on ``build``; see the module docstring for how."""
-    out = Path(out)
-    if out.resolve() == Path(trace).resolve():
+    out_uri = str(out)
+    out, remote = output_path(out)  # a URI: written here, then put there
+    if not remote and not is_remote(str(trace)) and out.resolve() == Path(trace).resolve():
         raise BadInput("-o must not be the input trace")
     if not out.parent.is_dir():
         raise BadInput(f"{out.parent}: no such directory for -o")
@@ -351,8 +353,10 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     check = replay(out, build, mode="strict", device=device)
     shows, failing_call = _shown(check, failure)
     total = sum(int(pc.equal(b.column(0), 0).true_count) for b in subject.reader.iter_batches(columns=["depth"]))
-    result = MinimizeResult(str(trace), build, str(out), failure, total, len(kept), subject.tests,
-                            clock.elapsed, clock.up, ref, shows, sizes=sizes)
+    if remote:
+        publish(out, remote)
+    result = MinimizeResult(str(trace), build, out_uri if remote else str(out), failure, total, len(kept),
+                            subject.tests, clock.elapsed, clock.up, ref, shows, sizes=sizes)
     if emit_test is not None:
         from kvreplay.reproducer import write_reproducer
 

@@ -16,11 +16,13 @@ from kvreplay.replay.worker import replay_in_worker
 from kvreplay.store.db import check_store, open_store
 from kvreplay.store.runs import TraceInfo, record_run
 from kvreplay.trace.hashing import content_hash
+from kvreplay.trace.location import is_remote
 from kvreplay.trace.reader import TraceReader
 
 
 def trace_info(reader: TraceReader, calls: int | None = None) -> TraceInfo:
-    return TraceInfo(path=str(reader.path.resolve()), content_hash=content_hash(reader.path),
+    where = reader.source if is_remote(reader.source) else str(reader.path.resolve())
+    return TraceInfo(path=where, content_hash=content_hash(reader.path),
                      pool_class=reader.meta.pool_class, family=reader.meta.family, meta=asdict(reader.meta),
                      rows=reader.num_rows, calls=calls)
 
@@ -34,6 +36,8 @@ def worker_build_version(spec: BuildSpec, code_id: str) -> str:
 class StoredReplay:
     report: ReplayReport
     run_id: int | None
+    build_version: str = ""
+    trace: TraceInfo | None = None  # what a caller storing the run itself (ci's driver) needs
 
 
 def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, store: bool = True,
@@ -77,11 +81,12 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
         replayer = Replayer(trace, build, reader=reader, checked=True, **options)
         report = replayer.run(progress=progress)
         version = build_version(replayer.pool)
-    if not store:
-        return StoredReplay(report, None)
     calls = None if report.stopped_early or report.calls_replayed == 0 else report.calls_replayed
+    info = trace_info(reader, calls)
+    if not store:
+        return StoredReplay(report, None, version, info)
     st = open_store(db)
     try:
-        return StoredReplay(report, record_run(st, report, trace_info(reader, calls), build_version=version))
+        return StoredReplay(report, record_run(st, report, info, build_version=version), version, info)
     finally:
         st.close()

@@ -27,7 +27,7 @@ LAYERS: list[list[str]] = [
     ["recorder", "replay"],
     ["check", "store"],
     ["builds"],
-    ["pools", "trace"],
+    ["pools", "trace", "fanout"],
     ["pool_api", "errors", "version"],
 ]
 

@@ -30,6 +30,7 @@ BUILD_HELP = ("Build: builtin:NAME[@VARIANT], py:MODULE:CLASS, sglang (the insta
               "sglang==VERSION (that release, fetched once) or git:REPO@REV[:MODULE:CLASS]; "
               "`kvreplay builds` lists them.")
 JSON_HELP = "Print the result as JSON (fields: docs/json.md)."
+URI_HELP = " A path or a URI (s3://, gs://, hdfs://, file://)."
 JOBS_HELP = ("Worker processes: the trace's segments (between the checkpoints synth/record --checkpoint-every "
              "wrote) replay in parallel and merge into the serial run.")
 RAY_HELP = ("Send the work to Ray: --ray alone starts a local instance, --ray ADDRESS joins a cluster "

@@ -7,12 +7,14 @@ from typing import Any
 
 import typer
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, say
+from kvreplay.cli.base import DB_HELP, JSON_HELP, RAY_HELP, app, emit_json, say
 
 
 @app.command("ci")
 def corpus_ci(
-    corpus: Path = typer.Argument(Path("traces"), help="Corpus directory (holding manifest.json)."),
+    corpus: str = typer.Argument("traces", help="Corpus directory: one holding manifest.json, or a directory of "
+                                 "traces (hive-partitioned: host=.../date=.../rank=...), each of which must replay "
+                                 "clean. A path or a URI (s3://, gs://, hdfs://, file://)."),
     build: str = typer.Option(..., "--build", "-b", help="Build to replay the corpus on."),
     jobs: int = typer.Option(1, "--jobs", "-j", help="Worker processes."),
     junit: Path | None = typer.Option(None, "--junit", help="Write JUnit XML here (one testcase per trace and mode)."),
@@ -21,6 +23,7 @@ def corpus_ci(
     timeout: float = typer.Option(1800.0, "--timeout", help="Seconds one case may run; a case past it is an "
                                   "error (a build that never returns does not hold up the corpus)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    ray: str | None = typer.Option(None, "--ray", help=RAY_HELP, metavar="[ADDRESS]"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a corpus on a build and hold it to the manifest's expectations.
@@ -36,9 +39,10 @@ def corpus_ci(
     def show(r: Any, done: int, total: int) -> None:
         if not as_json:
             colour = {"pass": "green", "fail": "red", "error": "red", "skip": "dim"}[r.outcome]
-            say(f"[{done}/{total}] {r.outcome:5s} {r.case.name}", colour, to_err=True)
+            keys = " ".join(f"{k}={v}" for k, v in r.case.partition.items())
+            say(f"[{done}/{total}] {r.outcome:5s} {r.case.name}{f'  ({keys})' if keys else ''}", colour, to_err=True)
 
-    results = run_corpus(corpus, build, jobs=jobs, db=db, device=device, timeout_s=timeout, progress=show)
+    results = run_corpus(corpus, build, jobs=jobs, db=db, device=device, timeout_s=timeout, ray=ray, progress=show)
     if junit:
         junit.write_text(junit_xml(results, build))
     if summary:
@@ -63,7 +67,7 @@ app.add_typer(corpus_app, name="corpus")
 
 @corpus_app.command("add")
 def corpus_add(
-    trace: Path = typer.Argument(..., help="Trace to add."),
+    trace: str = typer.Argument(..., help="Trace to add. A path or a URI (s3://, gs://, hdfs://, file://)."),
     name: str = typer.Option(..., "--name", "-n", help="Name in the corpus (the file becomes NAME.parquet)."),
     corpus: Path = typer.Option(Path("traces"), "--corpus", help="Corpus directory."),
     builds: list[str] = typer.Option([], "--build", "-b", help="Build whose replay becomes an expectation "

@@ -8,14 +8,15 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, out, say
+from kvreplay.cli.base import DB_HELP, JSON_HELP, URI_HELP, app, emit_json, out, say
 from kvreplay.cli.render import STATUS_STYLE, row
 
 
 @app.command()
 def matrix(
-    traces: list[Path] = typer.Argument(..., help="Trace files, rotated trace directories, or a corpus "
-                                        "directory (one with manifest.json: all its traces)."),
+    traces: list[str] = typer.Argument(..., help="Trace files, rotated trace directories, or a corpus "
+                                       "directory (one with manifest.json, or host=.../rank=... partitions: all "
+                                       "its traces)." + URI_HELP),
     builds: str = typer.Option(..., "--builds", help="Comma-separated build specs; sglang==A..B is every "
                                "release from A to B, e.g. --builds sglang==0.5.11..0.5.23,builtin:swa."),
     mode: str = typer.Option("strict", help="strict or remap (remap for releases older than the trace: "
@@ -51,8 +52,9 @@ def matrix(
     invariants = res.invariants
     kinds = sorted({k for c in res.cells for k in c.divergences})
     for trace in res.traces:
+        keys = " ".join(f"{k}={v}" for k, v in res.partitions.get(trace, {}).items())
         t = Table("build", "status", "kernels", *invariants, *(["divergences"] if kinds else []), "assert",
-                  title=Path(trace).name, title_justify="left")
+                  title=Path(trace).name + (f"  ({keys})" if keys else ""), title_justify="left")
         for b in res.builds:
             c = res.cell(trace, b)
             if c is None:

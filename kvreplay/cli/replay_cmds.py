@@ -7,7 +7,19 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvreplay.cli.base import BUILD_HELP, DB_HELP, JOBS_HELP, JSON_HELP, RAY_HELP, app, emit_json, out, progress, say
+from kvreplay.cli.base import (
+    BUILD_HELP,
+    DB_HELP,
+    JOBS_HELP,
+    JSON_HELP,
+    RAY_HELP,
+    URI_HELP,
+    app,
+    emit_json,
+    out,
+    progress,
+    say,
+)
 from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row
 from kvreplay.errors import (
     EXIT_ABORT_BISECT,
@@ -22,7 +34,7 @@ from kvreplay.errors import (
 
 @app.command()
 def replay(
-    trace: Path = typer.Argument(..., help="Trace file (Parquet) or rotated trace directory."),
+    trace: str = typer.Argument(..., help="Trace file (Parquet) or rotated trace directory." + URI_HELP),
     build: str = typer.Option(..., "--build", "-b", help=BUILD_HELP),
     mode: str = typer.Option("strict", help="strict: any difference counts; remap: translate indices, "
                              "only None/length/exception differences count."),
@@ -64,7 +76,7 @@ def replay(
         if fixed and (wanted is None or not git_bisect):
             raise BadInput("--fixed needs --git-bisect and --failure (the failure whose fix git bisect looks for)")
         extra = {"timeout_s": timeout} if not BuildSpec.parse(build).in_process else {}
-        with progress(f"replay {trace.name}", "rows") as cb:
+        with progress(f"replay {Path(trace).name}", "rows") as cb:
             res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
                                    full_check_every=full_check_every, stop_at_first=stop_first,
                                    after_gap=after_gap, jobs=jobs, ray=ray, **extra)
@@ -95,7 +107,7 @@ def replay(
 
 @app.command()
 def diff(
-    trace: Path = typer.Argument(..., help="Trace file (Parquet)."),
+    trace: str = typer.Argument(..., help="Trace file (Parquet)." + URI_HELP),
     base: str = typer.Option(..., "--base", help="Reference build."),
     candidate: str = typer.Option(..., "--candidate", help="Build under test."),
     mode: str = typer.Option("strict", help="strict or remap (see replay)."),
@@ -110,7 +122,7 @@ def diff(
     from kvreplay.replay.compare import text_value
     from kvreplay.replay.diff import diff_builds
 
-    with progress(f"diff {trace.name}", "rows") as cb:
+    with progress(f"diff {Path(trace).name}", "rows") as cb:
         d = diff_builds(trace, base, candidate, mode=mode, context=context, device=device, progress=cb)
     if as_json:
         emit_json(d.to_dict())

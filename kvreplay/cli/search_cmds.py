@@ -8,13 +8,13 @@ from typing import Any
 
 import typer
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, say
+from kvreplay.cli.base import DB_HELP, JSON_HELP, URI_HELP, app, emit_json, say
 from kvreplay.errors import KvreplayError
 
 
 @app.command("bisect")
 def bisect_cmd(
-    trace: Path = typer.Argument(..., help="Trace file (Parquet) that fails at the bad end."),
+    trace: str = typer.Argument(..., help="Trace file (Parquet) that fails at the bad end." + URI_HELP),
     repo: Path | None = typer.Option(None, "--repo", help="Git repository of the pool code."),
     good: str | None = typer.Option(None, "--good", help="A revision where the trace replays clean."),
     bad: str | None = typer.Option(None, "--bad", help="A later revision where it fails (default HEAD)."),
@@ -64,7 +64,7 @@ def bisect_cmd(
         raise KvreplayError("bisect needs --repo PATH --good REV [--bad REV], or --builds A,B,...")
     else:
         good_c, order = git_candidates(repo, good, bad or "HEAD", cls)
-    say(f"bisecting {trace.name} over {len(order)} build(s) after {good_c.label}", to_err=True)
+    say(f"bisecting {Path(trace).name} over {len(order)} build(s) after {good_c.label}", to_err=True)
 
     def on_step(step: Any, left: int) -> None:
         src = "stored" if step.cached else f"{step.wall_s:.1f} s"
@@ -102,9 +102,9 @@ def bisect_cmd(
 
 @app.command()
 def minimize(
-    trace: Path = typer.Argument(..., help="Trace file (Parquet) that fails on --build."),
+    trace: str = typer.Argument(..., help="Trace file (Parquet) that fails on --build." + URI_HELP),
     build: str = typer.Option(..., "--build", "-b", help="The build it fails on (builtin:, py: or sglang)."),
-    out_path: Path = typer.Option(..., "-o", "--out", help="Minimal trace to write (Parquet)."),
+    out_path: str = typer.Option(..., "-o", "--out", help="Minimal trace to write (Parquet): a path or a URI."),
     emit_test: Path | None = typer.Option(None, "--emit-test", help="Also write a standalone pytest reproducer."),
     invariant: str | None = typer.Option(None, "--invariant", help="Keep this invariant's failure, or with "
                                          "invariant/rule that rule's (default: the first failure the trace "

@@ -10,14 +10,14 @@ import typer
 from rich.table import Table
 
 from kvreplay.cli import base
-from kvreplay.cli.base import JSON_HELP, app, emit_json, out, progress, say
+from kvreplay.cli.base import JSON_HELP, URI_HELP, app, emit_json, out, progress, say
 from kvreplay.cli.render import row
 
 
 @app.command()
 def synth(
     scenario: str = typer.Argument(..., help="decode | disagg-mtp | radix-swa"),
-    out_path: Path = typer.Option(..., "-o", "--out", help="Trace file to write (Parquet)."),
+    out_path: str = typer.Option(..., "-o", "--out", help="Trace file to write (Parquet): a path or a URI."),
     requests: int = typer.Option(200, "--requests", "-n", help="Number of requests to run."),
     seed: int = typer.Option(0, help="Seed for the request generator and accept lengths."),
     workload: Path | None = typer.Option(
@@ -63,12 +63,31 @@ def synth(
 
 @app.command()
 def inspect(
-    trace: Path = typer.Argument(..., help="Trace file (Parquet) or rotated trace directory."),
+    trace: str = typer.Argument(..., help="Trace file (Parquet), rotated trace directory, or a directory of traces "
+                       "(hive-partitioned: host=.../date=.../rank=...)." + URI_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Describe a trace: pool, calls per method, time span, peak use, size."""
-    from kvreplay.trace.summary import summarize
+    """Describe a trace: pool, calls per method, time span, peak use, size.
 
+    Given a directory of traces (host=.../date=.../rank=... partitions), list them
+    with their partition keys, pool, calls and size.
+    """
+    from kvreplay.trace.summary import is_trace_directory_corpus, summarize, summarize_corpus
+
+    if is_trace_directory_corpus(trace):
+        listed = summarize_corpus(trace)
+        if as_json:
+            emit_json([{"trace": t.name, "location": t.location, "partition": t.partition, **s.to_dict()}
+                       for t, s in listed])
+            return
+        keys = sorted({k for t, _ in listed for k in t.partition})
+        table = Table("trace", *keys, "pool", "calls", "peak use", "bytes")
+        for t, s in listed:
+            row(table, t.name, *(t.partition.get(k, "-") for k in keys), f"{s.meta['family']}", s.calls,
+                ", ".join(f"{k} {v}" for k, v in s.peak_used.items()), s.file_bytes)
+        out.print(table)
+        say(f"{len(listed)} traces, {sum(s.calls for _, s in listed)} calls in {trace}")
+        return
     s = summarize(trace)
     if as_json:
         emit_json(s.to_dict())

@@ -9,8 +9,6 @@ Markdown summary a CI job can post (render.py)."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing
 import signal
 import threading
 import time
@@ -21,22 +19,26 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.corpus.expectations import check_report
-from kvreplay.corpus.manifest import Expectation, load_manifest
+from kvreplay.corpus.manifest import MANIFEST, Expectation, load_manifest
 from kvreplay.errors import BadInput, FamilyMismatch
+from kvreplay.fanout import iter_units
 from kvreplay.replay.report import describe
 from kvreplay.store.db import open_store
-from kvreplay.stored_replay import replay_and_store
+from kvreplay.store.runs import record_run
+from kvreplay.stored_replay import StoredReplay, replay_and_store
 from kvreplay.trace.hashing import content_hash
+from kvreplay.trace.location import corpus_traces, is_remote, local_path
 
 
 @dataclass
 class Case:
-    trace: str  # corpus entry name
-    file: str
-    sha256: str
+    trace: str  # corpus entry name (a directory corpus: the trace's path in it)
+    file: str  # the trace as given: a path, or a URI under a remote corpus
+    sha256: str  # "" in a directory corpus without a manifest: nothing to hold it to
     build: str
     mode: str
     expectation: Expectation | None  # None: no entry for this build, so it must be clean
+    partition: dict[str, str] = field(default_factory=dict)  # hive keys on its path (host=..., rank=...)
 
     @property
     def name(self) -> str:
@@ -59,17 +61,25 @@ class CaseResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["case"] = {"trace": self.case.trace, "build": self.case.build, "mode": self.case.mode,
-                     "expected": self.case.expected()}
+                     "expected": self.case.expected(), "partition": self.case.partition}
         return d
 
 
 def plan(corpus: str | Path, build: str) -> list[Case]:
+    """The cases: from the manifest, or, for a directory of traces without one (a
+    hive-partitioned fleet dump), every trace in it, which must replay clean."""
+    root = local_path(corpus)  # a remote corpus is mirrored here first
+    if root.is_dir() and not (root / MANIFEST).is_file():
+        return [Case(t.name, t.location, "", build, "strict", None, t.partition) for t in corpus_traces(corpus)]
     cases = []
-    for e in load_manifest(corpus):
+    remote = is_remote(str(corpus))
+    for e in load_manifest(root):
         exps = [x for x in e.expect if x.build == build]
+        # A remote corpus's traces are replayed (and stored) by their URIs, from the mirror.
+        file = f"{str(corpus).rstrip('/')}/{e.file.relative_to(root).as_posix()}" if remote else str(e.file)
         for x in exps or [None]:
             for mode in (x.modes if x else ["strict"]):
-                cases.append(Case(e.name, str(e.file), e.sha256, build, mode, x))
+                cases.append(Case(e.name, file, e.sha256, build, mode, x))
     return cases
 
 
@@ -99,25 +109,41 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_case(case: Case, db: str | None = None, device: str = "cpu", timeout_s: float | None = None) -> CaseResult:
-    """One case, in this process (the worker's entry point), within ``timeout_s``."""
+@dataclass
+class CaseUnit:
+    """One case as a unit of work for a worker process or a Ray task."""
+
+    case: Case
+    device: str
+    timeout_s: float | None
+
+
+@dataclass
+class CaseOutcome:
+    result: CaseResult
+    replayed: StoredReplay | None  # what the driver stores (None: nothing ran)
+
+
+def run_case(unit: CaseUnit) -> CaseOutcome:
+    """One case, wherever it runs, within its time limit; nothing is stored here."""
     t0 = time.perf_counter()
     try:
-        with _time_limit(timeout_s):
-            return _run_case(case, db, device, t0)
+        with _time_limit(unit.timeout_s):
+            return _run_case(unit.case, unit.device, t0)
     except CaseTimeout as exc:
-        return CaseResult(case, "error", [str(exc)], "timeout", wall_s=time.perf_counter() - t0)
+        return CaseOutcome(CaseResult(unit.case, "error", [str(exc)], "timeout", wall_s=time.perf_counter() - t0),
+                           None)
 
 
-def _run_case(case: Case, db: str | None, device: str, t0: float) -> CaseResult:
+def _run_case(case: Case, device: str, t0: float) -> CaseOutcome:
     try:
-        if content_hash(case.file) != case.sha256:
+        if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
             raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
-        res = replay_and_store(case.file, case.build, db=db, store=db != "", mode=case.mode, device=device)
+        res = replay_and_store(case.file, case.build, store=False, mode=case.mode, device=device)
     except FamilyMismatch as exc:  # another pool family: not this build's trace
-        return CaseResult(case, "skip", [str(exc)], wall_s=time.perf_counter() - t0)
+        return CaseOutcome(CaseResult(case, "skip", [str(exc)], wall_s=time.perf_counter() - t0), None)
     except BadInput as exc:
-        return CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0)
+        return CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None)
     r = res.report
     if case.expectation is not None:
         problems = check_report(r, case.expectation)
@@ -125,44 +151,44 @@ def _run_case(case: Case, db: str | None, device: str, t0: float) -> CaseResult:
         problems = [] if r.status == "clean" else [
             f"no manifest expectation for {case.build}, so it must replay clean; got {r.status} "
             f"(first: {describe(r.first_violation or r.first_divergence)})"]
-    return CaseResult(case, "fail" if problems else "pass", problems, r.status, r.calls_replayed, r.wall_s,
-                      res.run_id)
+    return CaseOutcome(CaseResult(case, "fail" if problems else "pass", problems, r.status, r.calls_replayed,
+                                  r.wall_s), res)
 
 
 def run_corpus(corpus: str | Path, build: str, *, jobs: int = 1, db: str | None = None, device: str = "cpu",
-               timeout_s: float | None = None,
+               timeout_s: float | None = None, ray: str | None = None,
                progress: Callable[[CaseResult, int, int], None] | None = None) -> list[CaseResult]:
-    """Every case of the corpus for ``build``, ``jobs`` at a time in worker processes."""
+    """Every case of the corpus for ``build``: ``jobs`` at a time in worker processes,
+    or as Ray tasks (``ray``: an address, "local" for an instance started here). Only
+    this process writes to the store, one run per case, as each result comes in."""
+    if jobs < 1:
+        raise BadInput("-j must be at least 1")
     cases = plan(corpus, build)
     if not cases:
         raise BadInput(f"{corpus}: the manifest lists no traces")
-    if jobs < 1:
-        raise BadInput("-j must be at least 1")
-    if db != "":
-        # Create or migrate the database once, here: workers that all find it new
-        # would race to create its schema.
-        open_store(db).close()
-    if jobs == 1:  # no worker processes to start: each one would import torch again
-        results = []
-        for done, case in enumerate(cases, 1):
-            results.append(run_case(case, db, device, timeout_s))
-            if progress:
-                progress(results[-1], done, len(cases))
-        return results
-    slots: list[CaseResult | None] = [None] * len(cases)
-    ctx = multiprocessing.get_context("spawn")  # no forked torch state in the workers
-    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(cases)), mp_context=ctx) as pool:
-        futures = {pool.submit(run_case, c, db, device, timeout_s): i for i, c in enumerate(cases)}
-        for done, fut in enumerate(cf.as_completed(futures), 1):
-            i = futures[fut]
-            try:
-                res = fut.result()
-            except Exception as exc:  # a worker died: that case errored, the others go on
-                res = CaseResult(cases[i], "error", [f"{type(exc).__name__}: {exc}"])
-            slots[i] = res
+    st = open_store(db) if db != "" else None  # created or migrated once, before any work
+    results = []
+    try:
+        units = [CaseUnit(c, device, timeout_s) for c in cases]
+        # Spawned, not forked, local workers: no torch state from this process in them.
+        for done, out in enumerate(iter_units(run_case, units, jobs=jobs, ray=ray, start_method="spawn",
+                                              on_error=_errored), 1):
+            res = out.result
+            if st is not None and out.replayed is not None:
+                rep = out.replayed
+                res.run_id = record_run(st, rep.report, rep.trace, build_version=rep.build_version)
+            results.append(res)
             if progress:
                 progress(res, done, len(cases))
-    return [r for r in slots if r is not None]
+    finally:
+        if st is not None:
+            st.close()
+    return results
+
+
+def _errored(unit: CaseUnit, exc: BaseException) -> CaseOutcome:
+    """A worker that died (or a Ray task that failed): that case errored, the others go on."""
+    return CaseOutcome(CaseResult(unit.case, "error", [f"{type(exc).__name__}: {exc}"]), None)
 
 
 def ok(results: list[CaseResult]) -> bool:

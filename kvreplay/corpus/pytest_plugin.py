@@ -81,9 +81,9 @@ class CorpusItem(pytest.Item):
         self.device = device
 
     def runtest(self) -> None:
-        from kvreplay.corpus.ci import run_case
+        from kvreplay.corpus.ci import CaseUnit, run_case
 
-        res = run_case(self.case, db="", device=self.device)
+        res = run_case(CaseUnit(self.case, self.device, None)).result
         if res.outcome == "skip":
             pytest.skip(res.problems[0] if res.problems else "not this build's pool family")
         if res.outcome != "pass":

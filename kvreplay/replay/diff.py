@@ -86,6 +86,6 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
             progress(rows, total)
     if progress is not None:
         progress(total, total)
-    return DiffReport(trace=str(a.reader.path), base=base, candidate=candidate, mode=mode, calls=n,
+    return DiffReport(trace=a.reader.source, base=base, candidate=candidate, mode=mode, calls=n,
                       differing_calls=sum(per_method.values()), first=first, first_kind=first_kind,
                       context=first_context, per_method=dict(per_method.most_common()))

@@ -173,7 +173,8 @@ class Replayer:
             self.remap = Remapper(PageTable(main.num_pages, main.page_size),
                                   PageTable(swa.num_pages, swa.page_size) if swa else None)
         self.calls = 0
-        self._methods: dict[str, tuple[Callable[..., Any] | None, bool]] = {}  # the build's method per name
+        self._methods: dict[str, tuple[Callable[..., Any] | None, bool, Any]] = {}  # the build's method per name
+        self._own = vars(self.pool) if hasattr(self.pool, "__dict__") else {}
         self._sizes = [(name, sub.size) for name, sub in self.view.subs.items()]
         self.capacity_call: int | None = None
         # The first call the build cannot make that changes the pool's state: every call
@@ -189,10 +190,13 @@ class Replayer:
         """Issue one recorded call; returns what the build returned or raised."""
         c, n = tc.call, tc.number
         self.calls += 1
+        # Looked up once per method name, again only if the instance's own attribute
+        # changed (a recorder attached to the pool patches its methods there).
+        own = self._own.get(c.method)
         got = self._methods.get(c.method)
-        if got is None:
-            got = self._methods[c.method] = method_of(self.pool, c.method)
-        fn, translated = got
+        if got is None or got[2] is not own:
+            got = self._methods[c.method] = (*method_of(self.pool, c.method), own)
+        fn, translated, _ = got
         if fn is None:
             why = f"build {self.build_spec} has no method {c.method} and no translation applies"
             self._diverge(n, c.method, "unsupported", "method", "missing", why)
@@ -360,7 +364,7 @@ class Replayer:
 
     def report(self, wall: float, held: dict[str, int], stopped: bool) -> ReplayReport:
         return compose_report(
-            trace=str(self.reader.path), build=self.build_spec, mode=self.mode, device=self.device,
+            trace=self.reader.source, build=self.build_spec, mode=self.mode, device=self.device,
             calls=self.calls, wall=wall, log=self.checker.log if self.checker else None,
             divergences=self.divergences, div_counts=dict(self.div_counts), capacity_call=self.capacity_call,
             held=held, stopped=stopped, translated=dict(self.translated), unsupported=self.unsupported)

@@ -150,7 +150,7 @@ def replay_segments(trace: str, build: str, *, jobs: int, ray: str | None = None
     units = [SegmentUnit(str(trace), build, dict(options), s) for s in segments]
     results = list(iter_units(replay_segment, units, jobs=jobs, ray=ray,
                               done=(lambda n, total: progress(n, total)) if progress else None))
-    report = merge(results, trace=str(reader.path), build=build, mode=options.get("mode", "strict"),
+    report = merge(results, trace=reader.source, build=build, mode=options.get("mode", "strict"),
                    keep=options.get("keep", 20), wall=time.perf_counter() - t0, checked=options.get("check", True))
     return report, results[0].build_version
 

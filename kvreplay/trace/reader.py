@@ -33,6 +33,7 @@ from kvreplay.trace.format import (
     TopCall,
     TraceMeta,
 )
+from kvreplay.trace.location import local_path
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +58,9 @@ class TraceReader:
     scans what the rows name before anything replays them."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        # A URI (s3://...) is read from its local mirror; ``source`` keeps what was asked for.
+        self.source = str(path)
+        self.path = local_path(path)
         if not self.path.exists():
             raise TraceFormatError(f"{self.path}: no such file")
         if self.path.is_dir():

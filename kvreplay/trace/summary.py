@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 
 from kvreplay.pool_api import VOID_METHODS, sub_pool_sizes
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD
+from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace, local_path
 from kvreplay.trace.reader import TraceReader
 
 _COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
@@ -84,7 +85,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         notes.append(f"{checkpoints} checkpoint(s): replay --jobs N replays the segments between them in parallel")
     size = reader.file_size
     return TraceSummary(
-        path=str(reader.path), meta=asdict(meta), rows=rows, calls=top - methods.get(GAP_METHOD, 0) - checkpoints,
+        path=reader.source, meta=asdict(meta), rows=rows, calls=top - methods.get(GAP_METHOD, 0) - checkpoints,
         nested_rows=rows - top,
         calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
         time_span_s=((t_max or 0) - (t_min or 0)) / 1e9,
@@ -109,3 +110,15 @@ def _value_counts(arr: pa.Array) -> dict[str, int]:
 def _list_total(arr: pa.Array) -> int:
     lengths = pc.list_value_length(arr)
     return int(pc.sum(lengths).as_py() or 0)
+
+
+def is_trace_directory_corpus(location: str | os.PathLike[str]) -> bool:
+    """A directory of traces (a fleet's dump, hive-partitioned or not), as opposed to
+    a trace file or one rotated trace's directory of parts."""
+    root = local_path(location)
+    return root.is_dir() and not is_rotated_trace(root)
+
+
+def summarize_corpus(location: str | os.PathLike[str]) -> list[tuple[CorpusTrace, TraceSummary]]:
+    """Each trace of a directory corpus with its summary (and partition keys)."""
+    return [(t, summarize(t.location)) for t in corpus_traces(location)]

@@ -13,6 +13,7 @@ from kvreplay.builds import resolve as builds
 from kvreplay.builds.resolve import resolve_device
 from kvreplay.errors import BadInput, PoolFailed, one_of
 from kvreplay.recorder.recording import record
+from kvreplay.trace.location import output_path, publish
 from kvreplay.trace.reader import TraceReader
 from kvreplay.workload.decode import DecodeServer
 from kvreplay.workload.disagg_mtp import DisaggMTPServer
@@ -68,7 +69,7 @@ class SynthConfig:
 class SynthResult(SynthStats):
     """What a synth run wrote: the trace, and the model's stats."""
 
-    path: Path
+    path: Path | str  # a URI when written to one
     scenario: str
     build: str
     calls: int  # top-level calls: the numbers replay reports use
@@ -131,7 +132,7 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
                command: str | None = None) -> SynthResult:
     sc = validate(cfg)
     pool, spec = make_pool(cfg, sc)
-    out = Path(cfg.out)
+    out, remote = output_path(cfg.out)  # a URI: written here, then put there
     if out.is_dir():
         raise BadInput(f"{out} is a directory; give a file name for the trace")
     extra = {"synth": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "out"}}
@@ -159,5 +160,7 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
     rec.close()
     partial.replace(out)
     reader = TraceReader(out)
-    return SynthResult(path=out, scenario=sc.name, build=spec, calls=reader.count_calls(), rows=reader.num_rows,
-                       wall_s=time.perf_counter() - t0, **asdict(stats))
+    if remote:
+        publish(out, remote)
+    return SynthResult(path=remote or out, scenario=sc.name, build=spec, calls=reader.count_calls(),
+                       rows=reader.num_rows, wall_s=time.perf_counter() - t0, **asdict(stats))
