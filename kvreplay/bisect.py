@@ -30,6 +30,7 @@ from kvreplay.store.models import Run
 from kvreplay.store.runs import cached_run
 from kvreplay.stored_replay import replay_and_store
 from kvreplay.trace.hashing import content_hash
+from kvreplay.trace.location import local_path
 from kvreplay.trace.reader import TraceReader
 from kvreplay.version import __version__
 
@@ -194,14 +195,15 @@ class Prober:
     """Replays one trace on builds, through the store's cache."""
 
     def __init__(self, trace: str | Path, *, db: str | None, mode: str, device: str, timeout_s: float,
-                 use_cache: bool = True) -> None:
+                 use_cache: bool = True, jobs: int = 1, ray: str | None = None) -> None:
         self.trace = str(trace)
-        self.hash = content_hash(trace)
+        self.hash = content_hash(local_path(trace))
         self.db = db
         self.mode = mode
         self.device = device
         self.timeout_s = timeout_s
         self.use_cache = use_cache
+        self.jobs, self.ray = jobs, ray  # each step's replay: segments in parallel, or on Ray
 
     def cached(self, spec: str) -> Outcome | None:
         if not (self.use_cache and BuildSpec.parse(spec).exact):
@@ -222,7 +224,7 @@ class Prober:
             return hit, True, time.perf_counter() - t0
         try:
             stored = replay_and_store(self.trace, spec, db=self.db, mode=self.mode, device=self.device,
-                                      timeout_s=self.timeout_s)
+                                      timeout_s=self.timeout_s, jobs=self.jobs, ray=self.ray)
         except BuildUnloadable as exc:  # an in-process build (py:, sglang) that does not import
             return Outcome("unloadable", [], [], str(exc)), False, time.perf_counter() - t0
         return Outcome.of_report(stored.report), False, time.perf_counter() - t0
@@ -249,7 +251,7 @@ def _verdict(o: Outcome, target: Failure, fixed: bool) -> tuple[str, str]:
 
 def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: str | None = None,
            mode: str = "strict", device: str = "cpu", timeout_s: float = 1800.0, use_cache: bool = True,
-           failure: Failure | None = None, fixed: bool = False,
+           failure: Failure | None = None, fixed: bool = False, jobs: int = 1, ray: str | None = None,
            on_step: Callable[[Step, int], None] | None = None) -> BisectResult:
     """Binary search ``order`` (oldest first; ``good``, the old end, comes before it)
     for the first build showing the failure (``failure``, else the one the bad end
@@ -259,7 +261,8 @@ def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: st
     TraceReader(trace)  # a bad trace is a one-line error before any replay
     if not order:
         raise BadInput("nothing to bisect: no builds between the two ends")
-    prober = Prober(trace, db=db, mode=mode, device=device, timeout_s=timeout_s, use_cache=use_cache)
+    prober = Prober(trace, db=db, mode=mode, device=device, timeout_s=timeout_s, use_cache=use_cache, jobs=jobs,
+                    ray=ray)
     steps: list[Step] = []
     remaining = max(1, (len(order) - 1).bit_length())
     old, new = ("bad", "fixed") if fixed else ("good", "bad")

@@ -25,6 +25,7 @@ from kvreplay.builds.releases import expand_all
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import INVARIANTS
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput
+from kvreplay.fanout import iter_units
 from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
 from kvreplay.replay.worker import replay_many_in_worker
 from kvreplay.store.db import check_store, open_store
@@ -100,20 +101,23 @@ class MatrixResult:
                 "exit_code": self.exit_code}
 
 
-def matrix_traces(paths: list[str | Path]) -> list[tuple[Path, dict[str, str]]]:
+def matrix_traces(paths: list[str | Path]) -> list[tuple[Path, dict[str, str], str]]:
     """Trace files from the command line, each with its hive partition keys: a file,
     a rotated trace directory, a corpus directory (one holding manifest.json: every
     Parquet trace in it), or any other directory of traces (host=.../rank=...
     partitions); paths or URIs (a remote one is mirrored locally first)."""
-    found: list[tuple[Path, dict[str, str]]] = []
+    found: list[tuple[Path, dict[str, str], str]] = []
     for given in paths:
         p = location.local_path(given)
+        remote = location.is_remote(str(given))
         if p.is_dir() and (p / "manifest.json").is_file():
-            found += [(f, {}) for f in sorted(p.glob("*.parquet"))]
+            found += [(f, {}, f"{str(given).rstrip('/')}/{f.name}" if remote else str(f))
+                      for f in sorted(p.glob("*.parquet"))]
         elif p.is_dir() and not location.is_rotated_trace(p):
-            found += [(location.local_path(t.location), t.partition) for t in location.corpus_traces(given)]
+            found += [(location.local_path(t.location), t.partition, t.location)
+                      for t in location.corpus_traces(given)]
         elif p.exists():
-            found.append((p, {}))
+            found.append((p, {}, str(given) if remote else str(p)))
         else:
             raise BadInput(f"{given}: no such trace or corpus")
     if not found:
@@ -123,7 +127,7 @@ def matrix_traces(paths: list[str | Path]) -> list[tuple[Path, dict[str, str]]]:
 
 def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = None, mode: str = "strict",
                device: str = "cpu", jobs: int = 2, timeout_s: float = 1800.0, use_cache: bool = True,
-               on_cell: Callable[[Cell], None] | None = None) -> MatrixResult:
+               ray: str | None = None, on_cell: Callable[[Cell], None] | None = None) -> MatrixResult:
     """Replay every trace on every build (ranges expanded), store each run, and
     return the table. Bad input (a trace, a spec, the store) fails before any replay."""
     specs = expand_all([b.strip() for b in builds if b.strip()])
@@ -132,14 +136,18 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
     for s in specs:
         BuildSpec.parse(s)
     listed = matrix_traces(list(traces))
-    paths = [p for p, _ in listed]
+    paths = [p for p, _, _ in listed]
+    # What a Ray node is handed for each trace: its URI when remote (the node fetches
+    # it), else its path; and back from that to the trace's key here.
+    sources = {str(p.resolve()): src for p, _, src in listed}
+    given = {src: key for key, src in sources.items()}
     infos = {}
     for p in paths:
         reader = TraceReader(p)
         infos[str(p.resolve())] = (trace_info(reader, reader.check_calls()), content_hash(p))
     check_store(db)
     result = MatrixResult([str(p.resolve()) for p in paths], specs,
-                          partitions={str(p.resolve()): keys for p, keys in listed if keys})
+                          partitions={str(p.resolve()): keys for p, keys, _ in listed if keys})
     t0 = time.perf_counter()
     st = open_store(db)
     try:
@@ -165,6 +173,23 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
             finally:
                 answers.put(None)
 
+        def store(spec: str, trace: str, report: ReplayReport, code_id: str) -> None:
+            trace = given.get(trace, str(Path(trace).resolve()))
+            info, _ = infos[trace]
+            report.build = spec
+            run_id = record_run(st, report, info, build_version=_version_of(spec, code_id))
+            cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
+            cell.trace = trace
+            _add(result, cell, on_cell)
+
+        if ray is not None:
+            # One Ray task per build (its worker imports the build once and replays its
+            # traces); a task's reports come back together, and are stored here.
+            units = [MatrixUnit(spec, [sources[t] for t in trs], mode, device, timeout_s) for spec, trs in todo.items()]
+            for got in iter_units(matrix_unit, units, ray=ray):
+                for spec, trace, report, code_id in got:
+                    store(spec, trace, report, code_id)
+            todo = {}
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             futures = [pool.submit(unit, spec, trs) for spec, trs in todo.items()]
             running = len(futures)
@@ -173,14 +198,7 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
                 if item is None:
                     running -= 1
                     continue
-                spec, trace, report, code_id = item
-                trace = str(Path(trace).resolve())
-                info, _ = infos[trace]
-                report.build = spec
-                run_id = record_run(st, report, info, build_version=_version_of(spec, code_id))
-                cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
-                cell.trace = trace
-                _add(result, cell, on_cell)
+                store(*item)
             for fut in futures:
                 fut.result()  # a unit's own failure (not a build's) is ours: let it out
     finally:
@@ -189,6 +207,25 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
     result.cells.sort(key=lambda c: order[(c.trace, c.build)])
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+@dataclass(frozen=True)
+class MatrixUnit:
+    """One build's share of a matrix, as a unit of work for a Ray task."""
+
+    spec: str
+    traces: list[str]  # as the node reads them: a URI for a remote trace, else a path
+    mode: str
+    device: str
+    timeout_s: float
+
+
+def matrix_unit(u: MatrixUnit) -> list[tuple[str, str, ReplayReport, str]]:
+    """Replay a build's traces in its worker: (spec, trace, report, code id) for each."""
+    out: list[tuple[str, str, ReplayReport, str]] = []
+    replay_many_in_worker(u.traces, u.spec, mode=u.mode, device=u.device, timeout_s=u.timeout_s,
+                          on_report=lambda r, code_id: out.append((u.spec, r.trace, r, code_id)))
+    return out
 
 
 def _add(result: MatrixResult, cell: Cell, on_cell: Callable[[Cell], None] | None) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from kvreplay.builds.resolve import build_version
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
+from kvreplay.fanout import run_units
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker
 from kvreplay.store.db import check_store, open_store
@@ -25,6 +26,12 @@ def trace_info(reader: TraceReader, calls: int | None = None) -> TraceInfo:
     return TraceInfo(path=where, content_hash=content_hash(reader.path),
                      pool_class=reader.meta.pool_class, family=reader.meta.family, meta=asdict(reader.meta),
                      rows=reader.num_rows, calls=calls)
+
+
+def worker_unit(unit: tuple[str, str, dict[str, Any]]) -> tuple[ReplayReport, str]:
+    """A worker build's replay as a unit of work (a Ray task): (report, code id)."""
+    trace, build, options = unit
+    return replay_in_worker(trace, build, **options)
 
 
 def worker_build_version(spec: BuildSpec, code_id: str) -> str:
@@ -61,10 +68,10 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
         check_store(db)
     report = None
     if not spec.in_process:
-        if jobs > 1 or ray is not None:
-            raise BadInput(f"--jobs and --ray split in-process builds (builtin:, module:); {build} replays in "
-                           "its own worker")
-        report, code_id = replay_in_worker(trace, build, **options)
+        if ray is not None:  # the worker (and its build's environment) on a Ray node
+            report, code_id = run_units(worker_unit, [(str(trace), build, options)], ray=ray)[0]
+        else:
+            report, code_id = replay_in_worker(trace, build, **options)
         version = worker_build_version(spec, code_id)
     elif jobs > 1 or ray is not None:
         from kvreplay.replay.segments import replay_segments  # imports torch

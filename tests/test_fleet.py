@@ -165,3 +165,18 @@ def test_ci_on_s3_with_ray_stores_the_same_runs(s3, cli, tmp_path, small_corpus)
         d.pop("wall_s")
         d.pop("calls_per_s")
     assert serial == ray
+    # a matrix with a Ray task per build stores what local workers store
+    m_plain = json.loads(cli("matrix", uri, "--builds", "builtin:swa,builtin:swa@stale-tail", "--db",
+                             str(tmp_path / "m1.db"), "--json").stdout)
+    m_ray = json.loads(cli("matrix", uri, "--builds", "builtin:swa,builtin:swa@stale-tail", "--db",
+                           str(tmp_path / "m2.db"), "--json", "--ray").stdout)
+
+    def cells(m: dict) -> list:
+        return sorted((c["trace"], c["build"], c["status"], json.dumps(c["firsts"], sort_keys=True))
+                      for c in m["cells"])
+    assert cells(m_plain) == cells(m_ray) and len(m_ray["cells"]) == 4
+    # a bisect whose steps run on Ray names the same first bad build
+    b = cli("bisect", str(trace), "--builds", "builtin:swa,builtin:swa@stale-tail", "--db", str(tmp_path / "b.db"),
+            "--json", "--ray")
+    assert b.returncode == 0, b.stdout + b.stderr
+    assert json.loads(b.stdout)["first_bad"]["spec"] == "builtin:swa@stale-tail"

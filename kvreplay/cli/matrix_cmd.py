@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, URI_HELP, app, emit_json, out, say
+from kvreplay.cli.base import DB_HELP, JSON_HELP, RAY_HELP, URI_HELP, app, emit_json, out, say
 from kvreplay.cli.render import STATUS_STYLE, row
 
 
@@ -27,6 +27,7 @@ def matrix(
     no_cache: bool = typer.Option(False, "--no-cache", help="Replay even what the store already holds for an "
                                   "exact build (a release, a builtin of this version)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    ray: str | None = typer.Option(None, "--ray", help="One Ray task per build. " + RAY_HELP, metavar="[ADDRESS]"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay traces on many builds and print build x invariant.
@@ -38,14 +39,19 @@ def matrix(
     any build shows a violation or divergence, 0 when all tested builds
     are clean, 125 when none could be tested, 2 on bad input.
     """
-    from kvreplay.matrix import run_matrix
+    from kvreplay.matrix import matrix_traces, run_matrix
+
+    partitions = {str(p.resolve()): keys for p, keys, _ in matrix_traces(traces)}
 
     def on_cell(c: object) -> None:
         src = "stored" if c.cached else f"{c.wall_s:.1f} s"  # type: ignore[attr-defined]
-        say(f"  {Path(c.trace).name} on {c.build}: {c.status} ({src})", to_err=True)  # type: ignore[attr-defined]
+        keys = " ".join(f"{k}={v}" for k, v in partitions.get(c.trace, {}).items())  # type: ignore[attr-defined]
+        name = Path(c.trace).name + (f" ({keys})" if keys else "")  # type: ignore[attr-defined]
+        say(f"  {name} on {c.build}: {c.status} ({src})", to_err=True)  # type: ignore[attr-defined]
 
     res = run_matrix(traces, builds.split(","), db=db, mode=mode, device=device,
-                     jobs=jobs or os.cpu_count() or 1, timeout_s=timeout, use_cache=not no_cache, on_cell=on_cell)
+                     jobs=jobs or os.cpu_count() or 1, timeout_s=timeout, use_cache=not no_cache, ray=ray,
+                     on_cell=on_cell)
     if as_json:
         emit_json(res.to_dict())
         raise typer.Exit(res.exit_code)

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, URI_HELP, app, emit_json, say
+from kvreplay.cli.base import DB_HELP, JOBS_HELP, JSON_HELP, RAY_HELP, URI_HELP, app, emit_json, say
 from kvreplay.errors import KvreplayError
 
 
@@ -33,6 +33,8 @@ def bisect_cmd(
     timeout: float = typer.Option(1800.0, "--timeout", help="A git: step running longer is a timeout (skipped)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Replay every step even when the store has it."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
+    jobs: int = typer.Option(1, "--jobs", "-j", help="Each step: " + JOBS_HELP[0].lower() + JOBS_HELP[1:]),
+    ray: str | None = typer.Option(None, "--ray", help="Each step's replay on Ray. " + RAY_HELP, metavar="[ADDRESS]"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Find the first commit (or build) where a trace starts failing, or
@@ -71,7 +73,7 @@ def bisect_cmd(
         say(f"  {step.label:<14} {step.verdict:<5} {step.why}  ({src}; ~{left} step(s) left)", to_err=True)
 
     res = bisect(trace, good_c, order, db=db, mode=mode, device=device, timeout_s=timeout,
-                 use_cache=not no_cache, failure=target, fixed=fixed, on_step=on_step)
+                 use_cache=not no_cache, failure=target, fixed=fixed, jobs=jobs, ray=ray, on_step=on_step)
     if as_json:
         emit_json(res.to_dict())
         raise typer.Exit(res.exit_code)

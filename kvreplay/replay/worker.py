@@ -34,6 +34,7 @@ from kvreplay.builds.worker_code import HIDE_ENV, prepare
 from kvreplay.errors import EXIT_BAD_INPUT, EXIT_UNLOADABLE, BadInput, BuildUnloadable, BuildUnsupported
 from kvreplay.replay.kernels import instrument
 from kvreplay.replay.report import ReplayReport, untestable
+from kvreplay.trace.location import is_remote
 
 CRUMB_ENV = "KVREPLAY_WORKER_PROGRESS"  # the file a worker notes its progress in
 
@@ -74,7 +75,7 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
     scratch = Path(tempfile.mkdtemp(prefix="kvreplay-worker-"))
     crumbs = scratch / "progress"
     env[CRUMB_ENV] = str(crumbs)
-    todo = [str(Path(t).resolve()) for t in traces]
+    todo = [str(t) if is_remote(str(t)) else str(Path(t).resolve()) for t in traces]
     try:
         while todo:
             request = {"traces": todo, "cls": s.cls, "spec": spec, "options": options}
