@@ -103,3 +103,25 @@ def test_cli_jobs(swa_trace, cli):
     assert a == b
     bad = cli("replay", str(swa_trace), "--build", "builtin:swa", "--no-store", "-j", "0")
     assert bad.returncode == 2 and "--jobs" in bad.stderr
+
+
+def test_rotated_parts_start_at_checkpoints(tmp_path):
+    """With checkpoints, a rotating recording closes parts only where a checkpoint
+    comes: every later part starts with one, and the parts replay in parallel."""
+    from kvreplay.recorder.recording import record
+    from kvreplay.workload.synth import make_pool, run_model, validate
+
+    out = tmp_path / "rot"
+    cfg = SynthConfig(scenario="disagg-mtp", out=out, requests=150)
+    sc = validate(cfg)
+    pool, _ = make_pool(cfg, sc)
+    rec = record(pool, out, snapshot=False, rotate_rows=1500, checkpoint_every=500)
+    run_model(pool, cfg, sc)
+    rec.close()
+    reader = TraceReader(out)
+    assert len(reader.parts) >= 3
+    for part in reader.parts[1:]:
+        first = pq.read_table(part, columns=["method"]).column(0)[0].as_py()
+        assert first == CHECKPOINT_METHOD
+    serial = Replayer(out, "builtin:swa@stale-tail").run()
+    _same_run(serial, replay_segments(str(out), "builtin:swa@stale-tail", jobs=2)[0])

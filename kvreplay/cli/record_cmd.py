@@ -27,6 +27,9 @@ def record(
                                        help="Read the pool's counters (available sizes) after every Nth "
                                        "state-changing call instead of every one, for less overhead; replay "
                                        "compares them where they were read. 0: never."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", metavar="N",
+                                         help="Write a checkpoint every N calls (0: none): replay --jobs splits "
+                                         "the trace there. Costs the invariant checker's time per call."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Run a decode server with every allocator it builds recorded.
@@ -46,14 +49,18 @@ def record(
     """
     from kvreplay.recorder.live import record_command, record_env
 
+    if checkpoint_every < 0:
+        raise KvreplayError("--checkpoint-every N needs N >= 0 (0: no checkpoints)")
     if counters_every < 0:
         raise KvreplayError("--counters-every N needs N >= 0 (0: never read the counters)")
     if print_env:
-        from kvreplay.recorder.autorecord import CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV
+        from kvreplay.recorder.autorecord import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV
 
-        env = record_env(out_dir, classes, flight=flight, counters_every=counters_every)
+        env = record_env(out_dir, classes, flight=flight, counters_every=counters_every,
+                         checkpoint_every=checkpoint_every)
         keys = [DIR_ENV, "PYTHONPATH"] + [k for k, asked in ((CLASSES_ENV, bool(classes)), (FLIGHT_ENV, flight > 0),
-                                                              (COUNTERS_ENV, counters_every != 1)) if asked]
+                                                              (COUNTERS_ENV, counters_every != 1),
+                                                              (CHECKPOINT_ENV, checkpoint_every > 0)) if asked]
         if as_json:
             emit_json({k: env[k] for k in keys})
         else:
@@ -62,7 +69,8 @@ def record(
         return
     if flight < 0:
         raise KvreplayError("--flight N needs N > 0 (the number of calls to keep)")
-    res = record_command(command or [], out_dir, classes, flight=flight, counters_every=counters_every)
+    res = record_command(command or [], out_dir, classes, flight=flight, counters_every=counters_every,
+                         checkpoint_every=checkpoint_every)
     if as_json:
         emit_json(res.to_dict())
     else:

@@ -46,6 +46,7 @@ CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
 RANK_ENV = "KVREPLAY_RANK"
 FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
 COUNTERS_ENV = "KVREPLAY_COUNTERS_EVERY"  # N: read the pool's counters after every Nth call (0: never)
+CHECKPOINT_ENV = "KVREPLAY_CHECKPOINT_EVERY"  # N: a checkpoint every N calls (replay --jobs splits there)
 # sglang's allocators wherever a release keeps them (0.5.1 to 0.5.23: builds/sglang.py
 # knows the layouts); the paths a release lacks are never imported, so cost nothing.
 DEFAULT_CLASSES = tuple(path for family in ("token", "paged", "swa") for path in SGLANG_CLASSES[family])
@@ -193,7 +194,8 @@ def _start_recording(pool: Any) -> None:
             flight_recorder(pool, _out, calls=flight, rank=rank, extra=extra, counters_every=every)
             return
         name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
-        record(pool, _out / name, rank=rank, extra=extra, counters_every=every,
+        checkpoints = int(os.environ.get(CHECKPOINT_ENV, "0") or 0)
+        record(pool, _out / name, rank=rank, extra=extra, counters_every=every, checkpoint_every=checkpoints,
                snapshot=False)  # recorded from its constructor: nothing happened before
         _chain_sigterm()
     except Exception:

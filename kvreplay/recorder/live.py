@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvreplay.errors import BadInput
-from kvreplay.recorder.autorecord import CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV, site_dir
+from kvreplay.recorder.autorecord import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV, site_dir
 
 TRACE_GLOB = "kvreplay-*.parquet"
 
@@ -34,7 +34,7 @@ class LiveRecording:
 
 
 def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | None = None,
-               flight: int = 0, counters_every: int = 1) -> dict[str, str]:
+               flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0) -> dict[str, str]:
     """The environment that makes every Python process record into ``out`` (with
     ``flight`` > 0: keep the last ``flight`` calls, dump on a raise or SIGUSR2;
     ``counters_every`` N: read the pool's counters after every Nth call, 0 never)."""
@@ -44,6 +44,8 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
         env[FLIGHT_ENV] = str(flight)
     if counters_every != 1:
         env[COUNTERS_ENV] = str(counters_every)
+    if checkpoint_every > 0:
+        env[CHECKPOINT_ENV] = str(checkpoint_every)
     if classes:
         env[CLASSES_ENV] = ",".join(classes)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site_dir()), env.get("PYTHONPATH", "")) if p)
@@ -51,7 +53,8 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
 
 
 def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (),
-                   settle_s: float = 30.0, flight: int = 0, counters_every: int = 1) -> LiveRecording:
+                   settle_s: float = 30.0, flight: int = 0, counters_every: int = 1,
+                   checkpoint_every: int = 0) -> LiveRecording:
     """Run ``command`` recording its allocators into ``out``; returns its exit code and
     the traces it wrote. Traces still being finished by a writer process when the
     command ends (a process that was killed) get ``settle_s`` seconds to appear."""
@@ -66,7 +69,8 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     before = set(out.glob(TRACE_GLOB))
     try:
         proc = subprocess.Popen(list(command), env=record_env(out, classes, flight=flight,
-                                                              counters_every=counters_every))
+                                                              counters_every=counters_every,
+                                                              checkpoint_every=checkpoint_every))
     except FileNotFoundError:
         raise BadInput(f"command not found: {command[0]}") from None
     except PermissionError:

@@ -21,7 +21,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
-from kvreplay.trace.format import GAP_TARGET, PARQUET_OPTIONS, SCHEMA, GapRecord, TraceMeta, part_name
+from kvreplay.trace.format import (
+    GAP_TARGET,
+    PARQUET_OPTIONS,
+    SCHEMA,
+    CheckpointRecord,
+    GapRecord,
+    TraceMeta,
+    part_name,
+)
 
 STOP = object()  # the queue item that ends a writer thread
 
@@ -77,6 +85,7 @@ class ParquetSink:
         self._rows = 0
         self._gap: GapRecord | None = None  # lost calls not yet marked in the file
         self.lost_calls = 0
+        self._checkpointed = False  # a checkpoint came: rotate only at checkpoints from now on
         self._open_part()
 
     def _open_part(self) -> None:
@@ -137,6 +146,13 @@ class ParquetSink:
     def add(self, item: RawBatch | GapRecord) -> None:
         """Queue a batch (or a gap) for the file. A batch that cannot be converted or
         written becomes a gap row: the calls are lost, the trace says so and goes on."""
+        checkpoint = isinstance(item, CheckpointRecord)
+        if checkpoint:
+            # Once a recording writes checkpoints, a part is closed only where one
+            # comes, so that every later part starts with one: each part replays from
+            # its own first row (replay --jobs), and losing a part loses only its calls.
+            self._checkpointed = True
+            self._rotate_if_due()
         try:
             table = item.to_table()
         except Exception as exc:
@@ -146,7 +162,8 @@ class ParquetSink:
         self._rows += table.num_rows
         if self._rows >= self.rows_per_group:
             self._flush()
-        self._rotate_if_due()
+        if not self._checkpointed:
+            self._rotate_if_due()
 
     def _lose(self, seqs_depths: tuple[np.ndarray, np.ndarray], exc: BaseException) -> None:
         seq, depth = seqs_depths
