@@ -248,7 +248,10 @@ class Replayer:
             return True
         if avail is None:
             return False
-        return any(avail[name] > size for name, size in self._sizes)
+        for name, size in self._sizes:
+            if avail[name] > size:
+                return True
+        return False
 
     def _compare(self, tc: TopCall, result: Any, raised: BaseException | None,
                  avail: dict[str, int] | None) -> None:
@@ -265,9 +268,7 @@ class Replayer:
             if not same(c.result, result):
                 self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
                 return
-            counters = c.counters
-            if counters.get("available") is not None or counters.get("full_available") is not None:
-                self._compare_counters(tc, avail)
+            self._compare_counters(tc, avail)
             if tc.nested or self.capture.calls:
                 self._compare_nested(tc)
             return
@@ -293,11 +294,13 @@ class Replayer:
 
     def _compare_counters(self, tc: TopCall, avail: dict[str, int] | None) -> None:
         c = tc.call
-        if c.counters.get("available") is None and c.counters.get("full_available") is None:
+        counters = c.counters
+        want = (counters.get("available"), counters.get("full_available"), counters.get("swa_available"))
+        if want[0] is None and want[1] is None:
             return  # not recorded for this call
         got = self.view.counters(avail)
-        want = (c.counters.get("available"), c.counters.get("full_available"), c.counters.get("swa_available"))
-        if any(w is not None and w != g for w, g in zip(want, got, strict=True)):
+        if (want[0] is not None and want[0] != got[0]) or (want[1] is not None and want[1] != got[1]) or \
+                (want[2] is not None and want[2] != got[2]):
             self._diverge(tc.number, c.method, "counter", list(want), list(got), "pool counters after the call differ")
 
     def _compare_nested(self, tc: TopCall) -> None:
