@@ -55,8 +55,9 @@ def main() -> None:
             raise SystemExit(f"kvreplay replay --jobs {jobs} failed: {out.stderr.strip()}")
         runs[jobs] = wall, json.loads(out.stdout)
     (s_wall, serial), (p_wall, parallel) = runs[1], runs[a.jobs]
-    same = {k: v for k, v in serial.items() if k not in ("wall_s", "calls_per_s")} == \
-        {k: v for k, v in parallel.items() if k not in ("wall_s", "calls_per_s")}
+    timing = ("wall_s", "calls_per_s", "cpu_s")
+    same = {k: v for k, v in serial.items() if k not in timing} == \
+        {k: v for k, v in parallel.items() if k not in timing}
     n = serial["calls_replayed"]
     print(f"trace {trace.name}: {n:,} calls, build {a.build}, status {serial['status']}")
     print(f"serial      {s_wall:7.2f} s wall (replay {serial['wall_s']:.2f} s, {serial['calls_per_s']:,.0f} calls/s)")

@@ -327,7 +327,7 @@ class Replayer:
             calls: Iterable[TopCall] | None = None) -> ReplayReport:
         """Replay every call (or ``calls``, already decoded, e.g. for benchmarks).
         ``progress(rows done, rows in the trace)`` is called now and then."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         total = self.reader.num_rows
         last = 0
         stopped = False
@@ -335,8 +335,9 @@ class Replayer:
         step, start_after, stop_at_first = self.step, self.start_after, self.stop_at_first
         seg = self.segment
         if calls is None:
-            calls = self.reader.top_calls(device=self.device) if seg is None else self.reader.top_calls(
-                device=self.device, rows=(seg.start_row, self.reader.num_rows), number_from=seg.number_from)
+            rows_from = None if seg is None else (seg.start_row, self.reader.num_rows)
+            calls = self.reader.top_calls(device=self.device, rows=rows_from, nested_args=False,
+                                          number_from=0 if seg is None else seg.number_from)
         first_row = seg.start_row if seg is not None else 0
         with few_collections():
             for tc in calls:
@@ -363,7 +364,9 @@ class Replayer:
             held = self.checker.finish(last) if self.checker and ends else {}
         if progress is not None:
             progress(total, total)
-        return self.report(time.perf_counter() - t0, held, stopped)
+        report = self.report(time.perf_counter() - t0, held, stopped)
+        report.cpu_s = time.process_time() - c0
+        return report
 
     def report(self, wall: float, held: dict[str, int], stopped: bool) -> ReplayReport:
         return compose_report(

@@ -57,6 +57,8 @@ class ReplayReport:
     message: str = ""  # why, for the statuses a git: worker can end in (unloadable, crashed, timeout)
     translated: dict[str, int] = field(default_factory=dict)  # calls replayed through an API translation
     kernels: str = "none"  # the build's Triton kernels: none ran, ran in the interpreter, ran on CUDA
+    cpu_s: float = 0.0  # CPU time the replay took (all its processes), beside wall_s: a shared machine's wall time
+    # counts its neighbours' work too
 
     @property
     def exit_code(self) -> int:

@@ -55,6 +55,7 @@ class SegmentResult:
     held: dict[str, int] = field(default_factory=dict)
     device: str = "cpu"
     build_version: str = ""
+    cpu_s: float = 0.0
 
 
 def plan(reader: TraceReader, jobs: int, total_calls: int | None = None) -> list[Segment]:
@@ -92,7 +93,7 @@ def replay_segment(unit: SegmentUnit) -> SegmentResult:
         kept=list(log.kept) if log else [], counts=dict(log.counts) if log else {},
         divergences=list(r.divergences), div_counts=dict(r.div_counts), translated=dict(r.translated),
         capacity_call=r.capacity_call, unsupported=r.unsupported, held=report.held_at_end, device=r.device,
-        build_version=build_version(r.pool))
+        build_version=build_version(r.pool), cpu_s=report.cpu_s)
 
 
 def merge(results: list[SegmentResult], *, trace: str, build: str, mode: str, keep: int, wall: float,
@@ -152,6 +153,7 @@ def replay_segments(trace: str, build: str, *, jobs: int, ray: str | None = None
                               done=(lambda n, total: progress(n, total)) if progress else None))
     report = merge(results, trace=reader.source, build=build, mode=options.get("mode", "strict"),
                    keep=options.get("keep", 20), wall=time.perf_counter() - t0, checked=options.get("check", True))
+    report.cpu_s = sum(r.cpu_s for r in results)  # every worker's, the overrun segments' too
     return report, results[0].build_version
 
 

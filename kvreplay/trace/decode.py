@@ -35,7 +35,9 @@ class _Values:
     call, and ints come straight from the column; only the rarer kinds (bools, floats,
     strings, segment lists, opaque values, other dtypes or shapes) are decoded one by one."""
 
-    def __init__(self, arr: pa.Array, device: str | torch.device) -> None:
+    def __init__(self, arr: pa.Array, device: str | torch.device, wanted: np.ndarray | None = None) -> None:
+        """``wanted``: which values to decode (the others stay raw: a caller that has
+        no use for them, such as a replay for nested rows' arguments, saves the work)."""
         fields = dict(zip([f.name for f in arr.type], arr.flatten(), strict=True))
         n = len(arr)
         kind = fields["kind"]
@@ -51,6 +53,8 @@ class _Values:
         for j in _where(kind, NONE):
             values[j] = None
         tensors = _where(kind, TENSOR)
+        if wanted is not None:
+            tensors = tensors[wanted[tensors]]
         if len(tensors):
             ndim = np.diff(shape_off)[tensors]
             plain = (ndim == 1) & _where_mask(fields["dtype"], "torch.int64")[tensors]
@@ -73,7 +77,10 @@ class _Values:
                 if dtype != "torch.int64":
                     t = t.to(tensor_dtype(dtype))
                 values[j] = t if len(dims) == 1 else t.reshape(dims)
-        rare = np.flatnonzero(~np.isin(np.asarray(self.kind, dtype=object), _COMMON)) if n else _NO_ROWS
+        rare = np.flatnonzero(pc.invert(pc.is_in(kind, value_set=_COMMON)).to_numpy(zero_copy_only=False)) \
+            if n else _NO_ROWS
+        if wanted is not None:
+            rare = rare[wanted[rare]]
         if len(rare):
             f, s, dtype = fields["f"], fields["s"], fields["dtype"]
             for j in rare.tolist():
@@ -110,7 +117,7 @@ class _Views:
                                                                         strict=True)]
 
 
-_COMMON = np.array([NONE, INT, TENSOR], dtype=object)
+_COMMON = pa.array([NONE, INT, TENSOR])
 _NO_ROWS = np.empty(0, dtype=np.int64)
 
 
@@ -130,7 +137,10 @@ def _list_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return off - off[0], values
 
 
-def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torch.device) -> Iterator[Call]:
+def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torch.device,
+                 nested_args: bool = True) -> Iterator[Call]:
+    """The batch's calls; ``nested_args=False``: nested rows come without arguments
+    (a replay compares what sub-allocator calls returned, never what they were given)."""
     col = batch.column
     names = batch.schema.names
     seq = col(names.index("seq")).to_pylist()
@@ -148,7 +158,11 @@ def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torc
     arg_off = arg_off - arg_off[0]
     flat_args = args.flatten()
     arg_names = flat_args.flatten()[flat_args.type.get_field_index("name")].to_pylist()
-    av = _Values(flat_args, device)
+    wanted = None
+    if not nested_args:
+        top = np.asarray(depth) == 0
+        wanted = np.repeat(top, np.diff(arg_off))
+    av = _Values(flat_args, device, wanted)
     rv = _Values(col(names.index("result")), device)
     values, results = av.values, rv.values
     opaque_rows = set((np.searchsorted(arg_off, av.opaque, side="right") - 1).tolist()) if len(av.opaque) else ()
@@ -157,8 +171,8 @@ def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torc
         if top_level_only and depth[r] != 0:
             continue
         lo, hi = bounds[r], bounds[r + 1]
-        yield Call(seq[r], parent[r], depth[r], target[r], method[r],
-                   dict(zip(arg_names[lo:hi], values[lo:hi], strict=True)), results[r], exc_type[r], exc_msg[r],
+        args = dict(zip(arg_names[lo:hi], values[lo:hi], strict=True)) if nested_args or not depth[r] else {}
+        yield Call(seq[r], parent[r], depth[r], target[r], method[r], args, results[r], exc_type[r], exc_msg[r],
                    {"available": avail[r], "full_available": full_avail[r], "swa_available": swa_avail[r]},
                    t0[r], t1[r], r in opaque_rows)
 

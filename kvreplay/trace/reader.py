@@ -204,13 +204,15 @@ class TraceReader:
         return out
 
     def top_calls(self, device: str | torch.device = "cpu", *, rows: tuple[int, int] | None = None,
-                  number_from: int = 0) -> Iterator[TopCall]:
+                  number_from: int = 0, nested_args: bool = True) -> Iterator[TopCall]:
         """Top-level calls with the sub-allocator calls each made, numbered 1..N in
         trace order (gap and checkpoint rows are passed on unnumbered). ``rows``: only
-        rows start..end-1 (a segment from a checkpoint), numbered from ``number_from``+1."""
+        rows start..end-1 (a segment from a checkpoint), numbered from ``number_from``+1.
+        ``nested_args=False``: sub-allocator calls without their arguments (a replay's
+        need; decoding them is a third of the work)."""
         current: TopCall | None = None
         number = number_from
-        for c in self._decoded(False, device, 4096, rows):
+        for c in self._decoded(False, device, 4096, rows, nested_args):
             if c.depth:
                 if current is not None:
                     current.nested.append(c)
@@ -231,13 +233,13 @@ class TraceReader:
         return self._decoded(top_level_only, device, batch_size, rows)
 
     def _decoded(self, top_level_only: bool, device: str | torch.device, batch_size: int,
-                 rows: tuple[int, int] | None = None) -> Iterator[Call]:
+                 rows: tuple[int, int] | None = None, nested_args: bool = True) -> Iterator[Call]:
         from kvreplay.trace.decode import decode_batch
 
         batches = self.iter_batches(batch_size=batch_size) if rows is None else self.row_range(*rows, batch_size)
         for batch in batches:
             try:
-                yield from decode_batch(batch, top_level_only, device)
+                yield from decode_batch(batch, top_level_only, device, nested_args)
             except Exception as exc:  # whatever damaged data makes decoding raise, it is the data's fault
                 if isinstance(exc, TraceFormatError):
                     raise
