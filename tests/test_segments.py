@@ -50,7 +50,7 @@ def test_checkpoints_are_rows_between_calls(tmp_path, swa_trace):
     b = [(t.number, t.call.method) for t in without.top_calls() if t.number]
     assert a == b
     segs = plan(with_cp, 2)
-    assert len(segs) == 4 and segs[0].start_row == 0 and segs[-1].end_row is None
+    assert len(segs) >= 3 and segs[0].start_row == 0 and segs[-1].end_row is None
 
 
 @pytest.mark.parametrize("build", ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@page-partial-clear",

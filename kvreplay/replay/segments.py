@@ -28,7 +28,7 @@ from kvreplay.replay.replayer import Replayer, Segment, compose_report
 from kvreplay.replay.report import Divergence, ReplayReport
 from kvreplay.trace.reader import TraceReader
 
-SEGMENTS_PER_JOB = 2  # more segments than workers: one slow stretch of a trace does not idle the others
+SEGMENTS_PER_JOB = 3  # more segments than workers: one slow stretch of a trace does not idle the others
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,7 @@ def replay_segments(trace: str, build: str, *, jobs: int, ray: str | None = None
     version; None when it cannot be split (no checkpoints, gaps, one job) and there
     is no Ray to send the whole to: the caller replays it serially."""
     reader = reader or TraceReader(trace)
+    reader.checkpoints()  # the one scan that also counts the calls and looks for gaps
     whole = reader.gaps() or reader.meta.initial_state is not None or options.get("after_gap")
     # A start from a snapshot or after a gap: the checkpoints' checker states do not apply.
     segments = [Segment(0, 0, None)] if whole else plan(reader, jobs)

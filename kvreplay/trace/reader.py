@@ -61,6 +61,7 @@ class TraceReader:
         # A URI (s3://...) is read from its local mirror; ``source`` keeps what was asked for.
         self.source = str(path)
         self.path = local_path(path)
+        self._layout: tuple[list[Checkpoint], int, bool] | None = None  # checkpoints, calls, gaps? (one scan)
         if not self.path.exists():
             raise TraceFormatError(f"{self.path}: no such file")
         if self.path.is_dir():
@@ -169,6 +170,8 @@ class TraceReader:
 
     def count_calls(self) -> int:
         """Top-level calls (reports number them 1..N), by a scan of two columns."""
+        if self._layout is not None:
+            return self._layout[1]
         n = 0
         for batch in self.iter_batches(columns=["depth", "target"]):
             top = pc.equal(batch.column(0), 0)
@@ -178,8 +181,8 @@ class TraceReader:
     def gaps(self) -> list[Call]:
         """The gap rows (where the recorder lost calls), in order; a cheap column scan
         first, since almost every trace has none."""
-        found = False
-        for batch in self.iter_batches(columns=["target", "method"]):
+        found = self._layout[2] if self._layout is not None else False
+        for batch in self.iter_batches(columns=["target", "method"]) if self._layout is None else ():
             if pc.any(pc.and_(pc.equal(batch.column(0), GAP_TARGET), pc.equal(batch.column(1), GAP_METHOD))).as_py():
                 found = True
                 break
@@ -191,16 +194,20 @@ class TraceReader:
         """The trace's checkpoint rows, in order: where each is (row) and after how many
         top-level calls, both from a scan of three small columns. Their states are read
         only by the replay that starts there."""
-        out, offset, calls = [], 0, 0
+        if self._layout is not None:
+            return self._layout[0]
+        out, offset, calls, gaps = [], 0, 0, False
         for batch in self.iter_batches(columns=["method", "target", "depth"]):
             method, target, depth = (batch.column(i) for i in range(3))
             gap = pc.equal(target, GAP_TARGET)
             hit = pc.and_(pc.equal(method, CHECKPOINT_METHOD), gap).to_numpy(zero_copy_only=False)
+            gaps = gaps or bool(pc.any(pc.and_(pc.equal(method, GAP_METHOD), gap)).as_py())
             call = pc.and_(pc.equal(depth, 0), pc.invert(gap)).to_numpy(zero_copy_only=False)
             before = calls + np.cumsum(call) - call  # calls before each row
             out.extend(Checkpoint(offset + int(i), int(before[i])) for i in np.flatnonzero(hit))
             offset += batch.num_rows
             calls += int(call.sum())
+        self._layout = (out, calls, gaps)  # one scan answers count_calls and "any gaps?" too
         return out
 
     def top_calls(self, device: str | torch.device = "cpu", *, rows: tuple[int, int] | None = None,
