@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOAD = ROOT.parent / "shared" / "workloads" / "mooncake" / "synthetic_trace.jsonl"
+WORKLOAD = ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"
 CACHE = Path.home() / ".cache" / "kvreplay" / "bench" / "prod-3200-cp10000.parquet"
 SYNTH = ["synth", "disagg-mtp", "--workload", str(WORKLOAD), "--requests", "3200", "--full-size", "400000",
          "--swa-size", "40000", "--page-size", "16", "--window", "128", "--max-running", "32",
