@@ -148,7 +148,7 @@ def test_cli_bisect_prints_the_commit_and_the_step_log(history, trace, tmp_path)
     assert "0 replays" in text.stdout  # everything came from the store the second time
 
 
-def test_bad_bisect_input_is_a_one_line_error(history, trace, tmp_path):
+def test_bad_bisect_input_is_a_one_line_error(history, trace, tmp_path, cli):
     repo, commits = history
     cases = [
         ["--repo", str(repo), "--good", "main", "--bad", commits["good"]],  # reversed ends
@@ -158,8 +158,7 @@ def test_bad_bisect_input_is_a_one_line_error(history, trace, tmp_path):
         [],
     ]
     for args in cases:
-        res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "bisect", str(trace), *args, "--db",
-                              str(tmp_path / "k.db")], capture_output=True, text=True, timeout=120)
+        res = cli("bisect", str(trace), *args, "--db", str(tmp_path / "k.db"))
         assert res.returncode == 2, (args, res.stderr)
         assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, (args, res.stderr)
 

@@ -106,6 +106,7 @@ def test_synth_writes_to_s3(s3, cli):
     assert json.loads(cli("inspect", uri, "--json").stdout)["calls"] == json.loads(r.stdout)["calls"]
 
 
+@pytest.mark.slow
 def test_a_hive_partitioned_dump_is_a_corpus(s3, cli, tmp_path, small_corpus):
     endpoint, bucket = s3
     dump = tmp_path / "dump"

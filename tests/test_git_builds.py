@@ -100,9 +100,8 @@ def test_the_tree_is_exported_once_per_commit_and_reused(repo, tmp_path_factory)
     assert len(commit) == 40
 
 
-def test_bad_git_specs_are_one_line_errors(repo, trace):
+def test_bad_git_specs_are_one_line_errors(repo, trace, cli):
     for spec in (f"git:{repo}", f"git:{repo}@no-such-rev", "git:/no/such/repo@HEAD", f"git:{repo}@good:nocolon"):
-        res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(trace), "--build", spec,
-                              "--no-store"], capture_output=True, text=True, timeout=120)
+        res = cli("replay", str(trace), "--build", spec, "--no-store")
         assert res.returncode == 2, (spec, res.stderr)
         assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, res.stderr

@@ -53,8 +53,9 @@ def test_checkpoints_are_rows_between_calls(tmp_path, swa_trace):
     assert len(segs) >= 3 and segs[0].start_row == 0 and segs[-1].end_row is None
 
 
-@pytest.mark.parametrize("build", ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@page-partial-clear",
-                                   "builtin:swa@unfiltered-page0"])
+@pytest.mark.parametrize("build", ["builtin:swa", "builtin:swa@stale-tail",
+                                   pytest.param("builtin:swa@page-partial-clear", marks=pytest.mark.slow),
+                                   pytest.param("builtin:swa@unfiltered-page0", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["strict", "remap"])
 def test_jobs_give_the_serial_run(swa_trace, build, mode):
     serial = Replayer(swa_trace, build, mode=mode).run()
