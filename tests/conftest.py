@@ -86,6 +86,16 @@ SLOW_CASES = {
     # Covered in the fast tier by the seed bug's minimization and the plugin's own items.
     "test_other_corpus_bugs_shrink_too[sglang-0.5.23-swa-page0-builtin:swa@unfiltered-page0]",
     "test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold",
+    # Worker builds, live recording and the recorder's exit paths: each starts interpreters
+    # that import torch; one case of each kind stays in the fast tier.
+    "test_a_native_crash_says_what_killed_it_and_where_and_the_next_trace_gets_a_fresh_worker",
+    "test_two_revisions_replay_in_their_own_processes",
+    "test_matrix_from_the_command_line",
+    "test_record_flight_writes_only_the_last_calls_when_the_server_fails",
+    "test_record_counters_every_reaches_each_recorded_process",
+    "test_interpreter_exit_flushes_an_open_recording[python]",
+    "test_gpu_recorder_says_plainly_that_it_measured_nothing_without_cuda",
+    "test_a_build_that_cannot_take_the_snapshot_is_unloadable",
 }
 
 

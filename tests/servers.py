@@ -80,7 +80,7 @@ def s3_server() -> Iterator[str]:
     try:
         import moto.server  # noqa: F401
     except ImportError:
-        unavailable("moto (with flask) is not installed (pip install -e '.[dev]')")
+        unavailable("moto (with flask) is not installed (pip install -e '.[s3test]')")
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
