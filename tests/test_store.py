@@ -193,3 +193,39 @@ def test_a_database_at_the_first_revision_is_upgraded_on_open(tmp_path):
     st.close()
     with sqlite3.connect(path) as con:
         assert con.execute("select version_num from alembic_version").fetchone()[0] == "0005"
+
+
+def test_two_writers_creating_the_same_build_both_succeed(db_url):
+    """The race the 8-writer test can hit on PostgreSQL, made certain: writer A has
+    inserted build X (not yet committed) when writer B looks for it, finds none and
+    inserts too; B's insert waits for A, fails on the unique key, and takes A's row."""
+    import threading
+
+    from kvreplay.store.models import Build
+    from kvreplay.store.runs import _get_or_create_build
+
+    if "://" not in db_url:
+        pytest.skip("SQLite's write lock serializes writers: there is no race to make")
+    st = open_store(db_url)
+    try:
+        a = st.session()
+        a.begin()
+        a.add(Build(spec="builtin:raced", resolved_version="a"))
+        a.flush()
+        got = {}
+
+        def writer_b() -> None:
+            with st.session() as b, b.begin():
+                got["b"] = _get_or_create_build(b, "builtin:raced", "b").id
+
+        t = threading.Thread(target=writer_b)
+        t.start()
+        t.join(timeout=1.0)
+        assert t.is_alive()  # B waits on A's uncommitted row
+        a.commit()
+        t.join(timeout=30)
+        with st.session() as s:
+            rows = s.scalars(select(Build).where(Build.spec == "builtin:raced")).all()
+        assert len(rows) == 1 and got["b"] == rows[0].id and rows[0].resolved_version == "a"
+    finally:
+        st.close()

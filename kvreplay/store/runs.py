@@ -6,11 +6,12 @@ one transaction: a reader sees all of a run or none of it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
 from kvreplay.errors import BadInput
@@ -30,25 +31,37 @@ class TraceInfo:
     calls: int | None = None
 
 
+def _get_or_create(s: Session, stmt: Any, make: Callable[[], Any]) -> Any:
+    """The row ``stmt`` finds, or a new one from ``make``. Two writers may both find none
+    (PostgreSQL does not serialize them as SQLite's write lock does): the insert runs in a
+    savepoint, and the one that loses the race takes the winner's row."""
+    row = s.scalar(stmt)
+    if row is not None:
+        return row
+    try:
+        with s.begin_nested():
+            row = make()
+            s.add(row)
+        return row
+    except IntegrityError:
+        row = s.scalar(stmt)
+        if row is None:
+            raise
+        return row
+
+
 def _get_or_create_trace(s: Session, info: TraceInfo) -> Trace:
-    t = s.scalar(select(Trace).where(Trace.content_hash == info.content_hash))
-    if t is None:
-        t = Trace(content_hash=info.content_hash, path=info.path, pool_class=info.pool_class, family=info.family,
-                  meta=info.meta, rows=info.rows, calls=info.calls)
-        s.add(t)
-        s.flush()
-    elif t.path != info.path:
+    t = _get_or_create(s, select(Trace).where(Trace.content_hash == info.content_hash), lambda: Trace(
+        content_hash=info.content_hash, path=info.path, pool_class=info.pool_class, family=info.family,
+        meta=info.meta, rows=info.rows, calls=info.calls))
+    if t.path != info.path:
         t.path = info.path  # same content seen at a new place: remember the latest
     return t
 
 
 def _get_or_create_build(s: Session, spec: str, version: str) -> Build:
-    b = s.scalar(select(Build).where(Build.spec == spec))
-    if b is None:
-        b = Build(spec=spec, resolved_version=version)
-        s.add(b)
-        s.flush()
-    return b
+    return _get_or_create(s, select(Build).where(Build.spec == spec),
+                          lambda: Build(spec=spec, resolved_version=version))
 
 
 def record_run(store: Store, report: Any, info: TraceInfo, *, build_version: str = "") -> int:
