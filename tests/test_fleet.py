@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """(endpoint, bucket): a bucket of its own on the server; the AWS_* settings and a
-    mirror directory of its own for this module."""
-    import boto3
-
+    mirror directory of its own for this module (skipped without the s3test extra)."""
     with s3_server() as endpoint:
+        import boto3  # moto's dependency: here only when the server could start
+
         env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_ENDPOINT_URL": endpoint,
                "KVREPLAY_REMOTE_CACHE": str(tmp_path_factory.mktemp("mirror"))}
