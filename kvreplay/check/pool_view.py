@@ -40,9 +40,6 @@ class SubPoolView:
     def size(self) -> int:
         return int(self.obj.size)
 
-    def available(self) -> int:
-        return int(self.obj.available_size())
-
     def free_pages(self) -> np.ndarray:
         """Every page id the allocator can hand out: free list plus staged pages."""
         o = self.obj

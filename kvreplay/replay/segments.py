@@ -58,14 +58,14 @@ class SegmentResult:
     cpu_s: float = 0.0
 
 
-def plan(reader: TraceReader, jobs: int, total_calls: int | None = None) -> list[Segment]:
+def plan(reader: TraceReader, jobs: int) -> list[Segment]:
     """Segments of about equal call counts, cut at the checkpoints nearest to the
     ideal cuts; one segment (the whole trace) when it has no checkpoints."""
     cps = reader.checkpoints()
     want = max(1, jobs * SEGMENTS_PER_JOB)
     if jobs <= 1 or not cps or want == 1:
         return [Segment(0, 0, None)]
-    total = total_calls if total_calls is not None else reader.count_calls()
+    total = reader.count_calls()  # from the same scan as the checkpoints
     cuts = []
     for k in range(1, want):
         ideal = total * k / want
