@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1] / "kvreplay"
 LAYERS: list[list[str]] = [
     ["cli"],
     ["corpus"],
-    ["bisect", "minimize", "demo", "matrix"],
-    ["stored_replay", "reproducer"],
+    ["bisect", "minimize", "demo", "matrix", "dashboard"],
+    ["stored_replay", "reproducer", "report"],
     ["checked_pool", "workload"],
     ["recorder", "replay"],
     ["check", "store"],

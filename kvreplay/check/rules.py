@@ -8,6 +8,7 @@ no corruption) or ``misreports`` (counters or results wrong, state intact)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -114,12 +115,16 @@ class ViolationLog:
     keep: int = 20
     kept: list[Violation] = field(default_factory=list)
     counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Told of every violation, kept or not (a replay's timeline places them all).
+    listener: Callable[[Violation], None] | None = None
 
     def add(self, v: Violation) -> None:
         key = (v.invariant, v.rule)
         n = self.counts[key] = self.counts.get(key, 0) + 1
         if n <= self.keep:
             self.kept.append(v)
+        if self.listener is not None:
+            self.listener(v)
 
     @property
     def total(self) -> int:

@@ -18,6 +18,7 @@ from kvreplay.cli import demo_cmd as _demo  # noqa: F401
 from kvreplay.cli import matrix_cmd as _matrix  # noqa: F401
 from kvreplay.cli import record_cmd as _record  # noqa: F401
 from kvreplay.cli import replay_cmds as _replay  # noqa: F401
+from kvreplay.cli import report_cmds as _report  # noqa: F401
 from kvreplay.cli import search_cmds as _search  # noqa: F401
 from kvreplay.cli import trace_cmds as _trace  # noqa: F401
 from kvreplay.cli.base import app, say

@@ -32,6 +32,7 @@ from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, RECORDED_METHODS, SUB_POO
 from kvreplay.replay.compare import json_value, same
 from kvreplay.replay.remap import PageTable, Remapper
 from kvreplay.replay.report import MODES, Divergence, ReplayReport
+from kvreplay.replay.timeline import Timeline
 from kvreplay.trace import snapshot
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_TARGET, Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
@@ -173,6 +174,10 @@ class Replayer:
             self.remap = Remapper(PageTable(main.num_pages, main.page_size),
                                   PageTable(swa.num_pages, swa.page_size) if swa else None)
         self.calls = 0
+        self.timeline = Timeline({name: sub.size for name, sub in self.view.subs.items()}, self.reader.num_rows)
+        if self.checker is not None:
+            tl = self.timeline
+            self.checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
         self._methods: dict[str, tuple[Callable[..., Any] | None, bool, Any]] = {}  # the build's method per name
         self._own = vars(self.pool) if hasattr(self.pool, "__dict__") else {}
         self._sizes = [(name, sub.size) for name, sub in self.view.subs.items()]
@@ -183,6 +188,7 @@ class Replayer:
 
     def _diverge(self, call: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
         self.div_counts[kind] += 1
+        self.timeline.mark("divergence", kind, call)
         if self.div_counts[kind] <= self.keep:
             self.divergences.append(Divergence(call, method, kind, json_value(expected), json_value(actual), message))
 
@@ -222,6 +228,8 @@ class Replayer:
         self._current = tc
         result, raised, avail = checked_call(self.view, self.checker, n, c.method, args, fn,
                                              in_group=c.counters.get("available") is None, between=self._between)
+        if avail is not None:
+            self.timeline.see(n, avail)
         if self.capacity_call is None and self._capacity_broken(raised, avail):
             self.capacity_call = n
         return result, raised
@@ -373,7 +381,8 @@ class Replayer:
             trace=self.reader.source, build=self.build_spec, mode=self.mode, device=self.device,
             calls=self.calls, wall=wall, log=self.checker.log if self.checker else None,
             divergences=self.divergences, div_counts=dict(self.div_counts), capacity_call=self.capacity_call,
-            held=held, stopped=stopped, translated=dict(self.translated), unsupported=self.unsupported)
+            held=held, stopped=stopped, translated=dict(self.translated), unsupported=self.unsupported,
+            timeline=self.timeline.to_dict())
 
     # -- segments (replay --jobs) --------------------------------------------------
     def _start_segment(self, seg: Segment) -> None:
@@ -435,7 +444,7 @@ def _checkpoint_states(reader: TraceReader, cp: Any) -> tuple[dict[str, Any], di
 def compose_report(*, trace: str, build: str, mode: str, device: str, calls: int, wall: float,
                    log: ViolationLog | None, divergences: list[Divergence], div_counts: dict[str, int],
                    capacity_call: int | None, held: dict[str, int], stopped: bool, translated: dict[str, int],
-                   unsupported: str | None) -> ReplayReport:
+                   unsupported: str | None, timeline: dict[str, Any] | None = None) -> ReplayReport:
     """A run's report from what its replay (or the segments of one) found."""
     violations = sorted(log.kept, key=lambda v: (v.call, v.detected_call)) if log else []
     first_v = log.first() if log else None
@@ -458,7 +467,7 @@ def compose_report(*, trace: str, build: str, mode: str, device: str, calls: int
         divergences=sorted(divergences, key=lambda d: d.call), divergence_counts=dict(div_counts),
         first_violation=first_v, first_divergence=first_d, capacity_assert_call=capacity_call,
         capacity_assert_after_calls=after, held_at_end=held, stopped_early=stopped,
-        translated=dict(translated), message=message,
+        translated=dict(translated), message=message, timeline=timeline or {},
     )
 
 

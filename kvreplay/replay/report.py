@@ -57,6 +57,8 @@ class ReplayReport:
     message: str = ""  # why, for the statuses a git: worker can end in (unloadable, crashed, timeout)
     translated: dict[str, int] = field(default_factory=dict)  # calls replayed through an API translation
     kernels: str = "none"  # the build's Triton kernels: none ran, ran in the interpreter, ran on CUDA
+    # Occupancy and finding positions for pictures (replay/timeline.py); not in --json.
+    timeline: dict[str, Any] = field(default_factory=dict)
     cpu_s: float = 0.0  # CPU time the replay took (all its processes), beside wall_s: a shared machine's wall time
     # counts its neighbours' work too
 
@@ -90,9 +92,12 @@ class ReplayReport:
         fields["first_divergence"] = Divergence(**d["first_divergence"]) if d.get("first_divergence") else None
         return cls(**fields)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The report in the JSON vocabulary of docs/json.md."""
+    def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
+        """The report in the JSON vocabulary of docs/json.md (``timeline``: with the
+        timeline too, for a report crossing a process boundary)."""
         d = asdict(self)
+        if not timeline:
+            del d["timeline"]
         d["exit_code"] = self.exit_code
         d["violation_total"] = sum(self.violation_counts.values())
         d["divergence_total"] = sum(self.divergence_counts.values())

@@ -26,6 +26,7 @@ from kvreplay.check.rules import Violation, ViolationLog
 from kvreplay.fanout import iter_units
 from kvreplay.replay.replayer import Replayer, Segment, compose_report
 from kvreplay.replay.report import Divergence, ReplayReport
+from kvreplay.replay.timeline import merge as merge_timelines
 from kvreplay.trace.reader import TraceReader
 
 SEGMENTS_PER_JOB = 3  # more segments than workers: one slow stretch of a trace does not idle the others
@@ -56,6 +57,7 @@ class SegmentResult:
     device: str = "cpu"
     build_version: str = ""
     cpu_s: float = 0.0
+    timeline: dict[str, Any] = field(default_factory=dict)
 
 
 def plan(reader: TraceReader, jobs: int) -> list[Segment]:
@@ -93,7 +95,7 @@ def replay_segment(unit: SegmentUnit) -> SegmentResult:
         kept=list(log.kept) if log else [], counts=dict(log.counts) if log else {},
         divergences=list(r.divergences), div_counts=dict(r.div_counts), translated=dict(r.translated),
         capacity_call=r.capacity_call, unsupported=r.unsupported, held=report.held_at_end, device=r.device,
-        build_version=build_version(r.pool), cpu_s=report.cpu_s)
+        build_version=build_version(r.pool), cpu_s=report.cpu_s, timeline=report.timeline)
 
 
 def merge(results: list[SegmentResult], *, trace: str, build: str, mode: str, keep: int, wall: float,
@@ -132,7 +134,8 @@ def merge(results: list[SegmentResult], *, trace: str, build: str, mode: str, ke
     return compose_report(
         trace=trace, build=build, mode=mode, device=last.device, calls=sum(s.calls for s in chain), wall=wall,
         log=log, divergences=divergences, div_counts=dict(div_counts), capacity_call=capacity_call,
-        held=last.held, stopped=last.stopped, translated=dict(translated), unsupported=last.unsupported)
+        held=last.held, stopped=last.stopped, translated=dict(translated), unsupported=last.unsupported,
+        timeline=merge_timelines([seg.timeline for seg in chain]))
 
 
 def replay_segments(trace: str, build: str, *, jobs: int, ray: str | None = None,

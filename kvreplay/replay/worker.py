@@ -268,7 +268,7 @@ def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | N
         report = replayer.run(progress=_breadcrumbs(trace, replayer))
         if kernels and kernels["launches"] > before:
             report.kernels = kernels["kind"]
-        return {"trace": trace, "report": report.to_dict()}
+        return {"trace": trace, "report": report.to_dict(timeline=True)}
     except BuildUnsupported as exc:
         return {"trace": trace, "error": "unsupported", "message": str(exc)}
     except BuildUnloadable as exc:

@@ -66,6 +66,8 @@ class Run(Base):
     kvreplay_version: Mapped[str] = mapped_column(String(32))
     message: Mapped[str | None] = mapped_column(Text, nullable=True)  # why, when no violation says (0003)
     kernels: Mapped[str] = mapped_column(String(24), default="none", server_default="none")  # (0005)
+    # Replayed occupancy and finding positions (replay/timeline.py), for pictures (0006).
+    timeline: Mapped[dict | None] = mapped_column(JSON, nullable=True, deferred=True)
     started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     trace: Mapped[Trace] = relationship()

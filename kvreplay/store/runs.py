@@ -5,6 +5,7 @@ one transaction: a reader sees all of a run or none of it."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ def record_run(store: Store, report: Any, info: TraceInfo, *, build_version: str
                 kvreplay_version=__version__,
                 message=getattr(report, "message", "") or None,
                 kernels=getattr(report, "kernels", "none"),
+                timeline=getattr(report, "timeline", None) or None,
             )
             run.violations = [
                 ViolationRow(call=v.call, detected_call=v.detected_call, method=v.method, invariant=v.invariant,
@@ -106,8 +108,17 @@ def record_run(store: Store, report: Any, info: TraceInfo, *, build_version: str
 
 
 def list_runs(store: Store, *, trace: str | None = None, build: str | None = None, status: str | None = None,
-              limit: int = 50) -> list[Run]:
+              limit: int = 50, since: dt.datetime | None = None, until: dt.datetime | None = None,
+              trace_hash: str | None = None) -> list[Run]:
+    """Stored runs, newest first: ``trace`` matches a path part or a hash prefix,
+    ``trace_hash`` one trace exactly; ``since``/``until`` bound when they were stored."""
     q = select(Run).join(Run.trace).join(Run.build).options(selectinload(Run.trace), selectinload(Run.build))
+    if trace_hash:
+        q = q.where(Trace.content_hash == trace_hash)
+    if since is not None:
+        q = q.where(Run.started_at >= since)
+    if until is not None:
+        q = q.where(Run.started_at < until)
     if trace:
         q = q.where((Trace.path.contains(trace)) | (Trace.content_hash.startswith(trace)))
     if build:
@@ -116,6 +127,17 @@ def list_runs(store: Store, *, trace: str | None = None, build: str | None = Non
         q = q.where(Run.status == status)
     with store.session() as s:
         return list(s.scalars(q.order_by(Run.id.desc()).limit(limit)))
+
+
+def build_specs(store: Store) -> list[str]:
+    """Every build spec with a stored run."""
+    with store.session() as s:
+        return sorted(s.scalars(select(Build.spec).where(Build.id.in_(select(Run.build_id)))))
+
+
+def trace_by_hash(store: Store, prefix: str) -> Trace | None:
+    with store.session() as s:
+        return s.scalars(select(Trace).where(Trace.content_hash.startswith(prefix)).limit(1)).first()
 
 
 def get_run(store: Store, run_id: int) -> Run:
@@ -175,6 +197,13 @@ def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
             d["first_violation"] = min(d["violations"], key=lambda v: (v["call"], v["detected_call"]))
         d["first_divergence"] = min(d["divergences"], key=lambda x: x["call"]) if d["divergences"] else None
     return d
+
+
+def run_timeline(store: Store, run_id: int) -> dict[str, Any]:
+    """A stored run's timeline ({} for runs stored before kvreplay kept one)."""
+    with store.session() as s:
+        value = s.scalar(select(Run.timeline).where(Run.id == run_id))
+    return value if isinstance(value, dict) else {}
 
 
 # Statuses a cached result may have: crashed and timeout may be flaky, so they are replayed again.

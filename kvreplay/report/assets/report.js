@@ -1,0 +1,333 @@
+// kvreplay's report pages: draws the data the page carries as JSON
+// (#kvreplay-data) with Plotly. Every value from a trace or a store goes onto the
+// page as text (textContent), never as markup, and links only to relative or http(s)
+// places.
+(function () {
+  "use strict";
+  const data = JSON.parse(document.getElementById("kvreplay-data").textContent);
+  const app = document.getElementById("app");
+  const COLORS = { full: "#1f77b4", swa: "#ff7f0e", pool: "#2ca02c" };
+  const RUN_DASH = ["solid", "dash"];
+  const VERDICT = { good: "#2ca02c", bad: "#d62728", skip: "#9e9e9e", fixed: "#1f77b4" };
+
+  function safeHref(h) {
+    h = String(h || "");
+    if (/^[a-z][a-z0-9+.-]*:/i.test(h) && !/^https?:/i.test(h)) return "#";
+    return h;
+  }
+
+  function el(tag, attrs, ...kids) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === undefined || v === null) continue;
+      if (k === "class") e.className = v;
+      else if (k === "href") e.setAttribute("href", safeHref(v));
+      else if (k.startsWith("data-") || k === "id" || k === "title" || k === "type") e.setAttribute(k, v);
+      else if (k === "onclick") e.addEventListener("click", v);
+      else e[k] = v;
+    }
+    for (const kid of kids) {
+      if (kid === undefined || kid === null) continue;
+      e.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+    }
+    return e;
+  }
+
+  function text(v) {
+    if (v === null || v === undefined) return "-";
+    if (typeof v === "object") return JSON.stringify(v);
+    return String(v);
+  }
+
+  function table(head, rows, cls) {
+    const t = el("table", { class: cls || "" });
+    if (head) t.append(el("thead", {}, el("tr", {}, ...head.map((h) => el("th", {}, h)))));
+    const body = el("tbody");
+    for (const r of rows) body.append(r instanceof Node ? r : el("tr", {}, ...r.map((c) => el("td", {}, c instanceof Node ? c : text(c)))));
+    t.append(body);
+    return t;
+  }
+
+  function notes(list) {
+    if (!list || !list.length) return null;
+    return el("div", { class: "notes", id: "notes" }, ...list.map((n) => el("p", {}, n)));
+  }
+
+  // ---- runs: occupancy, findings, the detail of one -------------------------------
+
+  function sameSeries(a, b) {
+    if (!a || !b || a.length !== b.length) return false;
+    for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) return false;
+    return true;
+  }
+
+  function rgba(hex, alpha) {
+    const n = parseInt(hex.slice(1), 16);
+    return `rgba(${(n >> 16) & 255},${(n >> 8) & 255},${n & 255},${alpha})`;
+  }
+
+  function findingLabel(run, group, key, many) {
+    const g = group === "violation" ? key : "divergence: " + key;
+    return many ? run.label.split(":")[0] + " " + g : g;
+  }
+
+  function drawRuns(div, runs, recorded, onPick) {
+    const traces = [];
+    const shapes = [];
+    const annotations = [];
+    const many = runs.length > 1;
+    const seenSizes = {};
+    runs.forEach((run, ri) => {
+      const occ = run.occupancy;
+      if (!occ) return;
+      for (const sub of Object.keys(occ.hi)) {
+        const color = COLORS[sub] || "#555";
+        const x = occ.hi[sub].map((_, i) => i * occ.stride + 1);
+        const name = (many ? run.label + ": " : "") + sub + " used" + (recorded ? " (replayed)" : "");
+        traces.push({ x, y: occ.hi[sub], name, mode: "lines", line: { color, width: 1.5, dash: RUN_DASH[ri % 2] },
+          legendgroup: ri + sub, connectgaps: true, hovertemplate: "call %{x}: %{y} tokens used (highest)<extra>" + name.replace(/</g, "") + "</extra>" });
+        traces.push({ x, y: occ.lo[sub], name: name + " (lowest)", mode: "lines", fill: "tonexty",
+          fillcolor: rgba(color, many ? 0.12 : 0.25), line: { width: 0, color }, showlegend: false,
+          legendgroup: ri + sub, connectgaps: true, hovertemplate: "call %{x}: %{y} tokens used (lowest)<extra></extra>" });
+        if (!seenSizes[sub]) {
+          seenSizes[sub] = 1;
+          shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: occ.sizes[sub], y1: occ.sizes[sub],
+            line: { color, width: 1, dash: "dot" } });
+          annotations.push({ xref: "paper", x: 1, xanchor: "right", yref: "y", y: occ.sizes[sub], yanchor: "bottom",
+            text: sub + " size " + occ.sizes[sub], showarrow: false, font: { size: 10, color } });
+        }
+      }
+      if (run.capacity_call) {
+        shapes.push({ type: "line", x0: run.capacity_call, x1: run.capacity_call, yref: "paper", y0: 0, y1: 1,
+          line: { color: "#d62728", width: 2 } });
+        annotations.push({ x: run.capacity_call, yref: "paper", y: 1, yanchor: "bottom", showarrow: false,
+          text: "build's own assertion fires (call " + run.capacity_call + ")", font: { color: "#d62728", size: 11 } });
+      }
+    });
+    const recordedNote = [];
+    if (recorded) {
+      const base = runs.find((r) => r.occupancy);
+      for (const sub of Object.keys(recorded.hi)) {
+        const same = base && base.occupancy.stride === recorded.stride && sameSeries(base.occupancy.hi[sub], recorded.hi[sub]) && sameSeries(base.occupancy.lo[sub], recorded.lo[sub]);
+        if (same && !many) { recordedNote.push(sub); continue; }
+        const x = recorded.hi[sub].map((_, i) => i * recorded.stride + 1);
+        traces.push({ x, y: recorded.hi[sub], name: sub + " used (recorded)", mode: "lines", connectgaps: true,
+          line: { color: "#222", width: 1, dash: "dot" }, hovertemplate: "call %{x}: %{y} tokens used, recorded<extra></extra>" });
+        if (!Object.keys(seenSizes).length) {
+          shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: recorded.sizes[sub], y1: recorded.sizes[sub], line: { color: "#222", width: 1, dash: "dot" } });
+        }
+      }
+    }
+    // Findings: one row per rule (or divergence kind), every call where it fell.
+    const rows = [];
+    runs.forEach((run, ri) => {
+      for (const group of ["violation", "divergence"]) {
+        const marks = (run.marks || {})[group] || {};
+        for (const key of Object.keys(marks).sort()) {
+          const label = findingLabel(run, group, key, many);
+          rows.push(label);
+          const calls = marks[key];
+          traces.push({ x: calls, y: calls.map(() => label), yaxis: "y2", mode: "markers", type: "scatter",
+            name: label, showlegend: false, customdata: calls.map((c) => [ri, group, key, c]),
+            marker: { size: 6, color: group === "violation" ? "#d62728" : "#9467bd", opacity: 0.55, symbol: "line-ns-open" },
+            hovertemplate: "call %{x}<extra>" + label.replace(/</g, "") + "</extra>" });
+          const fi = run.firsts[group + ":" + key];
+          const first = fi === undefined ? calls[0] : run.findings[fi].call;
+          traces.push({ x: [first], y: [label], yaxis: "y2", mode: "markers", type: "scatter", showlegend: false,
+            name: "first " + label, customdata: [[ri, group, key, first]],
+            marker: { size: 15, color: "#ffd700", line: { color: "#000", width: 1.5 }, symbol: "star" },
+            hovertemplate: "first: call %{x}<extra>" + label.replace(/</g, "") + "</extra>" });
+        }
+      }
+    });
+    const hasRows = rows.length > 0;
+    const layout = {
+      height: hasRows ? 440 + 22 * rows.length : 420,
+      margin: { l: 70, r: 20, t: 30, b: 50 },
+      hovermode: "closest",
+      legend: { orientation: "h", y: 1.08 },
+      xaxis: { title: { text: "call" }, zeroline: false, anchor: hasRows ? "y2" : "y" },
+      yaxis: { title: { text: "tokens used" }, domain: hasRows ? [Math.min(0.55, 0.12 + 0.05 * rows.length), 1] : [0, 1], rangemode: "tozero" },
+      shapes, annotations,
+    };
+    if (hasRows) {
+      layout.yaxis2 = { domain: [0, Math.min(0.45, 0.05 * rows.length + 0.02)], type: "category", automargin: true,
+        categoryorder: "array", categoryarray: rows.slice().reverse(), fixedrange: true };
+    }
+    return Plotly.newPlot(div, traces, layout, { responsive: true, displaylogo: false }).then(() => {
+      div.setAttribute("data-drawn", "1");
+      div.setAttribute("data-ms", String(Math.round(performance.now())));
+      div.on("plotly_click", (ev) => {
+        const p = ev.points && ev.points[0];
+        if (p && p.customdata) onPick(p.customdata[0], p.customdata[1], p.customdata[2], p.customdata[3]);
+      });
+      return recordedNote;
+    });
+  }
+
+  function contextTable(contexts, call, detected) {
+    const rows = [];
+    const lo = call - 3, hi = Math.max(call, detected) + 3;
+    for (let n = lo; n <= hi; n++) {
+      const c = contexts[String(n)];
+      if (!c) continue;
+      if (n > call + 3 && n < detected - 3) continue;
+      const args = Object.entries(c.args).map(([k, v]) => k + "=" + text(v)).join(", ");
+      const tr = el("tr", { class: n === call ? "here" : n === detected ? "seen" : "" },
+        el("td", {}, "#" + n), el("td", {}, c.method), el("td", { class: "args" }, args),
+        el("td", {}, c.exc ? "raised " + c.exc : text(c.result)),
+        el("td", {}, Object.entries(c.counters).map(([k, v]) => k + " " + v).join(", ")));
+      rows.push(tr);
+    }
+    if (!rows.length) return el("p", { class: "muted" }, "The calls around it are not in this report (the trace could not be read).");
+    return table(["call", "method", "arguments", "result", "counters after"], rows, "context");
+  }
+
+  function showFinding(detail, runs, contexts, ri, group, key, call) {
+    const run = runs[ri];
+    const f = run.findings.find((x) => x.group === group && x.key === key && x.call === call);
+    detail.replaceChildren();
+    const label = group === "violation" ? key : "divergence " + key;
+    detail.append(el("h3", {}, label + " at call #" + call + (runs.length > 1 ? " (" + run.label + ")" : "")));
+    if (!f) {
+      detail.append(el("p", {}, "Only the first findings of each rule are kept whole; this one is counted and placed, its details are not kept."));
+    } else {
+      const facts = [["call", "#" + f.call + " " + f.method]];
+      if (group === "violation") {
+        const dist = f.detected_call - f.call;
+        facts.push(["created by", "call #" + f.call + " (" + f.method + "): the state this violation trips on was made here"]);
+        facts.push(["detected", dist > 0 ? "at call #" + f.detected_call + ", " + dist + " call(s) later (detection distance " + dist + ")" : "at the same call (detection distance 0)"]);
+        facts.push(["sub-pool", f.sub_pool]);
+        facts.push(["slots", text(f.indices)]);
+      } else {
+        facts.push(["expected", text(f.expected)]);
+        facts.push(["got", text(f.actual)]);
+      }
+      facts.push(["message", f.message]);
+      detail.append(table(null, facts, "facts"));
+    }
+    detail.append(el("h4", {}, "The calls around it"));
+    detail.append(contextTable(contexts || {}, call, f ? f.detected_call : call));
+    detail.setAttribute("data-call", String(call));
+    detail.scrollIntoView({ block: "nearest" });
+  }
+
+  function firstsTable(runs, pick) {
+    const rows = [];
+    runs.forEach((run, ri) => {
+      for (const [k, fi] of Object.entries(run.firsts)) {
+        const f = run.findings[fi];
+        const [group, key] = [f.group, f.key];
+        const count = (run.counts[group] || {})[key];
+        const btn = el("button", { class: "first", type: "button", "data-key": key, "data-group": group, "data-call": String(f.call),
+          onclick: () => pick(ri, group, key, f.call) }, "show");
+        rows.push(el("tr", {}, ...(runs.length > 1 ? [el("td", {}, run.label)] : []), el("td", {}, group), el("td", {}, key),
+          el("td", {}, text(count)), el("td", {}, "#" + f.call), el("td", {}, f.method), el("td", {}, btn)));
+      }
+    });
+    if (!rows.length) return el("p", { class: "clean" }, "No violation and no divergence.");
+    const head = [...(runs.length > 1 ? ["run"] : []), "kind", "rule", "count", "first at", "method", ""];
+    return table(head, rows, "firsts");
+  }
+
+  function renderRuns() {
+    const runs = data.runs;
+    app.append(el("h1", {}, data.title));
+    const n = notes(data.notes);
+    if (n) app.append(n);
+    if (data.summary) app.append(table(null, data.summary, "meta"));
+    const metas = el("div", { class: "metas" });
+    for (const run of runs) {
+      const box = el("div", { class: "meta-box status-" + run.status }, runs.length > 1 ? el("h3", {}, run.label) : null, table(null, run.meta, "meta"));
+      metas.append(box);
+    }
+    if (data.kind !== "diff") app.append(metas);
+    const chart = el("div", { id: "chart", class: "chart" });
+    app.append(el("h2", {}, "Occupancy and findings over the calls"));
+    const legendNote = el("p", { class: "muted", id: "chart-note" });
+    app.append(chart, legendNote);
+    app.append(el("h2", {}, "First of each rule"));
+    const detail = el("div", { id: "detail", class: "detail" }, el("p", { class: "muted" }, "Click a finding (a mark on the chart or a row below) to see its call, its arguments and the calls around it."));
+    const pick = (ri, g, k, c) => showFinding(detail, runs, data.contexts, ri, g, k, c);
+    app.append(firstsTable(runs, pick));
+    app.append(el("h2", {}, "Detail"), detail);
+    const capped = runs.flatMap((r) => r.capped);
+    if (capped.length) legendNote.append("Only the first 50,000 findings of " + capped.join(", ") + " are placed. ");
+    drawRuns(chart, runs, data.recorded, pick).then((same) => {
+      if (same.length) legendNote.append("The recorded occupancy of " + same.join(", ") + " equals the replayed one. ");
+      legendNote.append("Bands: lowest to highest use in each bucket of calls; stars: the first finding of each rule.");
+    });
+  }
+
+  // ---- matrix, bisect, ci ----------------------------------------------------------
+
+  function renderMatrix() {
+    const m = data.matrix;
+    app.append(el("h1", {}, data.title));
+    const rules = new Set();
+    for (const c of m.cells) { Object.keys(c.rules || {}).forEach((r) => rules.add(r)); Object.keys(c.divergences || {}).forEach((k) => rules.add("divergence: " + k)); }
+    const cols = [...rules].sort();
+    const many = m.traces.length > 1;
+    const rowLabel = (c) => (many ? c.trace.split("/").pop() + " x " : "") + c.build;
+    const z = [], txt = [], ylab = [], ids = [];
+    for (const c of m.cells) {
+      ylab.push(rowLabel(c) + " [" + c.status + "]");
+      ids.push(c.run_id);
+      const untestable = ["unloadable", "unsupported", "crashed", "timeout"].includes(c.status);
+      z.push(cols.map((r) => untestable ? null : (r.startsWith("divergence: ") ? ((c.divergences || {})[r.slice(12)] ? 1 : 0) : ((c.rules || {})[r] !== undefined ? 1 : 0))));
+      txt.push(cols.map((r) => r.startsWith("divergence: ") ? ((c.divergences || {})[r.slice(12)] ? (c.divergences[r.slice(12)] + " divergence(s)") : "") : ((c.rules || {})[r] !== undefined ? "first at call #" + c.rules[r] : "")));
+    }
+    const chart = el("div", { id: "chart", class: "chart" });
+    app.append(el("h2", {}, "Build x rule"), chart);
+    if (cols.length) {
+      Plotly.newPlot(chart, [{ type: "heatmap", x: cols, y: ylab, z, text: txt, customdata: ids.map((id) => cols.map(() => id)),
+        hovertemplate: "%{y}<br>%{x}: %{text}<extra></extra>", colorscale: [[0, "#e8f5e9"], [1, "#d62728"]], showscale: false, xgap: 2, ygap: 2 }],
+        { height: 160 + 34 * ylab.length, margin: { l: 260, b: 160, t: 20 }, yaxis: { autorange: "reversed" } }, { displaylogo: false, responsive: true }).then(() => {
+        chart.setAttribute("data-drawn", "1");
+        chart.on("plotly_click", (ev) => { const id = ev.points[0].customdata; if (data.links[String(id)]) window.location.href = safeHref(data.links[String(id)]); });
+      });
+    } else {
+      chart.append(el("p", { class: "clean" }, "No build showed a violation or a divergence."));
+      chart.setAttribute("data-drawn", "1");
+    }
+    app.append(el("h2", {}, "Runs"));
+    app.append(table(["trace", "build", "status", "calls", "first findings", "report"], m.cells.map((c) => [
+      c.trace, c.build, c.status, c.calls_replayed,
+      Object.entries(c.rules || {}).map(([r, call]) => r + " #" + call).join(", ") || "-",
+      data.links[String(c.run_id)] ? el("a", { href: data.links[String(c.run_id)] }, "run " + c.run_id) : "run " + c.run_id]), "runs"));
+  }
+
+  function renderBisect() {
+    const b = data.bisect;
+    app.append(el("h1", {}, data.title));
+    const steps = (b.steps || []).slice().sort((x, y) => x.index - y.index);
+    const cands = (b.candidates || []).map((c) => c.label);
+    const summary = [["trace", b.trace], ["verdict", b.verdict], ["first bad", b.first_bad ? b.first_bad.label + " " + (b.first_bad.subject || "") : "-"],
+      ["shows", b.bad_shows || "-"], ["builds in the search", b.searched], ["replays", b.replays]];
+    app.append(table(null, summary, "meta"));
+    const chart = el("div", { id: "chart", class: "chart" });
+    app.append(el("h2", {}, "Builds in search order"), chart);
+    Plotly.newPlot(chart, [{ type: "scatter", mode: "markers+text", x: steps.map((s) => s.index), y: steps.map(() => 0),
+      text: steps.map((s) => s.label), textposition: "top center", customdata: steps.map((s) => s.verdict + ": " + s.status + (s.why ? " (" + s.why + ")" : "")),
+      marker: { size: 18, color: steps.map((s) => VERDICT[s.verdict] || "#555"), line: { color: steps.map((s) => (b.first_bad && s.label === b.first_bad.label) ? "#000" : "#fff"), width: 3 } },
+      hovertemplate: "%{text}<br>%{customdata}<extra></extra>" }],
+      { height: 260, yaxis: { visible: false, range: [-1, 1.5] }, xaxis: { title: { text: "position in the search order (oldest first)" }, dtick: 1 }, margin: { t: 20 } },
+      { displaylogo: false, responsive: true }).then(() => chart.setAttribute("data-drawn", "1"));
+    app.append(el("p", { class: "muted" }, "green: good, red: bad, grey: skipped (untestable), blue: fixed" + (cands.length > 1 ? "; the first bad is one of " + cands.join(", ") : "")));
+    app.append(el("h2", {}, "Step log"));
+    app.append(table(["#", "build", "verdict", "status", "why", "cached", "wall s"], (b.steps || []).map((s, i) =>
+      el("tr", { class: "verdict-" + s.verdict }, ...[i + 1, s.label, s.verdict, s.status, s.why, s.cached ? "yes" : "", s.wall_s.toFixed(2)].map((v) => el("td", {}, text(v))))), "steps"));
+  }
+
+  function renderCi() {
+    app.append(el("h1", {}, data.title));
+    app.append(table(["trace", "status", "expected", "ok", "report"], data.ci.map((r) => el("tr", { class: r.ok ? "ok" : "bad" },
+      el("td", {}, text(r.trace)), el("td", {}, text(r.status)), el("td", {}, text(r.expected)), el("td", {}, r.ok ? "yes" : "NO"),
+      el("td", {}, data.links[r.trace] ? el("a", { href: data.links[r.trace] }, "report") : "-"))), "runs"));
+  }
+
+  const kinds = { run: renderRuns, compare: renderRuns, diff: renderRuns, matrix: renderMatrix, bisect: renderBisect, ci: renderCi };
+  (kinds[data.kind] || renderRuns)();
+  const n = notes(data.kind === "run" || data.kind === "compare" || data.kind === "diff" ? [] : data.notes);
+  if (n) app.append(n);
+})();
