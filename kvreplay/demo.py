@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvreplay.report.reports import stored_run_report, write_report
 from kvreplay.store.db import open_store
 from kvreplay.store.runs import get_run, run_to_dict
 from kvreplay.stored_replay import StoredReplay, replay_and_store
@@ -20,6 +21,7 @@ class DemoResult:
     clean: StoredReplay
     buggy: StoredReplay
     stored: dict[str, Any]
+    report: Path | None = None  # the bug run's HTML report
 
     @property
     def ok(self) -> bool:
@@ -44,6 +46,9 @@ def demo(*, db: str | None = None, out_dir: str | Path | None = None, requests: 
     st = open_store(db)
     try:
         stored = run_to_dict(get_run(st, buggy.run_id), details=True) if buggy.run_id else {}
+        report = write_report(stored_run_report(st, buggy.run_id), out / "report.html") if buggy.run_id else None
     finally:
         st.close()
-    return DemoResult(synth, clean, buggy, stored)
+    if report is not None:
+        say(f"wrote the bug run's report: {report}")
+    return DemoResult(synth, clean, buggy, stored, report)

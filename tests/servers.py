@@ -64,7 +64,7 @@ def fresh_database(admin_url: str) -> str:
     return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,7 +81,7 @@ def s3_server() -> Iterator[str]:
         import moto.server  # noqa: F401
     except ImportError:
         unavailable("moto (with flask) is not installed (pip install -e '.[s3test]')")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -101,3 +101,41 @@ def s3_server() -> Iterator[str]:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def chromium_path() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+@contextmanager
+def browser() -> Iterator[object]:
+    """Headless Chromium (the system's, driven by Playwright); .ci/run installs both."""
+    exe = chromium_path()
+    if exe is None:
+        unavailable("no Chromium on this machine (Debian's chromium package; .ci/run installs it)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        unavailable("Playwright is not installed (pip install -e '.[browser]'; .ci/run installs it)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def screenshot_dir(tmp: Path) -> Path:
+    """Where page screenshots go: .ci/run keeps them as artefacts (KVREPLAY_SCREENSHOTS)."""
+    d = Path(os.environ.get("KVREPLAY_SCREENSHOTS") or tmp)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+

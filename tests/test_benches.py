@@ -60,3 +60,14 @@ def test_gpu_recorder_says_plainly_that_it_measured_nothing_without_cuda():
     got = run_bench(str(BENCH / "gpu_recorder.py"), "--requests", "5", "--repeat", "1")
     assert got.returncode == 3
     assert "no CUDA device" in got.stderr and got.stdout == ""
+
+
+@pytest.mark.slow
+def test_report_open_prints_size_and_open_time():
+    from servers import browser  # skips (or fails under .ci/run) without Chromium and Playwright
+
+    with browser():
+        pass
+    got = run_bench(str(BENCH / "report_open.py"), "--requests", "40", "--repeat", "1")
+    assert got.returncode == 0, got.stderr
+    assert "report size:" in got.stdout and "open to chart drawn" in got.stdout

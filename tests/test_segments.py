@@ -30,6 +30,7 @@ def _same_run(a, b) -> None:
         d.pop("cpu_s")
         d.pop("calls_per_s")
     assert da == db
+    assert a.timeline == b.timeline  # what the report draws: occupancy and every finding's call
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ def corpus_ci(
                                   "error (a build that never returns does not hold up the corpus)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     ray: str | None = typer.Option(None, "--ray", help=RAY_HELP, metavar="[ADDRESS]"),
+    report_path: Path | None = typer.Option(None, "--report", help="Also write an HTML index of the corpus run "
+                                            "here, with one report per trace beside it (NAME-runs/); the "
+                                            "--summary links to them."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a corpus on a build and hold it to the manifest's expectations.
@@ -35,6 +39,10 @@ def corpus_ci(
     """
     from kvreplay.corpus.ci import ok, run_corpus
     from kvreplay.corpus.render import junit_xml, markdown_summary
+    from kvreplay.report.reports import check_report_path
+
+    if report_path is not None:
+        check_report_path(report_path)
 
     def show(r: Any, done: int, total: int) -> None:
         if not as_json:
@@ -45,8 +53,14 @@ def corpus_ci(
     results = run_corpus(corpus, build, jobs=jobs, db=db, device=device, timeout_s=timeout, ray=ray, progress=show)
     if junit:
         junit.write_text(junit_xml(results, build))
+    pages: dict[int, str] = {}
+    if report_path is not None:
+        pages = write_ci_report(results, build, report_path, db)
     if summary:
-        summary.write_text(markdown_summary(results, build))
+        here = summary.resolve().parent
+        links = {k: os.path.relpath(report_path.resolve().parent / v, here) for k, v in pages.items()} \
+            if report_path is not None else {}
+        summary.write_text(markdown_summary(results, build, links))
     passed = ok(results)
     if as_json:
         emit_json({"build": build, "ok": passed, "results": [r.to_dict() for r in results]})
@@ -107,3 +121,22 @@ def corpus_check(
             say(p)
         say(f"{res.corpus}: {res.entries} entries, " + ("ok" if res.ok else f"{len(res.problems)} problem(s)"))
     raise typer.Exit(0 if res.ok else 1)
+
+
+def write_ci_report(results: list[Any], build: str, path: Path, db: str | None) -> dict[int, str]:
+    """The corpus run's index page and one page per stored run; run id -> href from the index."""
+    from kvreplay.report.reports import ci_index, write_report, write_run_pages
+    from kvreplay.store.db import open_store
+
+    st = open_store(db)
+    try:
+        pages = write_run_pages(st, [r.run_id for r in results if r.run_id], path)
+    finally:
+        st.close()
+    rows = [{"trace": r.case.trace, "mode": r.case.mode, "status": r.status or r.outcome,
+             "expected": r.case.expected(), "ok": r.outcome in ("pass", "skip"), "run_id": r.run_id}
+            for r in results]
+    links = {r.case.trace: pages[r.run_id] for r in results if r.run_id in pages}
+    write_report(ci_index(rows, links, build), path)
+    say(f"report: {path} (and {len(pages)} run page(s) in {path.stem}-runs/)", to_err=True)
+    return pages

@@ -30,11 +30,13 @@ def demo(
     if as_json:
         emit_json({"trace": str(res.trace.path), "clean": {**res.clean.report.to_dict(), "run_id": res.clean.run_id},
                    "buggy": {**res.buggy.report.to_dict(), "run_id": res.buggy.run_id}, "stored": res.stored,
-                   "ok": res.ok})
+                   "report": str(res.report) if res.report else None, "ok": res.ok})
         raise typer.Exit(0 if res.ok else 1)
     say(f"trace: {res.trace.path} ({res.trace.calls} calls, {res.trace.requests_done} requests)")
     render_report(res.clean.report)
     render_report(res.buggy.report)
     say(f"stored result (kvreplay show {res.buggy.run_id}):", "bold")
     render_stored(res.stored)
+    if res.report is not None:
+        say(f"report of the bug run (open it in a browser): {res.report}", "bold")
     raise typer.Exit(0 if res.ok else 1)

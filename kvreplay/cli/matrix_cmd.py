@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -28,6 +29,9 @@ def matrix(
                                   "exact build (a release, a builtin of this version)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     ray: str | None = typer.Option(None, "--ray", help="One Ray task per build. " + RAY_HELP, metavar="[ADDRESS]"),
+    report_path: Path | None = typer.Option(None, "--report", help="Also write an HTML heat map of build x rule "
+                                            "here, linking to each run's report (written beside it, in "
+                                            "NAME-runs/)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay traces on many builds and print build x invariant.
@@ -40,7 +44,10 @@ def matrix(
     are clean, 125 when none could be tested, 2 on bad input.
     """
     from kvreplay.matrix import matrix_traces, run_matrix
+    from kvreplay.report.reports import check_report_path
 
+    if report_path is not None:
+        check_report_path(report_path)
     partitions = {str(p.resolve()): keys for p, keys, _ in matrix_traces(traces)}
 
     def on_cell(c: object) -> None:
@@ -52,6 +59,8 @@ def matrix(
     res = run_matrix(traces, builds.split(","), db=db, mode=mode, device=device,
                      jobs=jobs or os.cpu_count() or 1, timeout_s=timeout, use_cache=not no_cache, ray=ray,
                      on_cell=on_cell)
+    if report_path is not None:
+        write_matrix_report(res, report_path, db)
     if as_json:
         emit_json(res.to_dict())
         raise typer.Exit(res.exit_code)
@@ -77,3 +86,16 @@ def matrix(
                 say(f"  {b}: {c.status}: {c.message}")
     say(f"{len(res.cells)} runs in {res.wall_s:.1f} s; kvreplay show RUN for one, kvreplay matrix ... --json for all")
     raise typer.Exit(res.exit_code)
+
+
+def write_matrix_report(res: Any, path: Path, db: str | None) -> None:
+    from kvreplay.report.reports import matrix_report, write_report, write_run_pages
+    from kvreplay.store.db import open_store
+
+    st = open_store(db)
+    try:
+        links = write_run_pages(st, [c.run_id for c in res.cells if c.run_id], path)
+    finally:
+        st.close()
+    write_report(matrix_report(res.to_dict(), {str(k): v for k, v in links.items()}), path)
+    say(f"report: {path} (and {len(links)} run page(s) in {path.stem}-runs/)", to_err=True)

@@ -21,6 +21,7 @@ from kvreplay.cli.base import (
     say,
 )
 from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row
+from kvreplay.cli.report_cmds import REPORT_HELP
 from kvreplay.errors import (
     EXIT_ABORT_BISECT,
     EXIT_BAD_INPUT,
@@ -56,6 +57,7 @@ def replay(
                                "exits 1 (new); needs --failure."),
     jobs: int = typer.Option(1, "--jobs", "-j", help=JOBS_HELP),
     ray: str | None = typer.Option(None, "--ray", help=RAY_HELP, metavar="[ADDRESS]"),
+    report_path: Path | None = typer.Option(None, "--report", help=REPORT_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace on a build, check every invariant, store the run.
@@ -69,8 +71,11 @@ def replay(
     """
     from kvreplay.builds.spec import BuildSpec
     from kvreplay.replay.report import Failure
+    from kvreplay.report.reports import check_report_path, run_report, write_report
     from kvreplay.stored_replay import replay_and_store
 
+    if report_path is not None:
+        check_report_path(report_path)
     try:
         wanted = Failure.parse(failure) if failure else None
         if fixed and (wanted is None or not git_bisect):
@@ -86,6 +91,9 @@ def replay(
         raise
     r = res.report
     code = r.exit_code
+    if report_path is not None:
+        write_report(run_report({**r.to_dict(), "run_id": res.run_id}, r.timeline), report_path)
+        say(f"report: {report_path}", to_err=True)
     if fixed and wanted is not None and code in (EXIT_CLEAN, EXIT_FOUND):
         # git bisect run: 0 is the old term (still broken), 1 the new (fixed).
         code = EXIT_CLEAN if wanted.shown_by(r) else EXIT_FOUND
@@ -113,6 +121,7 @@ def diff(
     mode: str = typer.Option("strict", help="strict or remap (see replay)."),
     context: int = typer.Option(5, help="Calls to show before the first divergence."),
     device: str = typer.Option("cpu", help="Torch device."),
+    report_path: Path | None = typer.Option(None, "--report", help=REPORT_HELP + " Both builds on one axis."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Replay a trace on two builds in lockstep and show where they part.
@@ -121,9 +130,15 @@ def diff(
     """
     from kvreplay.replay.compare import text_value
     from kvreplay.replay.diff import diff_builds
+    from kvreplay.report.reports import check_report_path, diff_report, write_report
 
+    if report_path is not None:
+        check_report_path(report_path)
     with progress(f"diff {Path(trace).name}", "rows") as cb:
         d = diff_builds(trace, base, candidate, mode=mode, context=context, device=device, progress=cb)
+    if report_path is not None:
+        write_report(diff_report(d), report_path)
+        say(f"report: {report_path}", to_err=True)
     if as_json:
         emit_json(d.to_dict())
         raise typer.Exit(d.exit_code)

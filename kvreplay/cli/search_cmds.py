@@ -35,6 +35,8 @@ def bisect_cmd(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     jobs: int = typer.Option(1, "--jobs", "-j", help="Each step: " + JOBS_HELP[0].lower() + JOBS_HELP[1:]),
     ray: str | None = typer.Option(None, "--ray", help="Each step's replay on Ray. " + RAY_HELP, metavar="[ADDRESS]"),
+    report_path: Path | None = typer.Option(None, "--report", help="Also write an HTML page of the step log "
+                                            "here: the builds in search order, good, bad or skipped."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Find the first commit (or build) where a trace starts failing, or
@@ -56,7 +58,10 @@ def bisect_cmd(
     from kvreplay.bisect import bisect, build_candidates, git_candidates
     from kvreplay.builds.releases import expand_all
     from kvreplay.replay.report import Failure
+    from kvreplay.report.reports import bisect_report, check_report_path, write_report
 
+    if report_path is not None:
+        check_report_path(report_path)
     if builds and repo:
         raise KvreplayError("give --repo/--good/--bad or --builds, not both")
     target = Failure.parse(failure) if failure else None
@@ -74,6 +79,9 @@ def bisect_cmd(
 
     res = bisect(trace, good_c, order, db=db, mode=mode, device=device, timeout_s=timeout,
                  use_cache=not no_cache, failure=target, fixed=fixed, jobs=jobs, ray=ray, on_step=on_step)
+    if report_path is not None:
+        write_report(bisect_report(res.to_dict()), report_path)
+        say(f"report: {report_path}", to_err=True)
     if as_json:
         emit_json(res.to_dict())
         raise typer.Exit(res.exit_code)

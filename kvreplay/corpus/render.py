@@ -29,15 +29,20 @@ def junit_xml(results: list[CaseResult], build: str) -> str:
     return ET.tostring(root, encoding="unicode", xml_declaration=True)
 
 
-def markdown_summary(results: list[CaseResult], build: str) -> str:
+def markdown_summary(results: list[CaseResult], build: str, links: dict[int, str] | None = None) -> str:
+    """The corpus run for a PR comment; ``links`` (run id -> href) adds each run's report."""
+    links = links or {}
     mark = {"pass": "✅", "fail": "❌", "error": "💥", "skip": "⏭️"}
     n = {k: sum(r.outcome == k for r in results) for k in mark}
     lines = [f"### kvreplay corpus on `{build}`: {'all expectations hold' if ok(results) else 'FAILED'}", "",
              f"{n['pass']} passed, {n['fail']} failed, {n['error']} errors, {n['skip']} skipped", "",
-             "| | trace | mode | expected | got | calls |", "|---|---|---|---|---|---|"]
+             "| | trace | mode | expected | got | calls |" + (" report |" if links else ""),
+             "|---|---|---|---|---|---|" + ("---|" if links else "")]
     for r in results:
+        page = links.get(r.run_id) if r.run_id is not None else None
         lines.append(f"| {mark[r.outcome]} | {r.case.trace} | {r.case.mode} | {r.case.expected()} | "
-                     f"{r.status or '-'} | {r.calls} |")
+                     f"{r.status or '-'} | {r.calls} |" + ((f" [run {r.run_id}]({page}) |" if page else " - |")
+                                                        if links else ""))
     bad = [r for r in results if r.outcome in ("fail", "error")]
     if bad:
         lines += ["", "**What did not hold:**", ""]

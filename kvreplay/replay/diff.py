@@ -13,6 +13,7 @@ from typing import Any
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND
 from kvreplay.replay.compare import json_value, outcome_difference
 from kvreplay.replay.replayer import Replayer
+from kvreplay.replay.timeline import MAX_MARKS
 
 
 @dataclass
@@ -36,6 +37,9 @@ class DiffReport:
     first_kind: str | None
     context: list[CallSummary] = field(default_factory=list)
     per_method: dict[str, int] = field(default_factory=dict)
+    # For the report, not in --json: each build's timeline, and the calls where they part.
+    timelines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    differing: list[int] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -43,6 +47,7 @@ class DiffReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["timelines"], d["differing"]
         d["exit_code"] = self.exit_code
         return d
 
@@ -65,6 +70,7 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
     first: CallSummary | None = None
     first_kind = None
     first_context: list[CallSummary] = []
+    differing: list[int] = []
     n = rows = 0
     total = a.reader.num_rows
     for tc in a.reader.top_calls(device=a.device):
@@ -79,6 +85,8 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
         kind = outcome_difference((xa, ra), (xb, rb), mode)
         if kind:
             per_method[tc.call.method] += 1
+            if len(differing) < MAX_MARKS:
+                differing.append(tc.number)
             if first is None:
                 first, first_kind, first_context = summary, kind, list(recent)
         recent.append(summary)
@@ -88,4 +96,6 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
         progress(total, total)
     return DiffReport(trace=a.reader.source, base=base, candidate=candidate, mode=mode, calls=n,
                       differing_calls=sum(per_method.values()), first=first, first_kind=first_kind,
-                      context=first_context, per_method=dict(per_method.most_common()))
+                      context=first_context, per_method=dict(per_method.most_common()),
+                      timelines={"base": a.timeline.to_dict(), "candidate": b.timeline.to_dict()},
+                      differing=differing)

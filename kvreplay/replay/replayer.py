@@ -228,7 +228,8 @@ class Replayer:
         self._current = tc
         result, raised, avail = checked_call(self.view, self.checker, n, c.method, args, fn,
                                              in_group=c.counters.get("available") is None, between=self._between)
-        if avail is not None:
+        if avail is not None and c.counters.get("available") is not None:
+            # sampled where the recording read the counters too, so both sides compare bucket by bucket
             self.timeline.see(n, avail)
         if self.capacity_call is None and self._capacity_broken(raised, avail):
             self.capacity_call = n

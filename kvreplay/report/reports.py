@@ -194,18 +194,43 @@ def ci_index(results: list[dict[str, Any]], links: dict[str, str], build: str) -
     return render(title, {"kind": "ci", "title": title, "ci": results, "links": links, "notes": []})
 
 
-def write_report(text: str, path: str | os.PathLike[str]) -> Path:
-    """Write a page where asked, whole or not at all."""
+def check_report_path(path: str | os.PathLike[str]) -> Path:
+    """Refuse a report path that cannot be written, before any long work starts."""
     out = Path(path)
     if out.is_dir():
         raise BadInput(f"report path {out} is a directory; give a file name (report.html)")
-    if not out.parent.exists():
+    if not out.parent.is_dir():
         raise BadInput(f"report path {out}: the directory {out.parent} does not exist")
+    return out
+
+
+def write_report(text: str, path: str | os.PathLike[str]) -> Path:
+    """Write a page where asked, whole or not at all."""
+    out = check_report_path(path)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, out)
     return out
 
 
-__all__ = ["BUDGET_BYTES", "bisect_report", "ci_index", "compare_report", "diff_report", "matrix_report",
-           "run_entry", "run_report", "stored_compare_report", "stored_run_report", "write_report"]
+def pages_dir(index: str | os.PathLike[str]) -> Path:
+    """Where the run pages an index page links to go: beside it, ``NAME-runs/``."""
+    p = Path(index)
+    return p.with_name(f"{p.stem}-runs")
+
+
+def write_run_pages(store: Store, run_ids: Iterable[int], index: str | os.PathLike[str]) -> dict[int, str]:
+    """Each stored run's report beside the index page; run id -> its href from there."""
+    folder = pages_dir(index)
+    folder.mkdir(exist_ok=True)
+    links = {}
+    for run_id in sorted(set(run_ids)):
+        write_report(stored_run_report(store, run_id, nav=[("back", f"../{Path(index).name}")]),
+                     folder / f"run-{run_id}.html")
+        links[run_id] = f"{folder.name}/run-{run_id}.html"
+    return links
+
+
+__all__ = ["BUDGET_BYTES", "bisect_report", "check_report_path", "ci_index", "compare_report", "diff_report",
+           "matrix_report", "pages_dir", "run_entry", "run_report", "stored_compare_report", "stored_run_report",
+           "write_report", "write_run_pages"]

@@ -1,0 +1,141 @@
+"""The reports and the dashboard in a real browser: headless Chromium (Debian's
+package) driven by Playwright. Each page must load with no console error and draw
+its chart; clicking a finding shows its context; the dashboard's filter narrows the
+list and a walk goes runs -> run -> compare. Screenshots go to
+$KVREPLAY_SCREENSHOTS (.ci/run keeps them) or the test's directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from servers import browser, free_port, screenshot_dir
+
+from kvreplay.stored_replay import replay_and_store
+
+
+def _open(b, url: str, errors: list[str]):
+    page = b.new_page(viewport={"width": 1300, "height": 900})
+    page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    page.goto(url)
+    return page
+
+
+def check_run_report(b, path: Path, shots: Path, name: str) -> dict:
+    """Open a run's report file: chart drawn, one star per rule, the first violation's
+    context shown on click, no console error. Returns what the page showed."""
+    errors: list[str] = []
+    page = _open(b, path.as_uri(), errors)
+    page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+    data = json.loads(page.inner_text("#kvreplay-data"))
+    run = data["runs"][0]
+    assert page.locator("#chart .scatterlayer .trace").count() > 0  # lines and marks are drawn
+    firsts = page.locator("button.first")
+    assert firsts.count() == len(run["firsts"])
+    shown = {}
+    for i in range(firsts.count()):
+        btn = firsts.nth(i)
+        key, call = btn.get_attribute("data-key"), btn.get_attribute("data-call")
+        btn.click()
+        page.wait_for_selector(f"#detail[data-call='{call}']")
+        detail = page.inner_text("#detail")
+        assert f"{key} at call #{call}" in detail and "The calls around it" in detail
+        shown[key] = int(call)
+        if i == 0:
+            assert page.locator("#detail tr.here").count() == 1  # the call itself, among its neighbours
+    page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+    assert errors == []
+    return shown
+
+
+def test_a_small_run_report_in_chromium(swa_trace_80, tmp_path):
+    out = tmp_path / "r.html"
+    db = str(tmp_path / "k.db")
+    res = replay_and_store(swa_trace_80, "builtin:swa@stale-tail", db=db)
+    from kvreplay.report.reports import stored_run_report, write_report
+    from kvreplay.store.db import open_store
+
+    st = open_store(db)
+    write_report(stored_run_report(st, res.run_id), out)
+    st.close()
+    with browser() as b:
+        shown = check_run_report(b, out, screenshot_dir(tmp_path), "small-run-report")
+    firsts = {f"{v.invariant}/{v.rule}": v.call for v in res.report.violations}
+    assert shown == {k: min(v.call for v in res.report.violations if f"{v.invariant}/{v.rule}" == k)
+                     for k in firsts}
+
+
+@pytest.mark.slow
+def test_demo_writes_the_bug_runs_report_and_it_opens(tmp_path):
+    """The Done-when: kvreplay demo writes the report and prints its path; in Chromium
+    it shows the occupancy chart and the first violation of each rule."""
+    db = tmp_path / "demo.db"
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "demo", "--out", str(tmp_path), "--db", str(db)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    report = tmp_path / "report.html"
+    assert str(report) in res.stdout
+    with browser() as b:
+        shown = check_run_report(b, report, screenshot_dir(tmp_path), "demo-report")
+    assert "swa-mapping/tail-prealloc-nontail-mapped" in shown
+
+
+def _serve(db: str, port: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", db, "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(150):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=1)
+            return p
+        except OSError:
+            if p.poll() is not None:
+                raise AssertionError(f"kvreplay serve ended: {p.stderr.read()}") from None
+            time.sleep(0.2)
+    p.kill()
+    raise AssertionError("kvreplay serve did not answer")
+
+
+def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
+    db = str(tmp_path / "k.db")
+    clean = replay_and_store(swa_trace_80, "builtin:swa", db=db)
+    buggy = replay_and_store(swa_trace_80, "builtin:swa@stale-tail", db=db)
+    port = free_port()
+    server = _serve(db, port)
+    shots = screenshot_dir(tmp_path)
+    try:
+        with browser() as b:
+            errors: list[str] = []
+            page = _open(b, f"http://127.0.0.1:{port}/", errors)
+            assert page.locator("tr.run").count() == 2
+            page.screenshot(path=str(shots / "dashboard-runs.png"), full_page=True)
+            # the filter narrows the list
+            page.select_option("select[name=status]", "violation")
+            page.click("#filters button[type=submit]")
+            page.wait_for_url("**status=violation**")
+            assert page.locator("tr.run").count() == 1
+            assert page.locator("tr.run").first.get_attribute("data-run") == str(buggy.run_id)
+            # runs -> run
+            page.click(f"tr.run[data-run='{buggy.run_id}'] a.run-link")
+            page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+            page.click("button.first")
+            page.wait_for_selector("#detail[data-call]")
+            page.screenshot(path=str(shots / "dashboard-run.png"), full_page=True)
+            # back to every run, pick A and B -> compare
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.check(f"tr.run[data-run='{clean.run_id}'] input[name=a]")
+            page.check(f"tr.run[data-run='{buggy.run_id}'] input[name=b]")
+            page.click("#compare button[type=submit]")
+            page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+            data = json.loads(page.inner_text("#kvreplay-data"))
+            assert [r["run_id"] for r in data["runs"]] == [clean.run_id, buggy.run_id]
+            page.screenshot(path=str(shots / "dashboard-compare.png"), full_page=True)
+            assert errors == []
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -1,0 +1,148 @@
+"""HTML reports and the dashboard, without a browser: what the pages carry, that
+data never becomes markup, that bad paths write nothing, and that the dashboard
+only reads. tests/test_browser.py opens them in Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvreplay.replay.replayer import Replayer
+from kvreplay.report.gather import open_trace, recorded_occupancy
+from kvreplay.report.reports import BUDGET_BYTES, run_report
+from kvreplay.store.db import open_store
+from kvreplay.stored_replay import replay_and_store
+
+
+def page_data(html: str) -> dict:
+    m = re.search(r'<script type="application/json" id="kvreplay-data">(.*?)</script>', html, re.S)
+    assert m, "the page carries its data"
+    return json.loads(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def store_with_runs(tmp_path_factory, swa_trace_80):
+    db = str(tmp_path_factory.mktemp("rep") / "k.db")
+    clean = replay_and_store(swa_trace_80, "builtin:swa", db=db)
+    buggy = replay_and_store(swa_trace_80, "builtin:swa@stale-tail", db=db)
+    return db, clean, buggy
+
+
+def test_a_run_report_places_every_violation_and_the_first_of_each_rule(store_with_runs):
+    from kvreplay.report.reports import stored_run_report
+
+    db, _clean, buggy = store_with_runs
+    st = open_store(db)
+    html = stored_run_report(st, buggy.run_id)
+    st.close()
+    data = page_data(html)
+    run = data["runs"][0]
+    r = buggy.report
+    # every violation is placed (not only the kept ones), at its source call
+    placed = {k: len(v) for k, v in run["marks"]["violation"].items()}
+    assert placed == r.violation_counts
+    assert sum(placed.values()) > sum(1 for _ in r.violations)  # more than the kept ones
+    for key, i in run["firsts"].items():
+        f = run["findings"][i]
+        assert key == f"{f['group']}:{f['key']}"
+        assert f["call"] == min(run["marks"][f["group"]][f["key"]])
+    # the calls around the first violation come from the trace
+    first = r.first_violation
+    ctx = data["contexts"]
+    assert ctx[str(first.call)]["method"] == first.method
+    assert all(str(n) in ctx for n in range(max(1, first.call - 3), first.call + 4) if n <= r.calls_replayed)
+    # occupancy: replayed per sub-pool, in buckets
+    occ = run["occupancy"]
+    assert set(occ["hi"]) == {"full", "swa"}
+    assert all(lo is None or lo <= hi for lo, hi in zip(occ["lo"]["full"], occ["hi"]["full"], strict=True))
+    assert len(html.encode()) < BUDGET_BYTES
+    assert "cdn" not in html.lower().split("<script", 1)[0]  # nothing fetched from elsewhere
+
+
+def test_recorded_occupancy_equals_the_replayed_one_on_the_recording_build(swa_trace_80):
+    r = Replayer(swa_trace_80, "builtin:swa").run()
+    rec = recorded_occupancy(open_trace(str(swa_trace_80)), r.timeline["stride"])
+    n = len(r.timeline["hi"]["full"])
+    for sub in ("full", "swa"):
+        assert rec["hi"][sub][:n] == r.timeline["hi"][sub]
+        assert rec["lo"][sub][:n] == r.timeline["lo"][sub]
+    assert max(v for v in r.timeline["hi"]["full"] if v is not None) > 0
+
+
+def test_values_from_data_never_become_markup(swa_trace_80):
+    r = Replayer(swa_trace_80, "builtin:swa@stale-tail").run()
+    d = r.to_dict()
+    evil = "</script><script>alert(1)</script><img src=x onerror=alert(2)>"
+    d["build"] = evil
+    d["violations"][0]["message"] = evil
+    d["trace"] = "/nowhere/" + evil
+    html = run_report(d, r.timeline)
+    assert "<script>alert(1)" not in html and "<img src=x" not in html
+    data = page_data(html)
+    assert data["runs"][0]["build"] == evil  # carried as data, shown as text by the page's script
+    assert any("cannot be read here" in n for n in data["notes"])  # the trace is gone: said, not fatal
+
+
+def test_report_command_writes_a_file_and_refuses_bad_input(cli, store_with_runs, tmp_path):
+    db, clean, buggy = store_with_runs
+    out = tmp_path / "r.html"
+    res = cli("report", str(buggy.run_id), "-o", str(out), "--db", db, "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["bytes"] == out.stat().st_size and out.read_text().startswith("<!doctype html>")
+    res = cli("report", str(clean.run_id), "--against", str(buggy.run_id), "-o", str(tmp_path / "c.html"),
+              "--db", db)
+    assert res.returncode == 0 and len(page_data((tmp_path / "c.html").read_text())["runs"]) == 2
+    for argv, why in ((["999", "-o", str(tmp_path / "x.html")], "no run 999"),
+                      ([str(buggy.run_id), "-o", str(tmp_path / "no" / "x.html")], "does not exist"),
+                      ([str(buggy.run_id), "-o", str(tmp_path)], "is a directory")):
+        res = cli("report", *argv, "--db", db)
+        assert res.returncode == 2 and why in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "x.html").exists() and not (tmp_path / "no").exists()
+
+
+def test_replay_and_diff_write_reports(cli, swa_trace_80, tmp_path):
+    out = tmp_path / "replay.html"
+    res = cli("replay", str(swa_trace_80), "--build", "builtin:swa@stale-tail", "--no-store", "--report", str(out))
+    assert res.returncode == 1
+    assert page_data(out.read_text())["runs"][0]["status"] == "violation"
+    res = cli("replay", str(swa_trace_80), "--build", "builtin:swa", "--no-store", "--report",
+              str(tmp_path / "missing" / "r.html"))
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    out = tmp_path / "diff.html"
+    res = cli("diff", str(swa_trace_80), "--base", "builtin:swa", "--candidate", "builtin:swa@stale-tail",
+              "--report", str(out))
+    data = page_data(out.read_text())
+    assert [e["build"] for e in data["runs"]] == ["builtin:swa", "builtin:swa@stale-tail"]
+    assert all(e["occupancy"] for e in data["runs"])
+
+
+def test_dashboard_reads_and_never_writes(store_with_runs):
+    from kvreplay.dashboard import create_app
+
+    db, clean, buggy = store_with_runs
+    st = open_store(db)
+    client = create_app(st).test_client()
+    page = client.get("/").get_data(as_text=True)
+    assert f'data-run="{clean.run_id}"' in page and f'data-run="{buggy.run_id}"' in page
+    narrowed = client.get("/?status=violation").get_data(as_text=True)
+    assert f'data-run="{buggy.run_id}"' in narrowed and f'data-run="{clean.run_id}"' not in narrowed
+    assert 'data-run=' not in client.get("/?since=2999-01-01").get_data(as_text=True)
+    assert "must be a date" in client.get("/?since=yesterday").get_data(as_text=True)
+    assert client.get(f"/runs/{buggy.run_id}").status_code == 200
+    assert client.get(f"/compare?a={clean.run_id}&b={buggy.run_id}").status_code == 200
+    assert client.get("/compare?a=1").status_code == 400
+    assert client.get("/runs/99999").status_code == 404
+    trace_hash = dict(page_data(client.get(f"/runs/{buggy.run_id}").get_data(as_text=True))["runs"][0]["meta"])[
+        "trace hash"]  # a trace's history, by hash
+    hist = client.get(f"/traces/{trace_hash}").get_data(as_text=True)
+    assert "History of" in hist and f'data-run="{clean.run_id}"' in hist and f'data-run="{buggy.run_id}"' in hist
+    assert client.get("/assets/report.js").status_code == 200
+    assert client.get("/assets/..%2Fgather.py").status_code == 404
+    for method in ("post", "put", "delete", "patch"):
+        for url in ("/", f"/runs/{buggy.run_id}", "/compare", "/api/runs"):
+            assert getattr(client, method)(url).status_code == 405
+    assert {r["run_id"] for r in client.get("/api/runs").get_json()} >= {clean.run_id, buggy.run_id}
+    st.close()
