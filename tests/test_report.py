@@ -146,3 +146,21 @@ def test_dashboard_reads_and_never_writes(store_with_runs):
             assert getattr(client, method)(url).status_code == 405
     assert {r["run_id"] for r in client.get("/api/runs").get_json()} >= {clean.run_id, buggy.run_id}
     st.close()
+
+
+@pytest.mark.parametrize("damage", ["gone", "pages"])
+def test_a_report_whose_trace_is_gone_or_damaged_still_draws_the_run(swa_trace_80, tmp_path, damage):
+    import shutil
+
+    trace = tmp_path / "t.parquet"
+    shutil.copy(swa_trace_80, trace)
+    r = Replayer(trace, "builtin:swa@stale-tail").run()
+    if damage == "gone":
+        trace.unlink()
+    else:  # the footer reads, the data pages do not
+        raw = bytearray(trace.read_bytes())
+        raw[100:len(raw) // 2] = b"\xff" * (len(raw) // 2 - 100)
+        trace.write_bytes(bytes(raw))
+    data = page_data(run_report(r.to_dict(), r.timeline))
+    assert data["recorded"] is None and data["contexts"] == {}
+    assert data["notes"] and data["runs"][0]["occupancy"] and data["runs"][0]["marks"]["violation"]

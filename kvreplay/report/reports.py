@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kvreplay.errors import BadInput
+from kvreplay.errors import BadInput, KvreplayError
 from kvreplay.replay.timeline import MAX_MARKS
 from kvreplay.report.gather import TraceGone, call_contexts, open_trace, recorded_occupancy, summarise
 from kvreplay.report.page import render
@@ -102,6 +102,10 @@ def _with_trace(data: dict[str, Any], trace: str | None, entries: list[dict[str,
         data["contexts"] = {str(k): v for k, v in call_contexts(reader, wanted).items()}
     except TraceGone as exc:
         data["notes"].append(f"{exc}: the recorded occupancy and the calls around each finding are not shown")
+    except KvreplayError as exc:  # readable at first, damaged further on
+        data["recorded"], data["contexts"] = None, {}
+        data["notes"].append(f"the trace could not be read to the end ({' '.join(str(exc).split())}): the "
+                             "recorded occupancy and the calls around each finding are not shown")
     return data
 
 
