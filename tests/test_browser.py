@@ -139,3 +139,35 @@ def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def _drawn_without_errors(b, url: str, shots: Path, name: str):
+    errors: list[str] = []
+    page = _open(b, url, errors)
+    page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+    page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+    assert errors == []
+    return page
+
+
+def test_matrix_bisect_and_assertion_pages(cli, swa_trace_80, tmp_path):
+    db = str(tmp_path / "k.db")
+    shots = screenshot_dir(tmp_path)
+    matrix, bisect, cap = tmp_path / "matrix.html", tmp_path / "bisect.html", tmp_path / "cap.html"
+    assert cli("matrix", str(swa_trace_80), "--builds", "builtin:swa,builtin:swa@stale-tail", "--db", db,
+               "--report", str(matrix)).returncode == 1
+    assert cli("bisect", str(swa_trace_80), "--builds", "builtin:swa,builtin:swa@page-partial-clear,"
+               "builtin:swa@stale-tail", "--db", db, "--report", str(bisect)).returncode == 0
+    page0 = Path(__file__).resolve().parents[1] / "traces" / "sglang-0.5.23-swa-page0.parquet"
+    assert cli("replay", str(page0), "--build", "builtin:swa@unfiltered-page0", "--no-store",
+               "--report", str(cap)).returncode == 1
+    with browser() as b:
+        page = _drawn_without_errors(b, matrix.as_uri(), shots, "matrix")
+        assert page.locator("#chart .heatmaplayer").count() == 1
+        page.click("table.runs a >> nth=1")  # the stale-tail run's own page
+        page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+        assert "builtin:swa@stale-tail" in page.inner_text("h1")
+        page = _drawn_without_errors(b, bisect.as_uri(), shots, "bisect")
+        assert page.locator("tr.verdict-bad").count() >= 1 and page.locator("tr.verdict-good").count() >= 1
+        page = _drawn_without_errors(b, cap.as_uri(), shots, "capacity-assertion")
+        assert "build's own assertion fires (call 223)" in page.inner_text("#chart")

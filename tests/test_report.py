@@ -164,3 +164,22 @@ def test_a_report_whose_trace_is_gone_or_damaged_still_draws_the_run(swa_trace_8
     data = page_data(run_report(r.to_dict(), r.timeline))
     assert data["recorded"] is None and data["contexts"] == {}
     assert data["notes"] and data["runs"][0]["occupancy"] and data["runs"][0]["marks"]["violation"]
+
+
+def test_ci_report_has_a_page_per_run_linked_from_the_summary(cli, swa_trace_80, tmp_path):
+    import shutil
+
+    corpus = tmp_path / "corpus" / "host=a"
+    corpus.mkdir(parents=True)
+    shutil.copy(swa_trace_80, corpus / "t.parquet")
+    out, summary = tmp_path / "out" / "ci.html", tmp_path / "ci.md"
+    out.parent.mkdir()
+    res = cli("ci", str(tmp_path / "corpus"), "--build", "builtin:swa", "--db", str(tmp_path / "k.db"),
+              "--report", str(out), "--summary", str(summary))
+    assert res.returncode == 0, res.stderr
+    data = page_data(out.read_text())
+    assert data["kind"] == "ci" and len(data["ci"]) == 1 and data["ci"][0]["ok"]
+    href = next(iter(data["links"].values()))
+    assert (out.parent / href).is_file()
+    link = re.search(r"\[run \d+\]\(([^)]+)\)", summary.read_text()).group(1)
+    assert (summary.parent / link).resolve() == (out.parent / href).resolve()

@@ -147,7 +147,7 @@
       hovermode: "closest",
       legend: { orientation: "h", y: 1.08 },
       xaxis: { title: { text: "call" }, zeroline: false, anchor: hasRows ? "y2" : "y" },
-      yaxis: { title: { text: "tokens used" }, domain: hasRows ? [Math.min(0.55, 0.12 + 0.05 * rows.length), 1] : [0, 1], rangemode: "tozero" },
+      yaxis: { title: { text: "tokens in use (size - available)" }, domain: hasRows ? [Math.min(0.55, 0.12 + 0.05 * rows.length), 1] : [0, 1], rangemode: "tozero" },
       shapes, annotations,
     };
     if (hasRows) {

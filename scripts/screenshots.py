@@ -1,0 +1,96 @@
+"""Make the README's pictures again (docs/img/), from scratch, in headless Chromium:
+
+    python scripts/screenshots.py [--out docs/img]
+
+- demo-report.png: the demo's trace on builtin:swa@stale-tail (the seed bug), the
+  first tail-prealloc-nontail-mapped violation opened;
+- capacity.png: the corpus trace radix-swa-800 on builtin:swa@unfiltered-page0,
+  where the build's own capacity assertion fires;
+- matrix.png: the demo's trace on the SWA pool and its bug variants;
+- dashboard-compare.png: the clean and the buggy run compared in kvreplay serve.
+
+Needs Chromium and Playwright (pip install -e '.[browser]')."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+SEED_RULE = "swa-mapping/tail-prealloc-nontail-mapped"
+VARIANTS = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@unfiltered-page0",
+            "builtin:swa@page-partial-clear", "builtin:swa@deferred-lookup"]
+
+
+def kvreplay(*args: str) -> None:
+    """Run a command; 1 (something found) is what these runs are for."""
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *args], stdout=subprocess.DEVNULL)
+    if res.returncode not in (0, 1):
+        raise SystemExit(f"kvreplay {args[0]} failed with exit {res.returncode}")
+
+
+def run_of(db: str, build: str) -> int:
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "runs", "--build", build, "--db", db, "--json"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]["run_id"]
+
+
+def shoot(b, url: str, out: Path, click: str | None = None) -> None:
+    page = b.new_page(viewport={"width": 1300, "height": 900})
+    page.goto(url)
+    page.wait_for_selector("#chart[data-drawn='1']", timeout=60_000)
+    if click:
+        page.click(click)
+        page.wait_for_selector("#detail[data-call]")
+    page.screenshot(path=str(out), full_page=True)
+    page.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    a = ap.parse_args()
+    from servers import browser, free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvreplay-shots-"))
+    db = str(tmp / "k.db")
+    trace = tmp / "disagg-mtp.parquet"
+    kvreplay("synth", "disagg-mtp", "--requests", "2000", "-o", str(trace))
+    kvreplay("matrix", str(trace), "--builds", ",".join(VARIANTS), "--db", db, "--report", str(tmp / "matrix.html"))
+    seed = run_of(db, "builtin:swa@stale-tail")
+    kvreplay("report", str(seed), "-o", str(tmp / "seed.html"), "--db", db)
+    kvreplay("replay", str(ROOT / "traces" / "radix-swa-800.parquet"), "--build", "builtin:swa@unfiltered-page0",
+             "--db", db, "--report", str(tmp / "capacity.html"))
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", db, "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        a.out.mkdir(parents=True, exist_ok=True)
+        with browser() as b:
+            shoot(b, (tmp / "seed.html").as_uri(), a.out / "demo-report.png", f"button.first[data-key='{SEED_RULE}']")
+            shoot(b, (tmp / "capacity.html").as_uri(), a.out / "capacity.png")
+            shoot(b, (tmp / "matrix.html").as_uri(), a.out / "matrix.png")
+            clean = run_of(db, "builtin:swa")
+            shoot(b, f"http://127.0.0.1:{port}/compare?a={clean}&b={seed}", a.out / "dashboard-compare.png")
+    finally:
+        server.terminate()
+    print(f"wrote 4 pictures into {a.out}")
+
+
+if __name__ == "__main__":
+    main()
