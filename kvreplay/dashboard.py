@@ -15,7 +15,7 @@ from flask import Flask, Response, abort, jsonify, render_template_string, reque
 
 from kvreplay.errors import BadInput
 from kvreplay.replay.report import STATUSES
-from kvreplay.report.page import ASSETS, asset
+from kvreplay.report.page import ASSETS, asset, data_json
 from kvreplay.report.reports import stored_compare_report, stored_run_report
 from kvreplay.store.db import Store
 from kvreplay.store.runs import build_specs, get_run, list_runs, run_to_dict, trace_by_hash
@@ -46,6 +46,9 @@ _LIST = """<!doctype html>
 </form>
 {% endif %}
 {% if error %}<div class="notes"><p>{{ error }}</p></div>{% endif %}
+{% if history %}<div id="app"></div>
+<script type="application/json" id="kvreplay-data">{{ history|safe }}</script>
+<script src="{{ assets }}/plotly-cartesian.min.js"></script><script src="{{ assets }}/report.js"></script>{% endif %}
 <form method="get" action="/compare" id="compare">
 <p class="muted">{{ runs|length }} run(s){% if runs|length >= limit %} (the newest {{ limit }}){% endif %}.
 Pick A and B to compare two runs: <button type="submit">compare</button></p>
@@ -114,7 +117,7 @@ def create_app(store: Store) -> Flask:
             error = str(exc)
         return render_template_string(_LIST, title="Runs", runs=rows, f=f, builds=build_specs(store),
                                       statuses=STATUSES, assets=ASSET_URL, filters=True, error=error,
-                                      limit=MAX_LISTED)
+                                      limit=MAX_LISTED, history=None)
 
     @app.get("/runs/<int:run_id>")
     def run(run_id: int) -> str:
@@ -139,9 +142,13 @@ def create_app(store: Store) -> Flask:
         if t is None:
             abort(404, "no such trace in this database")
         rows = _listed(list_runs(store, trace_hash=t.content_hash, limit=MAX_LISTED))
+        points = [{k: r[k] for k in ("run_id", "build", "status", "mode", "violation_total", "divergence_total",
+                                     "started_at")} for r in reversed(rows)]
+        history = data_json({"kind": "history", "runs": points, "links": {str(r["run_id"]): f"/runs/{r['run_id']}"
+                                                                            for r in rows}})
         return render_template_string(_LIST, title=f"History of {t.path} ({t.content_hash[:12]}) across builds",
                                       runs=rows, f={}, assets=ASSET_URL, filters=False, error="",
-                                      limit=MAX_LISTED)
+                                      limit=MAX_LISTED, history=history)
 
     @app.get("/favicon.ico")
     def favicon() -> Response:

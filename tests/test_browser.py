@@ -126,6 +126,11 @@ def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
             page.click("button.first")
             page.wait_for_selector("#detail[data-call]")
             page.screenshot(path=str(shots / "dashboard-run.png"), full_page=True)
+            # run -> the trace's history across builds
+            page.click("header nav a:has-text('trace history')")
+            page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+            assert page.locator("tr.run").count() == 2
+            page.screenshot(path=str(shots / "dashboard-history.png"), full_page=True)
             # back to every run, pick A and B -> compare
             page.goto(f"http://127.0.0.1:{port}/")
             page.check(f"tr.run[data-run='{clean.run_id}'] input[name=a]")

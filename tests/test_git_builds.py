@@ -57,6 +57,9 @@ def test_two_revisions_replay_in_their_own_processes(repo, trace):
     assert good.status == "clean" and good.calls_replayed > 500
     assert buggy.status == "violation" and buggy.first_violation.invariant == "swa-mapping"
     assert buggy.build == f"git:{repo}@buggy:mypool:Pool"
+    # the worker's timeline crosses the process boundary: the report draws a git: build too
+    assert sum(map(len, buggy.timeline["marks"]["violation"].values())) == sum(buggy.violation_counts.values())
+    assert any(v is not None for v in good.timeline["hi"]["full"])
 
 
 def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace, tmp_path):

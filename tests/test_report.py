@@ -183,3 +183,24 @@ def test_ci_report_has_a_page_per_run_linked_from_the_summary(cli, swa_trace_80,
     assert (out.parent / href).is_file()
     link = re.search(r"\[run \d+\]\(([^)]+)\)", summary.read_text()).group(1)
     assert (summary.parent / link).resolve() == (out.parent / href).resolve()
+
+
+def test_a_paged_pool_and_a_run_stored_without_a_timeline(tmp_path):
+    from sqlalchemy import update
+
+    from kvreplay.report.reports import stored_run_report
+    from kvreplay.store.models import Run
+    from kvreplay.workload.synth import SynthConfig, synthesize
+
+    trace = tmp_path / "p.parquet"
+    synthesize(SynthConfig(scenario="decode", out=trace, requests=40, build="builtin:paged"))
+    db = str(tmp_path / "k.db")
+    res = replay_and_store(trace, "builtin:paged", db=db)
+    st = open_store(db)
+    data = page_data(stored_run_report(st, res.run_id))
+    assert set(data["runs"][0]["occupancy"]["hi"]) == {"pool"} and set(data["recorded"]["hi"]) == {"pool"}
+    with st.session() as s, s.begin():  # as a kvreplay before timelines stored it
+        s.execute(update(Run).where(Run.id == res.run_id).values(timeline=None))
+    data = page_data(stored_run_report(st, res.run_id))
+    st.close()
+    assert data["runs"][0]["occupancy"] is None and any("kept no timeline" in n for n in data["notes"])

@@ -326,8 +326,27 @@
       el("td", {}, data.links[r.trace] ? el("a", { href: data.links[r.trace] }, "report") : "-"))), "runs"));
   }
 
-  const kinds = { run: renderRuns, compare: renderRuns, diff: renderRuns, matrix: renderMatrix, bisect: renderBisect, ci: renderCi };
+  function renderHistory() {
+    // A trace's runs across builds, oldest first: one row per build, a mark per run
+    // (its size: what it found), linking to the run's page.
+    const runs = data.runs;
+    const builds = [...new Set(runs.map((r) => r.build))];
+    const color = { clean: "#2ca02c", violation: "#d62728", divergence: "#9467bd" };
+    const chart = el("div", { id: "chart", class: "chart" });
+    app.append(el("h2", {}, "Across builds"), chart);
+    Plotly.newPlot(chart, [{ type: "scatter", mode: "markers", x: runs.map((r) => r.started_at), y: runs.map((r) => r.build),
+      customdata: runs.map((r) => r.run_id), text: runs.map((r) => "run " + r.run_id + " (" + r.mode + "): " + r.status + ", " + r.violation_total + " violation(s), " + r.divergence_total + " divergence(s)"),
+      marker: { size: runs.map((r) => 9 + Math.min(14, Math.log10(1 + r.violation_total + r.divergence_total) * 4)), color: runs.map((r) => color[r.status] || "#9e9e9e") },
+      hovertemplate: "%{text}<extra></extra>" }],
+      { height: 140 + 36 * builds.length, margin: { l: 240, t: 10, b: 50 }, xaxis: { title: { text: "stored" } },
+        yaxis: { type: "category", categoryarray: builds, automargin: true } }, { displaylogo: false, responsive: true }).then(() => {
+      chart.setAttribute("data-drawn", "1");
+      chart.on("plotly_click", (ev) => { const id = ev.points[0].customdata; if (data.links[String(id)]) window.location.href = safeHref(data.links[String(id)]); });
+    });
+  }
+
+  const kinds = { history: renderHistory, run: renderRuns, compare: renderRuns, diff: renderRuns, matrix: renderMatrix, bisect: renderBisect, ci: renderCi };
   (kinds[data.kind] || renderRuns)();
-  const n = notes(data.kind === "run" || data.kind === "compare" || data.kind === "diff" ? [] : data.notes);
+  const n = notes(["run", "compare", "diff", "history"].includes(data.kind) ? [] : data.notes);
   if (n) app.append(n);
 })();
