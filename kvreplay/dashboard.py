@@ -9,6 +9,7 @@ and the report pages of ``kvreplay.report``, whose assets are served once."""
 from __future__ import annotations
 
 import datetime as dt
+import socket
 from typing import Any
 
 from flask import Flask, Response, abort, jsonify, render_template_string, request
@@ -88,9 +89,17 @@ def _listed(runs: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def create_app(store: Store) -> Flask:
-    """The dashboard over an open store (tests call it with Flask's test client too)."""
+def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
+    """The dashboard over an open store (tests call it with Flask's test client too).
+    ``hosts``: the only Host headers answered. A page elsewhere on the web can point a
+    name of its own at 127.0.0.1 (DNS rebinding) and read what this serves; such
+    requests carry that name, and get a 400 instead."""
     app = Flask("kvreplay.dashboard")
+
+    @app.before_request
+    def _host() -> None:
+        if hosts is not None and request.host.lower() not in hosts:
+            abort(400, "unknown Host header: open the dashboard by the address it printed")
 
     @app.after_request
     def _headers(resp: Response) -> Response:
@@ -179,10 +188,17 @@ def serve(store: Store, *, host: str = "127.0.0.1", port: int = 8765) -> None:
     """Serve until interrupted (Werkzeug's server: for one user, not the internet)."""
     from werkzeug.serving import make_server
 
+    names = {host, "localhost", "127.0.0.1", "[::1]"} if host in ("127.0.0.1", "localhost", "::1") else None
+    hosts = frozenset(f"{n}:{port}" for n in names) if names else None
+    # Werkzeug answers a busy port by printing and exiting; try it first, as it would bind.
     try:
-        server = make_server(host, port, create_app(store), threaded=True)
-    except OSError as exc:
-        raise BadInput(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+        server = make_server(host, port, create_app(store, hosts=hosts), threaded=True)
+    except (OSError, SystemExit) as exc:
+        why = getattr(exc, "strerror", None) or "the address is in use or not this machine's"
+        raise BadInput(f"cannot listen on {host}:{port} ({why})") from None
     try:
         server.serve_forever()
     except KeyboardInterrupt:

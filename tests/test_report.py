@@ -204,3 +204,28 @@ def test_a_paged_pool_and_a_run_stored_without_a_timeline(tmp_path):
     data = page_data(stored_run_report(st, res.run_id))
     st.close()
     assert data["runs"][0]["occupancy"] is None and any("kept no timeline" in n for n in data["notes"])
+
+
+def test_dashboard_answers_only_its_own_host_names_and_a_busy_port_is_bad_input(store_with_runs, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from kvreplay.dashboard import create_app
+
+    db = store_with_runs[0]
+    st = open_store(db)
+    client = create_app(st, hosts=frozenset({"127.0.0.1:8765", "localhost:8765"})).test_client()
+    assert client.get("/", headers={"Host": "127.0.0.1:8765"}).status_code == 200
+    assert client.get("/", headers={"Host": "evil.example:8765"}).status_code == 400  # DNS rebinding
+    st.close()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", db, "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "cannot listen" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", str(tmp_path / "none.db")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no database" in res.stderr and not (tmp_path / "none.db").exists()
