@@ -29,6 +29,8 @@ def report(
     violation and divergence by rule with the first of each starred, and shows a
     finding's call, arguments and neighbours when clicked. With --against, two
     runs on one axis.
+
+    Example: kvreplay report 2 -o run2.html (then open run2.html in a browser)
     """
     from kvreplay.report.reports import stored_compare_report, stored_run_report, write_report
     from kvreplay.store.db import check_store, open_store
@@ -59,6 +61,8 @@ def serve(
     Runs (filtered by trace, build, status and date), a run's report, two runs
     compared, a trace's history across builds. It only reads the store. Stop it
     with Ctrl-C.
+
+    Example: kvreplay serve --db team.db --port 8080, then open http://127.0.0.1:8080/
     """
     from kvreplay.dashboard import serve as run_server
     from kvreplay.store.db import open_store, resolve_url

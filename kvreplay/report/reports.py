@@ -152,7 +152,7 @@ def compare_report(a: tuple[dict[str, Any], dict[str, Any]], b: tuple[dict[str, 
 def diff_report(d: Any) -> str:
     """``kvreplay diff``: both builds' occupancy on one axis, the calls where they part,
     the first in its context."""
-    differing = getattr(d, "differing", [])
+    differing = d.differing
     entries = []
     for label, spec, tl in (("base", d.base, d.timelines.get("base", {})),
                             ("candidate", d.candidate, d.timelines.get("candidate", {}))):
