@@ -311,7 +311,7 @@
       text: steps.map((s) => s.label), textposition: "top center", customdata: steps.map((s) => s.verdict + ": " + s.status + (s.why ? " (" + s.why + ")" : "")),
       marker: { size: 18, color: steps.map((s) => VERDICT[s.verdict] || "#555"), line: { color: steps.map((s) => (b.first_bad && s.label === b.first_bad.label) ? "#000" : "#fff"), width: 3 } },
       hovertemplate: "%{text}<br>%{customdata}<extra></extra>" }],
-      { height: 260, yaxis: { visible: false, range: [-1, 1.5] }, xaxis: { title: { text: "position in the search order (oldest first)" }, dtick: 1 }, margin: { t: 20 } },
+      { height: 260, yaxis: { visible: false, range: [-1, 1.5] }, xaxis: { title: { text: "builds in search order, oldest first (the good end first)" }, zeroline: false, tickvals: steps.map((s) => s.index), ticktext: steps.map((s) => "#" + (s.index + 1)) }, margin: { t: 20 } },
       { displaylogo: false, responsive: true }).then(() => chart.setAttribute("data-drawn", "1"));
     app.append(el("p", { class: "muted" }, "green: good, red: bad, grey: skipped (untestable), blue: fixed" + (cands.length > 1 ? "; the first bad is one of " + cands.join(", ") : "")));
     app.append(el("h2", {}, "Step log"));
