@@ -4,8 +4,10 @@
 
 - demo-report.png: the demo's trace on builtin:swa@stale-tail (the seed bug), the
   first tail-prealloc-nontail-mapped violation opened;
-- capacity.png: the corpus trace radix-swa-800 on builtin:swa@unfiltered-page0,
-  where the build's own capacity assertion fires;
+- seed-bug-0.5.12.png (with --sglang-python): the corpus trace disagg-mtp-2000 on
+  the real sglang 0.5.12 release, whose own capacity assertion fires at its end. The
+  release needs sglang's runtime dependencies: give the Python of an environment that
+  has them and kvreplay (the integration tier's .venv-sglang does);
 - matrix.png: the demo's trace on the SWA pool and its bug variants;
 - dashboard-compare.png: the clean and the buggy run compared in kvreplay serve.
 
@@ -58,6 +60,7 @@ def shoot(b, url: str, out: Path, click: str | None = None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    ap.add_argument("--sglang-python", help="Python of an environment with sglang's dependencies and kvreplay")
     a = ap.parse_args()
     from servers import browser, free_port
 
@@ -68,8 +71,13 @@ def main() -> None:
     kvreplay("matrix", str(trace), "--builds", ",".join(VARIANTS), "--db", db, "--report", str(tmp / "matrix.html"))
     seed = run_of(db, "builtin:swa@stale-tail")
     kvreplay("report", str(seed), "-o", str(tmp / "seed.html"), "--db", db)
-    kvreplay("replay", str(ROOT / "traces" / "radix-swa-800.parquet"), "--build", "builtin:swa@unfiltered-page0",
-             "--db", db, "--report", str(tmp / "capacity.html"))
+    if a.sglang_python:
+        res = subprocess.run([a.sglang_python, "-m", "kvreplay.cli.app", "replay",
+                              str(ROOT / "traces" / "disagg-mtp-2000.parquet"), "--build", "sglang==0.5.12",
+                              "--device", "cpu", "--db", db, "--report", str(tmp / "release.html")],
+                             cwd=ROOT, stdout=subprocess.DEVNULL)
+        if res.returncode != 1:
+            raise SystemExit(f"the sglang 0.5.12 replay ended with exit {res.returncode}, not 1 (the seed bug)")
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", db, "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -83,13 +91,15 @@ def main() -> None:
         a.out.mkdir(parents=True, exist_ok=True)
         with browser() as b:
             shoot(b, (tmp / "seed.html").as_uri(), a.out / "demo-report.png", f"button.first[data-key='{SEED_RULE}']")
-            shoot(b, (tmp / "capacity.html").as_uri(), a.out / "capacity.png")
+            if a.sglang_python:
+                shoot(b, (tmp / "release.html").as_uri(), a.out / "seed-bug-0.5.12.png",
+                      f"button.first[data-key='{SEED_RULE}']")
             shoot(b, (tmp / "matrix.html").as_uri(), a.out / "matrix.png")
             clean = run_of(db, "builtin:swa")
             shoot(b, f"http://127.0.0.1:{port}/compare?a={clean}&b={seed}", a.out / "dashboard-compare.png")
     finally:
         server.terminate()
-    print(f"wrote 4 pictures into {a.out}")
+    print(f"wrote the pictures into {a.out}")
 
 
 if __name__ == "__main__":

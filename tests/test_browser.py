@@ -176,3 +176,28 @@ def test_matrix_bisect_and_assertion_pages(cli, swa_trace_80, tmp_path):
         assert page.locator("tr.verdict-bad").count() >= 1 and page.locator("tr.verdict-good").count() >= 1
         page = _drawn_without_errors(b, cap.as_uri(), shots, "capacity-assertion")
         assert "build's own assertion fires (call 223)" in page.inner_text("#chart")
+
+
+def test_a_dense_rule_is_a_strip_that_a_click_reads_back(swa_trace_80, tmp_path):
+    """A rule that fires thousands of times is drawn as a strip of bins (SVG marks by
+    the ten thousand take seconds); a click on it opens the first finding of the bin."""
+    from kvreplay.replay.replayer import Replayer
+    from kvreplay.report.reports import run_report, write_report
+
+    r = Replayer(swa_trace_80, "builtin:swa@stale-tail").run()
+    key = next(iter(r.violation_counts))
+    timeline = dict(r.timeline)
+    timeline["marks"] = {"violation": {key: list(range(1, r.calls_replayed + 1))}, "divergence": {}}
+    out = write_report(run_report(r.to_dict(), timeline), tmp_path / "dense.html")
+    with browser() as b:
+        errors: list[str] = []
+        page = _open(b, out.as_uri(), errors)
+        page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+        assert page.locator("#chart .heatmaplayer image").count() == 1
+        box = page.locator("#chart .heatmaplayer image").bounding_box()
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_selector("#detail[data-call]")
+        call = int(page.get_attribute("#detail", "data-call"))
+        assert abs(call - r.calls_replayed / 2) < r.calls_replayed / 20 and key in page.inner_text("#detail h3")
+        page.screenshot(path=str(screenshot_dir(tmp_path) / "dense-strip.png"), full_page=True)
+        assert errors == []

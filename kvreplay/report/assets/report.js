@@ -8,6 +8,8 @@
   const app = document.getElementById("app");
   const COLORS = { full: "#1f77b4", swa: "#ff7f0e", pool: "#2ca02c" };
   const RUN_DASH = ["solid", "dash"];
+  const SPARSE_MARKS = 1500; // a row with more findings is drawn as a strip of bins
+  const STRIP_BINS = 2000;
   const VERDICT = { good: "#2ca02c", bad: "#d62728", skip: "#9e9e9e", fixed: "#1f77b4" };
 
   function safeHref(h) {
@@ -118,8 +120,17 @@
         }
       }
     }
-    // Findings: one row per rule (or divergence kind), every call where it fell.
+    // Findings: one row per rule (or divergence kind). Sparse rows draw a mark at each
+    // finding's call. Dense rows (a bug that fires on every call) would be tens of
+    // thousands of SVG marks, seconds to draw, and more marks than the chart has
+    // pixels: they are drawn as a strip of bins instead, each bin coloured when a
+    // finding falls in it and placed exactly by the data, which a click reads back.
     const rows = [];
+    const span = Math.max(1, ...runs.map((r) => r.calls || 0), ...runs.flatMap((r) => Object.values(r.marks || {}).flatMap((g) => Object.values(g).map((c) => c[c.length - 1] || 0))));
+    const width = Math.max(1, Math.ceil(span / STRIP_BINS));
+    // One heatmap for every strip (Plotly cannot stack two on one category axis):
+    // violations count up (red), divergences down (purple).
+    const strip = { y: [], z: [], first: [] };
     runs.forEach((run, ri) => {
       for (const group of ["violation", "divergence"]) {
         const marks = (run.marks || {})[group] || {};
@@ -127,10 +138,46 @@
           const label = findingLabel(run, group, key, many);
           rows.push(label);
           const calls = marks[key];
-          traces.push({ x: calls, y: calls.map(() => label), yaxis: "y2", mode: "markers", type: "scatter",
-            name: label, showlegend: false, customdata: calls.map((c) => [ri, group, key, c]),
-            marker: { size: 6, color: group === "violation" ? "#d62728" : "#9467bd", opacity: 0.55, symbol: "line-ns-open" },
-            hovertemplate: "call %{x}<extra>" + label.replace(/</g, "") + "</extra>" });
+          if (calls.length > SPARSE_MARKS) {
+            const n = Math.ceil(span / width) + 1;
+            const sign = group === "violation" ? 1 : -1;
+            const z = new Array(n).fill(null), first = new Array(n).fill(null);
+            for (const c of calls) {
+              const b = Math.floor((c - 1) / width);
+              z[b] = (z[b] || 0) + sign;
+              if (first[b] === null) first[b] = [ri, group, key, c, 0];
+              first[b][4] += 1;
+            }
+            strip.y.push(label);
+            strip.z.push(z);
+            strip.first.push(first);
+          } else {
+            traces.push({ x: calls, y: calls.map(() => label), yaxis: "y2", mode: "markers", type: "scatter",
+              name: label, showlegend: false, customdata: calls.map((c) => [ri, group, key, c]),
+              marker: { size: 6, color: group === "violation" ? "#d62728" : "#9467bd", opacity: 0.55, symbol: "line-ns-open" },
+              hovertemplate: "call %{x}<extra>" + label.replace(/</g, "") + "</extra>" });
+          }
+        }
+      }
+    });
+    if (strip.y.length) {
+      // The heatmap spans every row of the axis, sparse rows empty: Plotly sizes a
+      // heatmap by its category axis, and a row it lacks would break it.
+      const top = Math.max(2, ...strip.z.map((r) => Math.max(...r.map((v) => Math.abs(v || 0)))));
+      const at = Object.fromEntries(strip.y.map((label, i) => [label, i]));
+      const empty = strip.z[0].map(() => null);
+      traces.push({ type: "heatmap", x: strip.z[0].map((_, b) => b * width + 1 + (width - 1) / 2), y: rows,
+        z: rows.map((label) => label in at ? strip.z[at[label]] : empty), yaxis: "y2",
+        customdata: rows.map((label) => label in at ? strip.first[at[label]] : empty), showscale: false, zmin: -top, zmax: top, zmid: 0,
+        colorscale: [[0, "#3f1f66"], [0.499, "#c9b3e0"], [0.5, "#ffffff"], [0.501, "#f4a3a3"], [1, "#8b0000"]],
+        ygap: 3, hoverongaps: false,
+        hovertemplate: "%{customdata[4]} finding(s) in calls %{x} +/- " + Math.floor(width / 2) + ", the first at #%{customdata[3]}<extra>%{y}</extra>" });
+    }
+    runs.forEach((run, ri) => {
+      for (const group of ["violation", "divergence"]) {
+        for (const key of Object.keys((run.marks || {})[group] || {}).sort()) {
+          const label = findingLabel(run, group, key, many);
+          const calls = run.marks[group][key];
           const fi = run.firsts[group + ":" + key];
           const first = fi === undefined ? calls[0] : run.findings[fi].call;
           traces.push({ x: [first], y: [label], yaxis: "y2", mode: "markers", type: "scatter", showlegend: false,
@@ -159,7 +206,8 @@
       div.setAttribute("data-ms", String(Math.round(performance.now())));
       div.on("plotly_click", (ev) => {
         const p = ev.points && ev.points[0];
-        if (p && p.customdata) onPick(p.customdata[0], p.customdata[1], p.customdata[2], p.customdata[3]);
+        const cd = p && p.customdata;
+        if (cd && cd.length >= 4) onPick(cd[0], cd[1], cd[2], cd[3]);
       });
       return recordedNote;
     });
