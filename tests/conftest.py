@@ -96,6 +96,13 @@ SLOW_CASES = {
     "test_interpreter_exit_flushes_an_open_recording[python]",
     "test_gpu_recorder_says_plainly_that_it_measured_nothing_without_cuda",
     "test_a_build_that_cannot_take_the_snapshot_is_unloadable",
+    # Kept within the README's three minutes on a slower day: a matrix is replayed fast by
+    # the CLI's bad-input and report tests, kvreplay ci by test_report's corpus run, live
+    # recording by its SIGTERM case, and the benches all run in the slow tier.
+    "test_matrix_stores_one_run_per_cell_and_reuses_exact_builds",
+    "test_the_correct_pool_passes_and_the_junit_file_is_well_formed",
+    "test_replay_overhead_prints_both_modes_clean",
+    "test_every_process_records_its_allocator_and_the_exit_code_passes_through",
 }
 
 

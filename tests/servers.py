@@ -115,16 +115,24 @@ def chromium_path() -> str | None:
     return None
 
 
-@contextmanager
-def browser() -> Iterator[object]:
-    """Headless Chromium (the system's, driven by Playwright); .ci/run installs both."""
+def browser_available() -> str:
+    """Chromium's path, once Playwright is known to be there; skips (or fails) if not."""
     exe = chromium_path()
     if exe is None:
         unavailable("no Chromium on this machine (Debian's chromium package; .ci/run installs it)")
     try:
-        from playwright.sync_api import sync_playwright
+        import playwright.sync_api  # noqa: F401
     except ImportError:
         unavailable("Playwright is not installed (pip install -e '.[browser]'; .ci/run installs it)")
+    return exe
+
+
+@contextmanager
+def browser() -> Iterator[object]:
+    """Headless Chromium (the system's, driven by Playwright); .ci/run installs both."""
+    exe = browser_available()
+    from playwright.sync_api import sync_playwright
+
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
         try:

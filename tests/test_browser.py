@@ -14,9 +14,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from servers import browser, free_port, screenshot_dir
+from servers import browser, browser_available, free_port, screenshot_dir
 
 from kvreplay.stored_replay import replay_and_store
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_browser():
+    """Skip (or, under .ci/run, fail) before any replay when there is no browser."""
+    browser_available()
 
 
 def _open(b, url: str, errors: list[str]):
