@@ -83,8 +83,9 @@ SLOW_CASES = {
     "test_sigkill_loses_no_call_older_than_a_second[python-busy]",
     "test_sigkill_loses_no_call_older_than_a_second[python-idle]",
     "test_sigkill_keeps_a_small_last_batch[python]",
-    # Covered in the fast tier by the seed bug's minimization and the plugin's own items.
-    "test_other_corpus_bugs_shrink_too[sglang-0.5.23-swa-page0-builtin:swa@unfiltered-page0]",
+    # Minimization is covered in the fast tier by the 223-call page-0 trace (the seed
+    # bug's 37,830 calls shrink in the slow tier); the plugin by its own items.
+    "test_the_seed_bug_trace_shrinks_to_a_reproducer_that_fails_only_on_the_bug",
     "test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold",
     # Worker builds, live recording and the recorder's exit paths: each starts interpreters
     # that import torch; one case of each kind stays in the fast tier.
@@ -103,6 +104,7 @@ SLOW_CASES = {
     "test_the_correct_pool_passes_and_the_junit_file_is_well_formed",
     "test_replay_overhead_prints_both_modes_clean",
     "test_every_process_records_its_allocator_and_the_exit_code_passes_through",
+    "test_without_its_snapshot_the_attached_trace_would_not_replay",
 }
 
 
