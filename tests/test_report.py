@@ -181,6 +181,10 @@ def test_ci_report_has_a_page_per_run_linked_from_the_summary(cli, swa_trace_80,
     assert data["kind"] == "ci" and len(data["ci"]) == 1 and data["ci"][0]["ok"]
     href = next(iter(data["links"].values()))
     assert (out.parent / href).is_file()
+    # the run pages share one copy of the scripts: small pages, one library
+    assert (out.parent / href).stat().st_size < 500_000
+    assert (out.parent / "ci-runs" / "assets" / "plotly-cartesian.min.js").stat().st_size > 1_000_000
+    assert 'src="assets/report.js"' in (out.parent / href).read_text()
     link = re.search(r"\[run \d+\]\(([^)]+)\)", summary.read_text()).group(1)
     assert (summary.parent / link).resolve() == (out.parent / href).resolve()
 

@@ -24,6 +24,11 @@ def asset(name: str) -> str:
     return resources.files("kvreplay.report").joinpath("assets", name).read_text(encoding="utf-8")
 
 
+def licence() -> str:
+    """The charting library's licence, shipped beside every copy of it."""
+    return resources.files("kvreplay.report").joinpath("assets", "plotly-LICENSE.txt").read_text(encoding="utf-8")
+
+
 def data_json(data: Any) -> str:
     text = json.dumps(data, separators=(",", ":"), sort_keys=True, default=str, allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
@@ -56,4 +61,4 @@ def render(title: str, data: dict[str, Any], *, asset_url: str | None = None, na
 """
 
 
-__all__ = ["ASSETS", "asset", "data_json", "render"]
+__all__ = ["ASSETS", "asset", "data_json", "licence", "render"]

@@ -16,7 +16,7 @@ from typing import Any
 from kvreplay.errors import BadInput, KvreplayError
 from kvreplay.replay.timeline import MAX_MARKS
 from kvreplay.report.gather import TraceGone, call_contexts, open_trace, recorded_occupancy, summarise
-from kvreplay.report.page import render
+from kvreplay.report.page import ASSETS, asset, licence, render
 from kvreplay.store.db import Store
 from kvreplay.store.runs import get_run, run_timeline, run_to_dict
 
@@ -224,12 +224,19 @@ def pages_dir(index: str | os.PathLike[str]) -> Path:
 
 
 def write_run_pages(store: Store, run_ids: Iterable[int], index: str | os.PathLike[str]) -> dict[int, str]:
-    """Each stored run's report beside the index page; run id -> its href from there."""
+    """Each stored run's report beside the index page; run id -> its href from there.
+    The pages of one folder share one copy of the scripts (``assets/``): a corpus of a
+    hundred traces is not a hundred copies of the charting library."""
     folder = pages_dir(index)
     folder.mkdir(exist_ok=True)
+    shared = folder / "assets"
+    shared.mkdir(exist_ok=True)
+    for name in ASSETS:
+        (shared / name).write_text(asset(name), encoding="utf-8")
+    (shared / "plotly-LICENSE.txt").write_text(licence(), encoding="utf-8")
     links = {}
     for run_id in sorted(set(run_ids)):
-        write_report(stored_run_report(store, run_id, nav=[("back", f"../{Path(index).name}")]),
+        write_report(stored_run_report(store, run_id, asset_url="assets", nav=[("back", f"../{Path(index).name}")]),
                      folder / f"run-{run_id}.html")
         links[run_id] = f"{folder.name}/run-{run_id}.html"
     return links
