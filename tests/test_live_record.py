@@ -130,3 +130,73 @@ def test_record_counters_every_reaches_each_recorded_process(tmp_path):
     top = [r for r in rows if r["depth"] == 0]
     assert len(top) == 16 and [r["available"] is not None for r in top] == [False, False, False, True] * 4
     assert replay(trace, "builtin:swa", device="cpu").status == "clean"
+
+
+TREE_KILL = """
+import os, signal, sys, time, multiprocessing as mp
+
+def descendants(pid):
+    # What sglang's kill_process_tree does with psutil: follow parent links in /proc,
+    # whatever session or process group a descendant is in.
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+def scheduler(n, ready):
+    work(n)
+    ready.set()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=scheduler, args=(N, ready))
+    child.start()
+    assert ready.wait(120)
+    time.sleep(1.5)  # calls finished more than a second before the kill are the promise
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_server_that_sigkills_its_whole_process_tree_still_leaves_every_call(tmp_path):
+    # sglang's shutdown (Ctrl-C or SIGTERM) SIGKILLs the scheduler and every descendant
+    # of the launcher: the trace writer must not be one of them.
+    res = _run(tmp_path, TREE_KILL.replace("N, ready", "25, ready"), "--json")
+    assert res.returncode == 128 + signal.SIGKILL, res.stderr
+    (trace,) = json.loads(res.stdout)["traces"]
+    r = replay(trace, "builtin:swa", device="cpu")
+    assert (r.calls_replayed, r.status) == (50, "clean")
+
+
+def test_a_pool_built_with_the_kv_cache_dtype_is_recorded_and_replays(tmp_path):
+    # sglang passes its allocators the KV cache's dtype (bfloat16 on GPU servers,
+    # float8 when quantised); the trace contract takes what servers pass.
+    res = _run(tmp_path, """
+        import torch
+        for dt in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+            pool = SWAPool(256, 64, 4, dtype=dt, need_sort=False)
+            pool.free(pool.alloc_extend(t(0), t(0), t(4), t(4), t(-1), 4))
+    """, "--json")
+    assert res.returncode == 0, res.stderr
+    traces = json.loads(res.stdout)["traces"]
+    dtypes = sorted(TraceReader(p).meta.ctor_args["dtype"] for p in traces)
+    assert dtypes == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"]
+    for p in traces:
+        assert replay(p, "builtin:swa", device="cpu").status == "clean"

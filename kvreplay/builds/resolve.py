@@ -20,6 +20,7 @@ from kvreplay.pools.paged import PagedPool
 from kvreplay.pools.registry import BUILTINS
 from kvreplay.pools.swa import SWAPool
 from kvreplay.pools.token import TokenPool
+from kvreplay.trace.format import POOL_DTYPES
 from kvreplay.version import __version__
 
 
@@ -47,8 +48,8 @@ class Build:
 def _dtype(value: Any) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
-    if isinstance(value, str) and value.startswith("torch."):
-        dt = getattr(torch, value.removeprefix("torch."), None)
+    if isinstance(value, str) and value in POOL_DTYPES:
+        dt = getattr(torch, value.removeprefix("torch."), None)  # absent from an older torch: int64 serves
         if isinstance(dt, torch.dtype):
             return dt
     return torch.int64

@@ -54,7 +54,7 @@ def record(
     if counters_every < 0:
         raise KvreplayError("--counters-every N needs N >= 0 (0: never read the counters)")
     if print_env:
-        from kvreplay.recorder.autorecord import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV
+        from kvreplay.recorder.switches import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV
 
         env = record_env(out_dir, classes, flight=flight, counters_every=counters_every,
                          checkpoint_every=checkpoint_every)

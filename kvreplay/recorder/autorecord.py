@@ -38,19 +38,20 @@ from types import ModuleType
 from typing import Any
 
 from kvreplay.builds.sglang import CLASSES as SGLANG_CLASSES
+from kvreplay.recorder.switches import (
+    CHECKPOINT_ENV,
+    CLASSES_ENV,
+    COUNTERS_ENV,
+    DIR_ENV,
+    FLIGHT_ENV,
+    RANK_ENV,
+)
 
 log = logging.getLogger("kvreplay.autorecord")
 
-DIR_ENV = "KVREPLAY_RECORD_DIR"
-CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
-RANK_ENV = "KVREPLAY_RANK"
-FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
-COUNTERS_ENV = "KVREPLAY_COUNTERS_EVERY"  # N: read the pool's counters after every Nth call (0: never)
-CHECKPOINT_ENV = "KVREPLAY_CHECKPOINT_EVERY"  # N: a checkpoint every N calls (replay --jobs splits there)
 # sglang's allocators wherever a release keeps them (0.5.1 to 0.5.23: builds/sglang.py
 # knows the layouts); the paths a release lacks are never imported, so cost nothing.
 DEFAULT_CLASSES = tuple(path for family in ("token", "paged", "swa") for path in SGLANG_CLASSES[family])
-SITE_DIR = Path(__file__).with_name("_site")
 
 _state = threading.local()
 _counter = itertools.count()
@@ -58,11 +59,6 @@ _targets: dict[str, list[str]] = {}  # module -> class names still to patch
 _out: Path | None = None
 _failed = False
 _defaults = False  # targets are the default layouts: a module without one of them is expected
-
-
-def site_dir() -> Path:
-    """The directory to put first on PYTHONPATH (it holds a sitecustomize.py)."""
-    return SITE_DIR
 
 
 def install_from_env() -> None:

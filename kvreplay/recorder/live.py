@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvreplay.errors import BadInput
-from kvreplay.recorder.autorecord import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV, site_dir
+from kvreplay.recorder.switches import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV, SITE_DIR
 
 TRACE_GLOB = "kvreplay-*.parquet"
 
@@ -48,7 +48,7 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
         env[CHECKPOINT_ENV] = str(checkpoint_every)
     if classes:
         env[CLASSES_ENV] = ",".join(classes)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site_dir()), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -67,6 +67,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     except OSError as exc:
         raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     before = set(out.glob(TRACE_GLOB))
+    _adopt_orphans()
     try:
         proc = subprocess.Popen(list(command), env=record_env(out, classes, flight=flight,
                                                               counters_every=counters_every,
@@ -89,8 +90,35 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
             signal.signal(s, h)
     deadline = time.monotonic() + settle_s
     while list(out.glob(TRACE_GLOB + ".tmp")) and time.monotonic() < deadline:
+        _reap()
         time.sleep(0.1)
+    _reap()
     if code < 0:  # killed by a signal: report it the way a shell does
         code = 128 - code
     traces = sorted(set(out.glob(TRACE_GLOB)) - before)
     return LiveRecording(list(command), out, code, traces, sorted(out.glob(TRACE_GLOB + ".tmp")))
+
+
+def _adopt_orphans() -> None:
+    """Make this process the subreaper of the command's tree (Linux): the trace writers,
+    which leave the recorded processes' tree on purpose (writer_child.py), become
+    children of ``kvreplay record`` instead of PID 1, so they are reaped here and
+    never outlive the recording as zombies. Elsewhere PID 1 adopts them; they still
+    finish their files."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _reap() -> None:
+    """Collect the exit of every adopted process that has ended (writers done)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

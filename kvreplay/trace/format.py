@@ -21,7 +21,17 @@ META_PREFIX = "kvreplay."
 # The pools a row can target: the allocator itself, its sub-allocators, and the recorder (gap rows).
 TARGETS = frozenset({"root", "full", "swa", "recorder"})
 MAX_POOL_SLOTS = 1 << 40  # far beyond any pool; a bigger one is a damaged trace, not a server
-INDEX_DTYPES = ("torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8")
+# A pool's ``dtype`` is what the server passes: sglang hands its allocators the KV
+# cache's element type (bfloat16 on a GPU server, float32 on CPU, float8 when the
+# cache is quantised), not the type of the slot indices, which are int64 whatever it
+# is. The names are a fixed list, so a trace never makes kvreplay look up an
+# arbitrary attribute of torch.
+POOL_DTYPES = (
+    "torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.bool",
+    "torch.float64", "torch.float32", "torch.float16", "torch.bfloat16",
+    "torch.float8_e4m3fn", "torch.float8_e4m3fnuz", "torch.float8_e5m2", "torch.float8_e5m2fnuz",
+    "torch.float8_e8m0fnu", "torch.float4_e2m1fn_x2", "torch.uint16", "torch.uint32", "torch.uint64",
+)
 
 # Value kinds. Tensors keep dtype, shape and device; their elements go to ``data``.
 NONE, BOOL, INT, FLOAT, STR, TENSOR, INTS, SEGMENTS, OPAQUE = (
@@ -166,8 +176,9 @@ def check_ctor_args(family: str, args: dict[str, Any]) -> None:
         raise ValueError("constructor argument page_size must be at least 1")
     if "need_sort" in args and type(args["need_sort"]) is not bool:
         raise ValueError(f"constructor argument need_sort must be true or false, not {args['need_sort']!r}")
-    if "dtype" in args and args["dtype"] not in INDEX_DTYPES:
-        raise ValueError(f"constructor argument dtype must be one of {', '.join(INDEX_DTYPES)}, not {args['dtype']!r}")
+    if "dtype" in args and args["dtype"] not in POOL_DTYPES:
+        raise ValueError(f"constructor argument dtype must be a torch dtype name (torch.bfloat16, torch.int64, ...), "
+                         f"not {str(args['dtype'])[:80]!r}")
 
 
 @dataclass(slots=True)

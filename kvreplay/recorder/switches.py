@@ -1,0 +1,14 @@
+"""What turns recording on in a process: the environment variables ``kvreplay record``
+sets for every process of the recorded program, and the directory it puts first on
+their PYTHONPATH (its sitecustomize starts autorecord.py). Imports nothing of
+kvreplay, so the writer process can leave both out of its own environment."""
+
+from pathlib import Path
+
+DIR_ENV = "KVREPLAY_RECORD_DIR"
+CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
+RANK_ENV = "KVREPLAY_RANK"
+FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
+COUNTERS_ENV = "KVREPLAY_COUNTERS_EVERY"  # N: read the pool's counters after every Nth call (0: never)
+CHECKPOINT_ENV = "KVREPLAY_CHECKPOINT_EVERY"  # N: a checkpoint every N calls (replay --jobs splits there)
+SITE_DIR = Path(__file__).with_name("_site")

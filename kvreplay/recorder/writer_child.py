@@ -1,0 +1,117 @@
+"""The trace writer's own process: reads frames from its stdin and writes the Parquet file.
+
+It must outlive the process it records. A decode server ends by killing its whole
+process tree: sglang's shutdown SIGKILLs every descendant of the launcher (it walks
+parent links, so a child in a session of its own is still found), and a crashing
+scheduler takes its children with it. So the writer does not stay a child: the
+process the recorder starts forks once and exits at once, and the writer (the
+grandchild, in a new session) is adopted by PID 1, or by ``kvreplay record`` where
+that has made itself the subreaper. From then on no walk over the recorded
+process's descendants, no signal to its process group, and no Ctrl-C in its
+terminal reaches the writer. What it has read from the pipe, and what the kernel
+still holds in the pipe, is written whatever becomes of the recorded process.
+
+Without a parent waiting on it, the writer reports through its stderr, which the
+recording process holds the read end of: one last line ``kvreplay-writer: ok`` or
+``kvreplay-writer: failed: <why>``, then EOF when it exits.
+
+Only the standard library is imported before the fork, so the fork happens within
+milliseconds of the start and the window in which a tree kill can still catch the
+writer is that short.
+
+Pipe protocol: a frame is the pickle's length, the number of out-of-band buffers
+and their lengths (8-byte little-endian each), the pickle (protocol 5), then the
+buffers. The first frame holds the ``TraceMeta`` and the rows per group, then one
+``RawBatch`` per frame; an empty pickle means "finish the file". If the pipe closes
+without it (the recorded process died), the file is finished with every batch
+received, so a crash loses only what had not been sent."""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from typing import BinaryIO
+
+LEN = struct.Struct("<Q")
+DONE = "kvreplay-writer: ok"
+FAILED = "kvreplay-writer: failed: "
+
+
+def detach() -> None:
+    """Fork; the first process exits, the writer goes on in a new session, orphaned."""
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+
+
+def _read_exact(src: BinaryIO, n: int) -> bytearray | None:
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = src.readinto(view[got:])  # type: ignore[attr-defined]
+        if not k:
+            return None
+        got += k
+    return out
+
+
+def read_frame(src: BinaryIO) -> tuple[bytes, list[bytearray]] | None:
+    """The next frame's pickle and out-of-band buffers; None when the pipe closed."""
+    head = _read_exact(src, 2 * LEN.size)
+    if head is None:
+        return None
+    n, nbuf = LEN.unpack_from(head, 0)[0], LEN.unpack_from(head, LEN.size)[0]
+    sizes = _read_exact(src, nbuf * LEN.size)
+    payload = _read_exact(src, n)
+    if sizes is None or payload is None:
+        return None
+    buffers = []
+    for k in range(nbuf):
+        buf = _read_exact(src, LEN.unpack_from(sizes, k * LEN.size)[0])
+        if buf is None:
+            return None
+        buffers.append(buf)
+    return bytes(payload), buffers
+
+
+def write_trace(path: str, src: BinaryIO) -> None:
+    import pickle
+
+    from kvreplay.recorder.writer import ParquetSink
+
+    first = read_frame(src)
+    if first is None:
+        return  # the recording never started
+    meta, rows_per_group, part_rows, part_s = pickle.loads(first[0])
+    sink = ParquetSink(path, meta, rows_per_group, part_rows, part_s)
+    try:
+        while (frame := read_frame(src)) is not None and frame[0]:
+            sink.add(pickle.loads(frame[0], buffers=frame[1]))
+        sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--detach"]:
+        detach()
+        argv = argv[1:]
+    # Not niced: the crash-safety promise (calls a second old are with this process)
+    # holds only while it keeps up with the recorded program.
+    try:
+        write_trace(argv[0], sys.stdin.buffer)
+    except BaseException as exc:
+        print(f"{FAILED}{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(DONE, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stderr.flush()
+    # The file is closed and renamed; tearing down pyarrow's thread pools and the
+    # interpreter took half a second, and the recording process waits for this exit.
+    os._exit(code)
