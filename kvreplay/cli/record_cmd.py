@@ -81,3 +81,69 @@ def record(
         for p in res.unfinished:
             say(f"  unfinished: {p}", to_err=True)
     raise typer.Exit(res.exit_code)
+
+
+@app.command()
+def drive(
+    url: str = typer.Argument(..., help="The server, e.g. http://127.0.0.1:30000."),
+    workload: Path = typer.Option(None, "--workload", "-w",
+                                  help="Request trace: Mooncake JSONL (hash_ids become shared prompt prefixes) or "
+                                  "Azure CSV (lengths only). Default: a seeded stream with shared prefixes."),
+    requests: int = typer.Option(100, "--requests", "-n", help="How many of the trace's requests to send."),
+    api: str = typer.Option("sglang", "--api", help="sglang (native /generate with input_ids) or openai "
+                            "(/v1/completions with a token-id prompt: vLLM, sglang)."),
+    model: str = typer.Option("", "--model", help="Model name for --api openai (default: the server's first)."),
+    concurrency: int = typer.Option(8, "--concurrency", "-c", help="Most requests in flight at once."),
+    time_scale: float = typer.Option(0.0, "--time-scale",
+                                     help="Keep the trace's arrival times, multiplied by this (0.1: ten times "
+                                     "faster); 0 sends as fast as --concurrency allows."),
+    length_scale: float = typer.Option(1.0, "--length-scale",
+                                       help="Multiply prompt lengths (Mooncake prompts average 15k tokens: "
+                                       "0.03 makes them CPU-sized, prefix sharing kept)."),
+    output_scale: float = typer.Option(1.0, "--output-scale", help="Multiply output lengths."),
+    max_output: int = typer.Option(0, "--max-output", help="Cap each request's output tokens (0: as the trace says)."),
+    block_tokens: int = typer.Option(16, "--block-tokens",
+                                     help="Tokens per shared prompt block after scaling (the server's page size)."),
+    vocab: int = typer.Option(2048, "--vocab", help="Token ids are drawn below this (the model's vocabulary size)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the generated stream (no --workload)."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Send a public request trace to a running server: real traffic to record.
+
+    Prompts are token ids (a model without a tokenizer serves them:
+    --skip-tokenizer-init); requests whose Mooncake hash_ids agree share
+    their leading tokens, so the radix cache sees the trace's prefix reuse.
+    Prints progress on stderr and a summary: requests, tokens, prefix-cache
+    hits, errors, elapsed. Exit 0 when every request succeeded, 1 when some
+    failed, 2 when the server cannot be reached or the trace is bad.
+
+    Example: kvreplay drive http://127.0.0.1:30000 -w workloads/mooncake/
+    synthetic_trace.jsonl -n 300 --length-scale 0.03 -c 16
+    """
+    from kvreplay.cli.base import progress
+    from kvreplay.workload.drive import DriveConfig
+    from kvreplay.workload.drive import drive as run_drive
+    from kvreplay.workload.requests import load_requests
+
+    if block_tokens < 1 or vocab <= 3:
+        raise KvreplayError("--block-tokens must be >= 1 and --vocab > 3")
+    if length_scale <= 0 or output_scale <= 0:
+        raise KvreplayError(f"--length-scale and --output-scale must be positive, got {length_scale}, {output_scale}")
+    reqs = load_requests(workload, count=requests, seed=seed, block_tokens=block_tokens, length_scale=length_scale,
+                         output_scale=output_scale)
+    cfg = DriveConfig(url=url, api=api, model=model, concurrency=concurrency, time_scale=time_scale, vocab=vocab,
+                      block_tokens=block_tokens, max_output=max_output, seed=seed)
+    with progress(f"drive {url}", "requests") as cb:
+        res = run_drive(cfg, reqs, lambda r, total: cb(r.ok + r.errors, total))
+    if as_json:
+        emit_json(res.to_dict())
+    else:
+        share = 100 * res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0
+        hit = f", {share:.0f}% of them prefix-cache hits" if res.prompt_tokens else ""
+        say(f"{res.ok}/{res.requests} requests served in {res.elapsed_s:.1f} s: {res.prompt_tokens} prompt tokens"
+            f"{hit}, {res.output_tokens} output tokens")
+        if res.errors:
+            kinds = ", ".join(f"{k} x{n}" for k, n in sorted(res.error_kinds.items()))
+            say(f"{res.errors} failed: {kinds}", "red", to_err=True)
+    if res.errors:
+        raise typer.Exit(1)

@@ -31,8 +31,11 @@ def load_requests(
     seed: int,
     block_tokens: int,
     length_scale: float = 1.0,
+    output_scale: float | None = None,
 ) -> list[Request]:
-    """The first ``count`` requests of a workload file, or ``count`` generated ones."""
+    """The first ``count`` requests of a workload file, or ``count`` generated ones.
+    ``length_scale`` scales prompt lengths, ``output_scale`` (default: the same)
+    output lengths."""
     if count <= 0:
         raise BadInput(f"--requests must be positive, got {count}")
     if path is None:
@@ -42,11 +45,11 @@ def load_requests(
         raise BadInput(f"workload file {p}: no such file")
     head = p.read_text(errors="replace")[:4096].lstrip()
     if head.startswith("{"):
-        reqs = _mooncake(p, count, block_tokens, length_scale)
+        reqs = _mooncake(p, count, block_tokens, length_scale, output_scale)
     elif head.upper().startswith("TIMESTAMP"):
-        reqs = _azure(p, count, block_tokens, length_scale)
+        reqs = _azure(p, count, block_tokens, length_scale, output_scale)
     else:
-        raise BadInput(f"workload file {p}: neither Mooncake JSONL nor Azure CSV (see docs/workloads.md)")
+        raise BadInput(f"workload file {p}: neither Mooncake JSONL nor Azure CSV (formats: workloads/README.md)")
     if not reqs:
         raise BadInput(f"workload file {p}: no requests")
     return reqs
@@ -56,7 +59,8 @@ def _scaled(n: int, scale: float) -> int:
     return max(1, int(round(n * scale)))
 
 
-def _mooncake(p: Path, count: int, block_tokens: int, scale: float) -> list[Request]:
+def _mooncake(p: Path, count: int, block_tokens: int, scale: float, out_scale: float | None) -> list[Request]:
+    out_scale = scale if out_scale is None else out_scale
     out: list[Request] = []
     with p.open() as f:
         for lineno, line in enumerate(f, 1):
@@ -68,7 +72,7 @@ def _mooncake(p: Path, count: int, block_tokens: int, scale: float) -> list[Requ
                 d = json.loads(line)
                 inp = _scaled(int(d["input_length"]), scale)
                 blocks = tuple(int(h) for h in d.get("hash_ids", []))
-                out.append(Request(len(out), float(d["timestamp"]), inp, _scaled(int(d["output_length"]), scale),
+                out.append(Request(len(out), float(d["timestamp"]), inp, _scaled(int(d["output_length"]), out_scale),
                                    _rescale_blocks(blocks, inp, block_tokens)))
             except (ValueError, KeyError, TypeError) as exc:
                 raise BadInput(f"{p}:{lineno}: bad Mooncake record ({exc})") from None
@@ -86,7 +90,8 @@ def _rescale_blocks(blocks: tuple[int, ...], input_len: int, block_tokens: int) 
     return tuple(blocks[min(i // per, len(blocks) - 1)] * 4096 + i % per for i in range(n))
 
 
-def _azure(p: Path, count: int, block_tokens: int, scale: float) -> list[Request]:
+def _azure(p: Path, count: int, block_tokens: int, scale: float, out_scale: float | None) -> list[Request]:
+    out_scale = scale if out_scale is None else out_scale
     out: list[Request] = []
     t0: _dt.datetime | None = None
     with p.open(newline="") as f:
@@ -98,7 +103,7 @@ def _azure(p: Path, count: int, block_tokens: int, scale: float) -> list[Request
                 ts = _dt.datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
                 t0 = t0 or ts
                 inp = _scaled(int(row["ContextTokens"]), scale)
-                outp = _scaled(int(row["GeneratedTokens"]), scale)
+                outp = _scaled(int(row["GeneratedTokens"]), out_scale)
             except (ValueError, KeyError, TypeError) as exc:
                 raise BadInput(f"{p}:{lineno}: bad Azure record ({exc})") from None
             rid = len(out)

@@ -1,0 +1,199 @@
+"""Drive a running decode server with a public request stream: real traffic for a recording.
+
+The requests come from ``requests.load_requests`` (Mooncake JSONL, Azure CSV, or the
+seeded generator), so the server sees the same stream ``kvreplay synth`` models. A
+request's prompt is made of token ids, one run of ``block_tokens`` ids per prompt
+block, drawn from the block's id: requests whose blocks agree send the same leading
+tokens, so a radix (prefix) cache meets the stream's real prefix reuse. Models with
+random weights and no tokenizer serve such prompts (``--skip-tokenizer-init``).
+
+Two wire formats: sglang's native ``/generate`` with ``input_ids``, and
+OpenAI-compatible ``/v1/completions`` with a token-id prompt (vLLM, sglang). Output
+lengths are held to the trace's (``ignore_eos``), so the decode phase is the stream's.
+
+Arrivals keep the stream's timing scaled by ``time_scale`` (0: as fast as the
+concurrency bound lets them go); at most ``concurrency`` requests are in flight."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from kvreplay.errors import BadInput
+from kvreplay.workload.requests import Request
+
+APIS = ("sglang", "openai")
+FIRST_TOKEN = 3  # below: ids models keep for padding, BOS and EOS
+
+
+@dataclass
+class DriveConfig:
+    url: str
+    api: str = "sglang"
+    model: str = ""  # the OpenAI API's model name; asked of the server when empty
+    concurrency: int = 8
+    time_scale: float = 0.0
+    vocab: int = 2048
+    block_tokens: int = 16
+    max_output: int = 0  # 0: the trace's output lengths as they are
+    timeout_s: float = 600.0
+    seed: int = 0
+
+
+@dataclass
+class DriveResult:
+    url: str
+    api: str
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server reported as prefix-cache hits
+    elapsed_s: float = 0.0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    finished_at: list[float] = field(default_factory=list)  # time.time() of each success, in order
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d.pop("finished_at")
+        d["requests_per_s"] = round(self.ok / self.elapsed_s, 3) if self.elapsed_s else 0.0
+        return d
+
+
+def prompt_ids(req: Request, block_tokens: int, vocab: int) -> list[int]:
+    """The request's prompt: each block's ids drawn from the block's id, cut at input_len."""
+    span = max(1, vocab - FIRST_TOKEN)
+    ids: list[int] = []
+    for block in req.blocks or (req.rid * 7919 + 1,):
+        rng = random.Random(block)
+        ids.extend(FIRST_TOKEN + rng.randrange(span) for _ in range(block_tokens))
+        if len(ids) >= req.input_len:
+            break
+    while len(ids) < req.input_len:  # more tokens than blocks cover: the rest is the request's own
+        rng = random.Random((req.rid << 20) + len(ids))
+        ids.append(FIRST_TOKEN + rng.randrange(span))
+    return ids[: req.input_len]
+
+
+def _post(url: str, body: dict[str, object], timeout: float) -> dict[str, object]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the user's own server
+        return json.loads(resp.read())
+
+
+def _get(url: str, timeout: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310
+        return resp.read()
+
+
+def check_server(cfg: DriveConfig) -> str:
+    """Reach the server before sending anything; returns the model name to use."""
+    parts = urllib.parse.urlsplit(cfg.url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise BadInput(f"server URL {cfg.url!r}: want http://HOST:PORT")
+    if cfg.api not in APIS:
+        raise BadInput(f"--api {cfg.api!r}: one of {', '.join(APIS)}")
+    probe = "/health" if cfg.api == "sglang" else "/v1/models"
+    try:
+        body = _get(cfg.url.rstrip("/") + probe, 10)
+    except urllib.error.HTTPError as exc:
+        raise BadInput(f"server {cfg.url} answered {probe} with HTTP {exc.code}: is it a {cfg.api} server?") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise BadInput(f"server {cfg.url} unreachable: {reason}") from None
+    if cfg.api == "openai" and not cfg.model:
+        try:
+            return str(json.loads(body)["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise BadInput(f"server {cfg.url}: /v1/models lists no model; give --model") from None
+    return cfg.model
+
+
+def _send(cfg: DriveConfig, model: str, req: Request) -> tuple[int, int, int]:
+    """Send one request; (prompt, output, cached) tokens as the server counted them."""
+    ids = prompt_ids(req, cfg.block_tokens, cfg.vocab)
+    n_out = min(req.output_len, cfg.max_output) if cfg.max_output else req.output_len
+    base = cfg.url.rstrip("/")
+    if cfg.api == "sglang":
+        got = _post(base + "/generate", {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": n_out, "ignore_eos": True, "temperature": 0}}, cfg.timeout_s)
+        meta = got.get("meta_info", {}) if isinstance(got, dict) else {}
+        meta = meta if isinstance(meta, dict) else {}
+        return (int(meta.get("prompt_tokens", len(ids))), int(meta.get("completion_tokens", n_out)),
+                int(meta.get("cached_tokens", 0)))
+    got = _post(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": n_out,
+                                           "ignore_eos": True, "temperature": 0}, cfg.timeout_s)
+    usage = got.get("usage", {}) if isinstance(got, dict) else {}
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0
+    return int(usage.get("prompt_tokens", len(ids))), int(usage.get("completion_tokens", n_out)), cached
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code}"
+    if isinstance(exc, urllib.error.URLError):
+        return f"unreachable: {exc.reason}"[:80]
+    return type(exc).__name__
+
+
+def drive(cfg: DriveConfig, requests: Sequence[Request],
+          progress: Callable[[DriveResult, int], None] | None = None) -> DriveResult:
+    """Send ``requests`` to the server at their (scaled) arrival times; returns the tally.
+    ``progress(result, total)`` is called after each request finishes."""
+    if cfg.concurrency < 1:
+        raise BadInput(f"--concurrency must be at least 1, got {cfg.concurrency}")
+    if cfg.time_scale < 0:
+        raise BadInput(f"--time-scale must be >= 0 (0: no pauses), got {cfg.time_scale}")
+    model = check_server(cfg)
+    res = DriveResult(cfg.url, cfg.api, requests=len(requests))
+    lock = threading.Lock()
+    errors: Counter[str] = Counter()
+    slots = threading.BoundedSemaphore(cfg.concurrency)
+    t0 = time.monotonic()
+    first_ms = requests[0].arrival_ms if requests else 0.0
+
+    def one(req: Request) -> None:
+        try:
+            p, o, c = _send(cfg, model, req)
+        except Exception as exc:  # noqa: BLE001 - every failure is counted, none stops the stream
+            with lock:
+                res.errors += 1
+                errors[_error_kind(exc)] += 1
+        else:
+            with lock:
+                res.ok += 1
+                res.prompt_tokens += p
+                res.output_tokens += o
+                res.cached_tokens += c
+                res.finished_at.append(time.time())
+        finally:
+            slots.release()
+            if progress is not None:
+                with lock:
+                    progress(res, len(requests))
+
+    with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="kvreplay-drive") as pool:
+        for req in requests:
+            if cfg.time_scale > 0:
+                due = t0 + (req.arrival_ms - first_ms) / 1000.0 * cfg.time_scale
+                pause = due - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+            slots.acquire()
+            pool.submit(one, req)
+    res.elapsed_s = round(time.monotonic() - t0, 3)
+    res.error_kinds = dict(errors)
+    return res
