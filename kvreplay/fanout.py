@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
 from kvreplay.errors import BadInput, KvreplayError
+from kvreplay.scratch import kill_tree
 
 U = TypeVar("U")
 R = TypeVar("R")
@@ -46,7 +47,8 @@ def iter_units(fn: Callable[[U], R], units: Sequence[U], *, jobs: int = 1, ray: 
             if done is not None:
                 done(i + 1, total)
         return
-    with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=_context(start_method)) as ex:
+    ex = ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=_context(start_method))
+    try:
         futures = [ex.submit(fn, u) for u in units]
         for i, f in enumerate(futures):
             try:
@@ -58,6 +60,24 @@ def iter_units(fn: Callable[[U], R], units: Sequence[U], *, jobs: int = 1, ray: 
             yield result
             if done is not None:
                 done(i + 1, total)
+    except BaseException:
+        _stop(ex)
+        raise
+    ex.shutdown(wait=True)
+
+
+def _stop(ex: ProcessPoolExecutor) -> None:
+    """End a pool now (Ctrl-C, SIGTERM, an error, a caller that stopped reading): a
+    plain shutdown waits for the running units, which may take minutes, and workers
+    left behind would run on, re-parented to PID 1."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())  # not public; empty if it ever moves
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.pid is not None:
+            kill_tree(p.pid)  # what a unit started (a build's worker, in a session of its own) goes first
+        p.kill()
+    for p in procs:
+        p.join(5)
 
 
 def _context(method: str | None = None) -> multiprocessing.context.BaseContext:

@@ -190,7 +190,8 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
                 for spec, trace, report, code_id in got:
                     store(spec, trace, report, code_id)
             todo = {}
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+        try:
             futures = [pool.submit(unit, spec, trs) for spec, trs in todo.items()]
             running = len(futures)
             while running:
@@ -201,6 +202,12 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
                 store(*item)
             for fut in futures:
                 fut.result()  # a unit's own failure (not a build's) is ours: let it out
+        except BaseException:
+            # Interrupted: do not wait for builds that may run for minutes; the command
+            # kills their workers (scratch.kill_tree), and no thread starts a new one.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     finally:
         st.close()
     order = {(t, b): i for i, (t, b) in enumerate((t, b) for t in result.traces for b in specs)}

@@ -28,7 +28,7 @@ LAYERS: list[list[str]] = [
     ["check", "store"],
     ["builds"],
     ["pools", "trace", "fanout"],
-    ["pool_api", "errors", "version"],
+    ["pool_api", "errors", "version", "scratch"],
 ]
 
 

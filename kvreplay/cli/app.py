@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 import typer
 
+from kvreplay import scratch
 from kvreplay.cli import base
 from kvreplay.cli import corpus_cmds as _corpus  # noqa: F401 - registers its commands
 from kvreplay.cli import demo_cmd as _demo  # noqa: F401
@@ -61,6 +63,25 @@ def _pin_torch_threads() -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ.get("KVREPLAY_TORCH_THREADS", "1")
 
 
+def _keep_freed_memory() -> None:
+    """Ask glibc to keep freed memory in the process (unless the user set MALLOC_*):
+    by default it hands every freed block over 128 KiB back to the kernel, and a
+    replay at production sizes frees and re-makes such blocks (decoded batches,
+    pool-sized check temporaries) all the time, each time faulted and zeroed again.
+    Elsewhere than glibc this does nothing."""
+    import ctypes
+    import os
+
+    if any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's largest, so big blocks come from the heap
+    mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: give memory back only past 256 MiB free at the top
+
+
 _RAY_ADDRESS = re.compile(r"^(auto|local|ray://\S+|[\w.-]+:\d+)$")
 
 
@@ -77,17 +98,60 @@ def _ray_value(argv: list[str]) -> list[str]:
     return out
 
 
+_terminated = False  # SIGTERM came: whatever the exception became on its way up
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that every ``finally`` on the way out
+    runs: workers are stopped and scratch directories removed, as on Ctrl-C."""
+
+
+def _terminate_like_ctrl_c() -> None:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # a command run from a test's thread keeps the default
+
+    def on_term(signum: int, frame: object) -> None:
+        global _terminated
+        _terminated = True
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: turns library errors into one line and an exit code."""
     _pin_torch_threads()
+    _terminate_like_ctrl_c()
+    _keep_freed_memory()
     argv = _ray_value(sys.argv[1:] if argv is None else argv)
     base.argv[:] = argv
+    # record runs someone else's program: its environment (TMPDIR) stays as it was, and
+    # its processes (the server, the trace writers) end on their own, never killed here.
+    if argv[:1] == ["record"]:
+        _run(argv, interrupted=_fail)
+        return
+    with scratch.owned():
+        _run(argv, interrupted=_stop_and_fail)
+
+
+def _stop_and_fail(message: str, code: int) -> NoReturn:
+    scratch.kill_tree()  # workers, and the workers of workers, before the scratch goes
+    _fail(message, code)
+
+
+def _run(argv: list[str], interrupted: Callable[[str, int], NoReturn]) -> None:
+    def stopped() -> NoReturn:
+        interrupted("terminated" if _terminated else "interrupted", 143 if _terminated else 130)
+
     try:
         # Not standalone: click hands usage errors back instead of printing a box,
         # and returns the code of typer.Exit.
         rc = app(args=argv, standalone_mode=False, prog_name="kvreplay")
     except typer.Abort:
-        _fail("interrupted", 130)
+        stopped()
     except UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # the help was the answer
             exc.show()
@@ -99,11 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     except KvreplayError as exc:
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
-        _fail("interrupted", 130)
+        stopped()
     except SystemExit:
         raise
     except Exception as exc:  # a bug in kvreplay, not the user's input
-        _fail(f"internal error: {type(exc).__name__}: {exc}", EXIT_CRASH)
+        interrupted(f"internal error: {type(exc).__name__}: {exc}", EXIT_CRASH)
+    if rc == 130 or _terminated:  # typer hands an interrupt back as exit code 130
+        stopped()
     raise SystemExit(rc if isinstance(rc, int) else 0)
 
 

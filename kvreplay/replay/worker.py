@@ -34,6 +34,7 @@ from kvreplay.builds.worker_code import HIDE_ENV, prepare
 from kvreplay.errors import EXIT_BAD_INPUT, EXIT_UNLOADABLE, BadInput, BuildUnloadable, BuildUnsupported
 from kvreplay.replay.kernels import instrument
 from kvreplay.replay.report import ReplayReport, untestable
+from kvreplay.scratch import stopping
 from kvreplay.trace.location import is_remote
 
 CRUMB_ENV = "KVREPLAY_WORKER_PROGRESS"  # the file a worker notes its progress in
@@ -80,22 +81,31 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
         while todo:
             request = {"traces": todo, "cls": s.cls, "spec": spec, "options": options}
             started = time.perf_counter()
+            if stopping():  # the command is being interrupted: a new worker would outlive it
+                raise KeyboardInterrupt
             with open(scratch / "stderr", "w+") as err:
                 proc = subprocess.Popen([sys.executable, "-m", "kvreplay.replay.worker"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=err, env=env, cwd=code.cwd,
                                         start_new_session=True, bufsize=0)
-                assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write(json.dumps(request).encode())
-                proc.stdin.close()
                 ended = None
-                for answer in _answers(proc, timeout_s):
-                    if answer is None:  # a trace ran past its time
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        ended = "timeout"
-                        break
-                    done(_report_of(answer, spec, options, device), code.code_id)
-                    todo.pop(0)
-                    started = time.perf_counter()
+                try:
+                    assert proc.stdin is not None and proc.stdout is not None
+                    proc.stdin.write(json.dumps(request).encode())
+                    proc.stdin.close()
+                    for answer in _answers(proc, timeout_s):
+                        if answer is None:  # a trace ran past its time
+                            _kill_group(proc)
+                            ended = "timeout"
+                            break
+                        done(_report_of(answer, spec, options, device), code.code_id)
+                        todo.pop(0)
+                        started = time.perf_counter()
+                except BaseException:
+                    # Interrupted (Ctrl-C, SIGTERM) or failed here: the worker is in a
+                    # session of its own, so nothing else would stop it.
+                    _kill_group(proc)
+                    proc.wait()
+                    raise
                 proc.wait()
                 err.seek(0)
                 stderr = err.read()
@@ -111,6 +121,13 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return reports, code.code_id
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _answers(proc: subprocess.Popen, timeout_s: float) -> Iterator[dict[str, Any] | None]:
