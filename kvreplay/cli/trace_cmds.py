@@ -32,6 +32,11 @@ def synth(
     block_tokens: int = typer.Option(16, help="Tokens per prefix-cache block (multiple of the page size)."),
     max_running: int = typer.Option(64, help="Most requests decoding at once."),
     length_scale: float = typer.Option(1.0, help="Scale a workload file's token lengths (e.g. 0.02)."),
+    output_scale: float = typer.Option(None, help="Scale its output lengths alone (default: --length-scale)."),
+    sglang_scheduler: bool = typer.Option(
+        False, "--sglang-scheduler", help="Free groups, SWA eviction and the end of the trace as sglang 0.5.23's "
+        "scheduler does them (a free group per batch, SWA evicted every 128 tokens, the cache kept at the end): "
+        "traces that look like a live server's (kvreplay profile compares them)."),
     speedup: float = typer.Option(1.0, help="Divide a workload's arrival times by this."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     checkpoint_every: int = typer.Option(
@@ -47,7 +52,8 @@ def synth(
     cfg = SynthConfig(
         scenario=scenario, out=out_path, requests=requests, seed=seed, workload=workload, build=build,
         page_size=page_size, full_size=full_size, swa_size=swa_size, window=window, k=k,
-        block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, speedup=speedup,
+        block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, output_scale=output_scale,
+        speedup=speedup, sglang_scheduler=sglang_scheduler,
         device=device, checkpoint_every=checkpoint_every,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
@@ -133,3 +139,61 @@ def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -
         "sglang==VERSION (that release's pool code, fetched once into the kvreplay cache and replayed in its "
         "own process; sglang==A..B for every release from A to B where a command takes several builds); "
         "git:REPO@REV[:MODULE:CLASS] (pool code at a revision, replayed in its own process).")
+
+
+@app.command()
+def profile(
+    trace: str = typer.Argument(..., help="Trace file (a live recording, or synth's)." + URI_HELP),
+    against: str = typer.Option(None, "--against", help="A second trace to set beside it, with the ratio "
+                                "second/first (e.g. synth on the same requests beside a live recording)."),
+    requests: int = typer.Option(None, "--requests", help="Requests the first trace served (default: counted "
+                                 "from its alloc_extend calls; a token pool's trace cannot tell)."),
+    against_requests: int = typer.Option(None, "--against-requests", help="The same for --against."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """The shape of a trace's traffic: calls per request by method, tokens per
+    extend and per decode step, free groups, occupancy over time, prefix-cache
+    hits. With --against, two traces side by side and the ratio of each figure:
+    how far the workload model is from a live server on the same requests.
+
+    Example: kvreplay profile traces/live-sglang-paged16.parquet --against /tmp/synth.parquet
+    """
+    from kvreplay.trace.location import local_path
+    from kvreplay.trace.profile import compare
+    from kvreplay.trace.profile import profile as profile_of
+
+    a = profile_of(local_path(trace), requests)
+    if against is None:
+        if as_json:
+            emit_json(a.to_dict())
+            return
+        t = Table(title=f"{trace}: {a.family} pool, {a.calls} calls ({a.counter_reads} counter reads), "
+                        f"{a.requests or '?'} requests")
+        for col in ("figure", "value"):
+            t.add_column(col)
+        for m, v in a.per_request().items():
+            row(t, f"{m} per request", v)
+        for name, q in (("extend tokens per request", a.extend_tokens), ("requests per decode step", a.decode_batch),
+                        ("slots per free", a.freed_per_free)):
+            row(t, name, f"mean {q['mean']}, p50 {q['p50']:g}, p90 {q['p90']:g}, max {q['max']:g}")
+        row(t, "frees per free group", a.frees_per_group)
+        row(t, "prefix-cache hit share", "-" if a.prefix_hit is None else a.prefix_hit)
+        row(t, "occupancy (10 points)", " ".join(f"{x:.2f}" for x in a.occupancy))
+        out.print(t)
+        for note in a.notes:
+            say(note, "dim")
+        return
+    b = profile_of(local_path(against), against_requests)
+    cmp = compare(a, b)
+    if as_json:
+        emit_json(cmp.to_dict())
+        return
+    t = Table(title=f"{against} against {trace}")
+    for col in ("figure", "first", "second", "second/first"):
+        t.add_column(col)
+    for figure, x, y, r in cmp.rows:
+        off = r is not None and abs(r - 1) > 0.10
+        row(t, figure, "-" if x is None else x, "-" if y is None else y, "-" if r is None else r,
+            style="yellow" if off else None)
+    out.print(t)
+    say("rows in yellow differ by more than 10%", "dim")

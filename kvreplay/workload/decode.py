@@ -46,6 +46,7 @@ class DecodeServer(ServerModel):
         for (req, _), fill in zip(batch, fills, strict=True):
             self.running.append(Live(req, out[pos:pos + fill], committed=fill, target=req.input_len + req.output_len))
             pos += fill
+        self.batch_done()
 
     def decode(self) -> None:
         pool, ps = self.pool, self.ps

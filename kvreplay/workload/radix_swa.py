@@ -30,8 +30,12 @@ class Node:
 
 
 class RadixSWAServer(ServerModel):
-    def __init__(self, pool: Any, requests: list[Any], *, window: int, block_tokens: int, **kw: Any) -> None:
+    def __init__(self, pool: Any, requests: list[Any], *, window: int, block_tokens: int,
+                 eviction_interval: int = 128, **kw: Any) -> None:
         super().__init__(pool, requests, **kw)
+        # sglang evicts a request's out-of-window SWA only once that many tokens have
+        # slid out (SGLANG_SWA_EVICTION_INTERVAL, 128), not at every page.
+        self.eviction_interval = eviction_interval if self.sglang_scheduler else 0
         if block_tokens % self.ps:
             raise ValueError(f"block size {block_tokens} is not a multiple of page size {self.ps}")
         self.window = window
@@ -136,12 +140,15 @@ class RadixSWAServer(ServerModel):
             self.stats.prefix_hit_tokens += p
             self.running.append(Live(req, row, committed=fill, target=req.input_len + req.output_len,
                                      evicted=p, prefix_len=p, nodes=chain))
+        self.batch_done()
 
     def slide_windows(self) -> None:
         pool = self.pool
         pool.free_group_begin()
         for lv in self.running:
             threshold = lv.committed - self.window_pages * self.ps
+            if self.eviction_interval and threshold < lv.evicted + self.eviction_interval:
+                continue
             new = floor_page(max(threshold, lv.evicted), self.ps)
             if new > lv.evicted:
                 pool.free_swa_segment(lv.row[lv.evicted:new], start_pos=lv.evicted)
@@ -177,7 +184,13 @@ class RadixSWAServer(ServerModel):
         node = lv.nodes[-1] if lv.nodes else self.root
         pos = lv.prefix_len
         pages = self.B // self.ps
-        for b in lv.req.blocks[len(lv.nodes):self._prompt_blocks(lv.req)]:
+        blocks = list(lv.req.blocks[len(lv.nodes):self._prompt_blocks(lv.req)])
+        if self.sglang_scheduler:
+            # sglang's tree keeps the whole finished sequence, output included (whole
+            # pages only): its later blocks are the request's own, matched by nobody.
+            own = lv.committed // self.B - len(lv.nodes) - len(blocks)
+            blocks += [-((lv.req.rid + 1) << 24) - i for i in range(max(0, own))]
+        for b in blocks:
             seg = lv.row[pos:pos + self.B]
             live = [pos + j * self.ps >= lv.evicted for j in range(pages)]
             existing = node.children.get(b)

@@ -61,7 +61,8 @@ class ServerModel:
     """Drives ``pool`` with ``requests``; subclasses implement ``step``."""
 
     def __init__(self, pool: Any, requests: list[Request], *, seed: int, max_running: int,
-                 speedup: float = 1.0, progress: Callable[[int, int], None] | None = None) -> None:
+                 speedup: float = 1.0, progress: Callable[[int, int], None] | None = None,
+                 sglang_scheduler: bool = False) -> None:
         self.pool = pool
         self.ps = int(pool.page_size)
         self.device = pool.device
@@ -75,6 +76,11 @@ class ServerModel:
         self.stats = SynthStats()
         self.clock_ms = 0.0
         self._progress = progress
+        # As sglang 0.5.23's scheduler (measured against live servers, kvreplay profile):
+        # every batch's results are processed inside a free group, empty or not, and
+        # the server keeps its cache at the end instead of draining it. Off by default,
+        # so that the corpus' committed traces stay what their commands make.
+        self.sglang_scheduler = sglang_scheduler
 
     # -- tensors shaped like the scheduler's ---------------------------------
     def dev(self, values: list[int]) -> torch.Tensor:
@@ -99,7 +105,8 @@ class ServerModel:
                 self._progress(self.stats.requests_done, self.total)
             if self.stats.steps > 200 * self.total + 10_000:
                 raise RuntimeError("workload model made no progress (pool too small for one request?)")
-        self.drain()
+        if not self.sglang_scheduler:
+            self.drain()
         return self.stats
 
     def step(self) -> None:  # pragma: no cover - abstract
@@ -130,7 +137,7 @@ class ServerModel:
     def finish_done(self, release: Callable[[Live], None]) -> None:
         """Finished requests leave in one free group, as at the end of an SGLang step."""
         done = [lv for lv in self.running if lv.committed >= lv.target]
-        if not done:
+        if not done and not self.sglang_scheduler:
             return
         self.pool.free_group_begin()
         for lv in done:
@@ -139,6 +146,12 @@ class ServerModel:
         for lv in done:
             self.running.remove(lv)
             self.finished(lv)
+
+    def batch_done(self) -> None:
+        """A prefill batch's results: sglang processes them in a free group too."""
+        if self.sglang_scheduler:
+            self.pool.free_group_begin()
+            self.pool.free_group_end()
 
     def outgrown(self) -> None:
         """An allocation failed; with one request left nothing can ever free room."""

@@ -60,6 +60,8 @@ class SynthConfig:
     block_tokens: int = 16
     max_running: int = 64
     length_scale: float = 1.0
+    output_scale: float | None = None  # output lengths' scale (default: length_scale)
+    sglang_scheduler: bool = False  # free groups and end of trace as sglang 0.5.23's scheduler (server.py)
     speedup: float = 1.0
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
@@ -92,8 +94,8 @@ def validate(cfg: SynthConfig) -> Scenario:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
     if cfg.checkpoint_every < 0:
         raise BadInput("--checkpoint-every must be 0 (no checkpoints) or positive")
-    if cfg.length_scale <= 0 or cfg.speedup <= 0:
-        raise BadInput("--length-scale and --speedup must be positive")
+    if cfg.length_scale <= 0 or cfg.speedup <= 0 or (cfg.output_scale is not None and cfg.output_scale <= 0):
+        raise BadInput("--length-scale, --output-scale and --speedup must be positive")
     cfg.device = resolve_device(cfg.device)
     return sc
 
@@ -113,9 +115,10 @@ def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
               progress: Callable[[int, int], None] | None = None) -> Any:
     """Drive ``pool`` (recorded or not) through the scenario; returns its stats."""
     reqs = load_requests(cfg.workload, count=cfg.requests, seed=cfg.seed,
-                         block_tokens=cfg.block_tokens, length_scale=cfg.length_scale)
+                         block_tokens=cfg.block_tokens, length_scale=cfg.length_scale,
+                         output_scale=cfg.output_scale)
     common: dict[str, Any] = {"seed": cfg.seed, "max_running": cfg.max_running, "speedup": cfg.speedup,
-                              "progress": progress}
+                              "progress": progress, "sglang_scheduler": cfg.sglang_scheduler}
     if sc.name == "decode":
         server: Any = DecodeServer(pool, reqs, **common)
     elif sc.name == "disagg-mtp":
