@@ -9,10 +9,10 @@
 #     releases whose paged allocators launch real Triton kernels (0.5.12, before the
 #     CPU fallback) and 0.5.23; every run must say kernels: cuda where kernels ran.
 #  2. bench/gpu_recorder.py (recorder overhead and host syncs per call on CUDA).
-#  3. A real sglang server on a tiny Llama made here with random weights (no download,
-#     no tokenizer: --skip-tokenizer-init and token ids in the requests), launched under
-#     `kvreplay record` with page size 16; a few hundred requests; then every trace it
-#     left replays on builtin:paged (or builtin:swa) and on the installed sglang.
+#  3. A real sglang server on a tiny Llama made here with random weights (scripts/tiny_model.py:
+#     no download, no tokenizer), launched under `kvreplay record` with page size 16; 300
+#     Mooncake requests from `kvreplay drive`; then every trace it left replays on
+#     builtin:paged (or builtin:swa) and on the installed sglang.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVREPLAY_SGLANG_VENV:-.venv-sglang}
@@ -49,18 +49,9 @@ PY
 timeout 180 "$PY" bench/gpu_recorder.py --requests 1000 --repeat 3 > "$OUT/gpu_recorder.txt" 2>&1
 RESULT[gpu_recorder]="exit $? $(tail -n 3 "$OUT/gpu_recorder.txt" | tr '\n' ' ')"
 
-# 3. A live server under kvreplay record.
+# 3. A live server under kvreplay record (the same path as the CPU live tier, on CUDA).
 MODEL="$OUT/tiny-llama"
-"$PY" - "$MODEL" <<'PY'
-import sys
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
-torch.manual_seed(0)
-LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
-PY
+"$PY" scripts/tiny_model.py "$MODEL" > /dev/null
 TRACES="$OUT/live"
 "$KV" record --out "$TRACES" -- "$PY" -m sglang.launch_server --model-path "$MODEL" --skip-tokenizer-init \
     --page-size 16 --port 31999 --mem-fraction-static 0.3 --disable-cuda-graph --log-level warning \
@@ -70,20 +61,8 @@ for _ in $(seq 1 180); do
     curl -sf localhost:31999/health > /dev/null && break
     sleep 1
 done
-timeout 240 "$PY" - <<'PY' > "$OUT/requests.txt" 2>&1
-import json, random, urllib.request
-from concurrent.futures import ThreadPoolExecutor
-random.seed(0)
-def one(i):
-    body = {"input_ids": [random.randrange(3, 2048) for _ in range(random.randrange(16, 700))],
-            "sampling_params": {"max_new_tokens": random.randrange(8, 96), "ignore_eos": True, "temperature": 0}}
-    req = urllib.request.Request("http://localhost:31999/generate", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    return len(json.load(urllib.request.urlopen(req, timeout=120)).get("output_ids", []))
-with ThreadPoolExecutor(32) as pool:
-    done = list(pool.map(one, range(300)))
-print(f"{len(done)} requests, {sum(done)} tokens generated")
-PY
+timeout 240 "$KV" drive http://127.0.0.1:31999 -w workloads/mooncake/synthetic_trace.jsonl -n 300 \
+    --length-scale 0.03 -c 32 > "$OUT/requests.txt" 2>&1
 RESULT[requests]="exit $? $(tail -n 1 "$OUT/requests.txt")"
 kill -INT "$SERVER" 2>/dev/null; wait "$SERVER"
 REPLAYS=""

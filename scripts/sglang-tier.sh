@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The integration tier: tests marked `sglang`, run against a real sglang install.
+# The integration tier: tests marked `sglang`, run against a real sglang install, then the
+# live tier (tests marked `live`: real servers on CPU, recorded and replayed).
 #
 #   scripts/sglang-tier.sh            # creates .venv-sglang on first use (~10 min, ~11 GB), then reuses it
 #   KVREPLAY_SGLANG_VENV=/path/venv scripts/sglang-tier.sh     # use (or create) another venv
@@ -31,4 +32,8 @@ if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
     echo "sglang-tier: could not install kvreplay into $VENV" >&2
     exit 3
 fi
-"$PY" -m pytest -m sglang -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py
+"$PY" -m pytest -m sglang -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py || exit 1
+# The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
+# requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
+# One server at a time (each takes a core); bounded as a whole.
+timeout "${KVREPLAY_LIVE_BUDGET_S:-1200}" "$PY" -m pytest -m live -n 0 tests/test_live_server.py
