@@ -414,3 +414,81 @@ def test_need_sort_as_a_string_and_a_negative_size_are_bad_input_not_untestable(
                  {"size": 2048, "size_swa": -1, "page_size": 4}):
         trace = _write(rows, schema, tmp_path / "t.parquet", {"ctor_args": json.dumps(args)})
         _bad(cli("replay", str(trace), "-b", "builtin:swa", "--no-store"))
+
+
+# -- second round: memory bombs and damaged footers ----------------------------------------
+CAP_BYTES = 3 << 30  # address space for a command under attack: torch's import fits, a bomb does not
+
+
+def _capped(*argv: str) -> subprocess.CompletedProcess:
+    """The CLI in a process whose memory is capped: a bomb that got through would fail
+    it with MemoryError or a kill, not the one-line refusal."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (CAP_BYTES, CAP_BYTES))
+
+    return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *argv], capture_output=True, text=True,
+                          preexec_fn=cap, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def index_bomb(tmp_path_factory):
+    """A small file whose one call lists 2 * 10^7 slots of a 2,048-slot pool."""
+    rows, schema = _rows(PAGE0)
+    arg = next(a for r in rows if r["depth"] == 0 for a in r["args"] if a["data"])
+    arg["data"] = [1] * 20_000_000
+    arg["shape"] = [20_000_000]
+    path = tmp_path_factory.mktemp("bomb") / "bomb.parquet"
+    table = pa.Table.from_pylist(rows, schema=schema)
+    pq.write_table(table, path, compression="zstd", use_dictionary=True)
+    assert path.stat().st_size < 1 << 20
+    return path
+
+
+@pytest.mark.parametrize("command", ["inspect", "replay"])
+def test_a_call_listing_more_slots_than_the_pool_has_is_refused_before_it_is_decoded(index_bomb, command, tmp_path):
+    argv = [command, str(index_bomb)] + (["--build", "builtin:swa", "--db", str(tmp_path / "k.db")]
+                                         if command == "replay" else [])
+    _bad(_capped(*argv), "lists 20,00", "more than a pool of")
+    assert not (tmp_path / "k.db").exists()
+
+
+def test_a_snapshot_that_inflates_past_its_declared_shape_is_refused(tmp_path, cli):
+    import base64
+    import zlib
+
+    rows, schema = _rows(PAGE0)
+    bomb = base64.b64encode(zlib.compress(b"\0" * (64 << 20), 9)).decode()  # 64 MB of zeros, 65 KB packed
+    from kvreplay.pools.swa import SWAPool
+    from kvreplay.trace import snapshot
+
+    state = snapshot.take(SWAPool(2048, 512, 16))  # a real state, one tensor of it made a bomb
+    state["objects"]["full"]["free_pages"] = {"tensor": "int64", "shape": [16], "z": bomb}
+    trace = _write(rows, schema, tmp_path / "t.parquet", {"initial_state": json.dumps(state)})
+    _bad(_capped("replay", str(trace), "--build", "builtin:swa", "--db", str(tmp_path / "k.db")),
+         "not the size its shape declares")
+    assert not (tmp_path / "k.db").exists()
+
+
+@pytest.mark.parametrize("field", ["extra", "initial_state", "ctor_args"])
+def test_json_nested_too_deep_in_a_footer_is_one_line(tmp_path, cli, field):
+    rows, schema = _rows(PAGE0)
+    deep = '{"a": ' * 5000 + "1" + "}" * 5000
+    trace = _write(rows, schema, tmp_path / "t.parquet", {field: deep})
+    _bad(cli("inspect", str(trace)), "nests deeper than")
+
+
+@pytest.mark.parametrize("version", ["-1", "0", " 1", "1.0", "9" * 5000])
+def test_a_schema_version_that_is_not_a_version_number_is_refused(tmp_path, cli, version):
+    rows, schema = _rows(PAGE0)
+    trace = _write(rows, schema, tmp_path / "t.parquet", {"schema_version": version})
+    _bad(cli("inspect", str(trace)), "schema version")
+
+
+def test_a_manifest_integer_too_long_to_read_is_one_line(tmp_path, cli):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text('{"version": ' + "7" * 5000 + ', "traces": []}')
+    res = cli("corpus", "check", str(corpus))
+    _bad(res, "not a readable JSON manifest")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import BadInput, did_you_mean
+from kvreplay.trace.format import parse_json
 
 MANIFEST = "manifest.json"
 VERSION = 2  # 2: violations pinned by call number (1: by row seq)
@@ -72,8 +73,8 @@ def read_document(corpus: str | Path, *, missing_ok: bool = False) -> dict[str, 
             return {"version": VERSION, "traces": []}
         raise BadInput(f"{path}: no corpus manifest")
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = parse_json(path.read_text(), "the manifest")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise BadInput(f"{path}: not a readable JSON manifest ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("traces"), list):
         raise BadInput(f"{path}: a manifest is an object with a list of traces")

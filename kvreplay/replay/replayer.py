@@ -11,7 +11,6 @@ from __future__ import annotations
 import binascii
 import contextlib
 import gc
-import json
 import time
 import zlib
 from collections import Counter
@@ -34,7 +33,7 @@ from kvreplay.replay.remap import PageTable, Remapper
 from kvreplay.replay.report import MODES, Divergence, ReplayReport
 from kvreplay.replay.timeline import Timeline
 from kvreplay.trace import snapshot
-from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_TARGET, Opaque, TopCall
+from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_TARGET, Opaque, TopCall, parse_json
 from kvreplay.trace.reader import TraceReader
 
 
@@ -111,7 +110,7 @@ def start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, An
     if not last.args.get("state"):
         raise BadInput(f"{reader.path.name} has {where}; the last gap has no pool snapshot to start from")
     try:
-        state = json.loads(last.args["state"])
+        state = parse_json(last.args["state"], "the gap's snapshot")
     except ValueError:
         raise BadInput(f"{reader.path.name}: the last gap's pool snapshot is unreadable") from None
     return last.seq, state
@@ -436,7 +435,7 @@ class Segment:
 
 def _checkpoint_states(reader: TraceReader, cp: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
-        return json.loads(cp.args["state"]), json.loads(cp.args["checker"])
+        return parse_json(cp.args["state"], "a checkpoint"), parse_json(cp.args["checker"], "a checkpoint")
     except (KeyError, TypeError, ValueError):
         raise BadInput(f"{reader.path.name}: a checkpoint row (after call #{cp.args.get('calls', '?')}) "
                        "is damaged") from None

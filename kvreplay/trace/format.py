@@ -8,6 +8,8 @@ any kind (None, bool, int, float, str, integer/bool tensor, list of ints, list o
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,7 +22,42 @@ SCHEMA_VERSION = 1
 META_PREFIX = "kvreplay."
 # The pools a row can target: the allocator itself, its sub-allocators, and the recorder (gap rows).
 TARGETS = frozenset({"root", "full", "swa", "recorder"})
-MAX_POOL_SLOTS = 1 << 40  # far beyond any pool; a bigger one is a damaged trace, not a server
+
+# -- bounds on what a trace can make kvreplay allocate --------------------------------------
+# Every reader checks these before it allocates (trace/reader.py, trace/snapshot.py): a
+# trace from another machine may be damaged or hostile, and a 19 KB file can declare
+# 10^8 indices. Each is overridable for the rare user who needs more.
+def _limit(env: str, default: int) -> int:
+    raw = os.environ.get(env, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else default
+
+
+# A pool's slots: 2^27 tokens is several times the KV capacity of today's largest GPUs.
+MAX_POOL_SLOTS = _limit("KVREPLAY_MAX_POOL_SLOTS", 1 << 27)
+# Index values one row group may list (data and shape lists of every argument and result):
+# 2^26 is 512 MB decoded; real row groups (16,384 calls) list a few million.
+MAX_GROUP_VALUES = _limit("KVREPLAY_MAX_GROUP_VALUES", 1 << 26)
+MAX_JSON_DEPTH = 32  # of any JSON a trace or manifest holds; real ones nest 4 deep
+SCHEMA_VERSION_TEXT = re.compile(r"^[1-9][0-9]{0,5}$")
+
+
+def parse_json(text: str, what: str) -> Any:
+    """JSON from untrusted input, as ValueError when it is not JSON, nests deeper than
+    MAX_JSON_DEPTH, or holds an integer too long to read."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # not JSON, or an integer of more digits than Python converts
+        raise ValueError(f"{what} is not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    todo = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return value
 # A pool's ``dtype`` is what the server passes: sglang hands its allocators the KV
 # cache's element type (bfloat16 on a GPU server, float32 on CPU, float8 when the
 # cache is quantised), not the type of the slot indices, which are int64 whatever it
@@ -150,7 +187,7 @@ class TraceMeta:
             start_time=get.get("start_time", ""),
             initial_state=_json_object("initial_state", get["initial_state"]) if "initial_state" in get else None,
             extra=_json_object("extra", get.get("extra", "{}")),
-            schema_version=int(get["schema_version"]),
+            schema_version=_schema_version(get["schema_version"]),
         )
         if meta.family not in FAMILY_ARGS:
             raise ValueError(f"pool family {meta.family!r} is not one of {', '.join(FAMILY_ARGS)}")
@@ -159,10 +196,16 @@ class TraceMeta:
 
 
 def _json_object(name: str, text: str) -> dict[str, Any]:
-    value = json.loads(text)
+    value = parse_json(text, name)
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, not {type(value).__name__}")
     return value
+
+
+def _schema_version(text: str) -> int:
+    if not SCHEMA_VERSION_TEXT.match(text):
+        raise ValueError(f"schema version {text[:20]!r} is not a version number (1, 2, ...)")
+    return int(text)
 
 
 def check_ctor_args(family: str, args: dict[str, Any]) -> None:

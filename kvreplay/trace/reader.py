@@ -20,11 +20,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.pool_api import API_METHODS
+from kvreplay.pool_api import API_METHODS, sub_pool_sizes
 from kvreplay.trace.format import (
     CHECKPOINT_METHOD,
     GAP_METHOD,
     GAP_TARGET,
+    MAX_GROUP_VALUES,
     PART_GLOB,
     SCHEMA,
     SCHEMA_VERSION,
@@ -50,6 +51,30 @@ def _regular_file(path: Path) -> None:
         raise TraceFormatError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if not stat.S_ISREG(mode):
         raise TraceFormatError(f"{path}: not a regular file")
+
+
+# Rows decoded at a time for a replay: a 4,096-row batch of a production trace holds
+# tens of MB of index tensors, so every batch landed in fresh memory the kernel had
+# to fault in and zero; half that keeps the decoded batch warm in memory already
+# used, and smaller batches start paying the per-batch set-up.
+REPLAY_BATCH_ROWS = 2048
+
+def _check_sizes(part: Path, f: pq.ParquetFile, meta: TraceMeta) -> None:
+    """Refuse, from the footer alone, a row group that lists more values than any call of
+    this pool could: none lists more slots than the pool has, and no group more than
+    MAX_GROUP_VALUES. Decoding such a group would allocate gigabytes from a small file."""
+    slots = sum(sub_pool_sizes(meta.family, meta.ctor_args).values()) + int(meta.ctor_args.get("page_size", 1)) + 2
+    md = f.metadata
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        counts = {rg.column(i).path_in_schema: rg.column(i).num_values for i in range(rg.num_columns)}
+        values = sum(n for name, n in counts.items() if name.endswith(("data.list.element", "shape.list.element")))
+        entries = counts.get("args.list.element.name", 0) + rg.num_rows
+        bound = min(MAX_GROUP_VALUES, entries * slots)
+        if values > bound:
+            raise TraceFormatError(
+                f"{part}: row group {g} lists {values:,} values for {rg.num_rows:,} calls, more than a pool of "
+                f"{slots - 2:,} slots can (at most {bound:,}; KVREPLAY_MAX_GROUP_VALUES raises the limit)")
 
 
 class TraceReader:
@@ -86,6 +111,7 @@ class TraceReader:
                 raise TraceFormatError(f"{part}: a part of another pool ({meta.pool_class}, {meta.family}) than "
                                        f"the trace's first part ({self.meta.pool_class}, {self.meta.family})")
             _check_schema(part, f.schema_arrow)
+            _check_sizes(part, f, self.meta)
 
     def _meta(self, part: Path, f: pq.ParquetFile) -> TraceMeta:
         try:
@@ -219,7 +245,7 @@ class TraceReader:
         need; decoding them is a third of the work)."""
         current: TopCall | None = None
         number = number_from
-        for c in self._decoded(False, device, 4096, rows, nested_args):
+        for c in self._decoded(False, device, REPLAY_BATCH_ROWS, rows, nested_args):
             if c.depth:
                 if current is not None:
                     current.nested.append(c)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvreplay.pool_api import SUB_POOLS
+from kvreplay.trace.format import MAX_POOL_SLOTS
 
 FORMAT = 1
 _SKIP = frozenset({"device", "dtype"})
@@ -67,15 +68,41 @@ def _copy(v: Any) -> Any:
 
 
 _UNSUPPORTED = object()
+# What a pool's state holds: index and mapping tensors, flags.
+_SNAPSHOT_DTYPES = {"int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
+                    "bool": np.bool_, "float32": np.float32, "float64": np.float64}
+# A pool's state is a few tensors of at most a slot (or page) each, and some padding.
+MAX_SNAPSHOT_ELEMENTS = 4 * MAX_POOL_SLOTS + 1024
+
+
+def _inflate(text: Any, size: int) -> bytes:
+    """Decompress a snapshot tensor, stopping at its declared size: a compression bomb
+    is refused when it passes that, not after it has filled memory."""
+    if not isinstance(text, str) or len(text) > 2 * size + 1024:  # base64 of zlib never grows that much
+        raise ValueError("snapshot tensor data is not the size its shape declares")
+    inflater = zlib.decompressobj()
+    out = inflater.decompress(base64.b64decode(text, validate=True), size)
+    if inflater.unconsumed_tail or len(out) != size or not inflater.eof:
+        raise ValueError("snapshot tensor data is not the size its shape declares")
+    return out
 
 
 def _decode(v: Any, device: torch.device | str) -> Any:
     if not isinstance(v, dict):
         return v
     if "tensor" in v:
-        dtype = getattr(torch, v["tensor"])
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        a = np.frombuffer(zlib.decompress(base64.b64decode(v["z"])), dtype=np_dtype).reshape(v["shape"])
+        np_dtype = _SNAPSHOT_DTYPES.get(v["tensor"]) if isinstance(v["tensor"], str) else None
+        if np_dtype is None:  # a fixed list: the snapshot never names what torch looks up
+            raise ValueError(f"snapshot tensor type {str(v['tensor'])[:40]!r} is not one kvreplay writes")
+        shape = v["shape"]
+        if not (isinstance(shape, list) and len(shape) <= 4 and all(type(n) is int and n >= 0 for n in shape)):
+            raise ValueError("snapshot tensor shape must be a short list of whole numbers")
+        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if n > MAX_SNAPSHOT_ELEMENTS:
+            raise ValueError(f"snapshot tensor of {n:,} elements is larger than any pool's state "
+                             f"(KVREPLAY_MAX_POOL_SLOTS raises the limit)")
+        raw = _inflate(v["z"], n * np.dtype(np_dtype).itemsize)
+        a = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
         return torch.from_numpy(a.copy()).to(device)
     items = [_decode(x, device) for x in v["list"]]
     return tuple(items) if v.get("tuple") else items
