@@ -492,3 +492,23 @@ def test_a_manifest_integer_too_long_to_read_is_one_line(tmp_path, cli):
     (corpus / "manifest.json").write_text('{"version": ' + "7" * 5000 + ', "traces": []}')
     res = cli("corpus", "check", str(corpus))
     _bad(res, "not a readable JSON manifest")
+
+
+def test_ci_summary_and_junit_carry_hostile_trace_names_as_text(tmp_path, cli):
+    import re
+    import xml.etree.ElementTree as ET
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    name = 'x|y<a href="http:evil.example">z<b>[l](e)\x01\x1b.parquet'
+    (corpus / name).write_bytes(PAGE0.read_bytes())
+    md, junit = tmp_path / "s.md", tmp_path / "j.xml"
+    res = cli("ci", str(corpus), "--build", "builtin:swa", "--db", str(tmp_path / "k.db"), "--summary", str(md),
+              "--junit", str(junit))
+    assert res.returncode in (0, 1), res.stderr
+    root = ET.parse(junit).getroot()  # parses: no control character got in
+    assert any("evil.example" in tc.get("name", "") for tc in root.iter("testcase"))
+    text = md.read_text()
+    row = next(line for line in text.splitlines() if "evil" in line)
+    assert not re.search(r"(?<!\\)[<>\[\]()]", row.split("|", 3)[2]), row  # no markup left unescaped
+    assert len(re.findall(r"(?<!\\)\|", row)) == 7, row  # the table's own bars, none from the name
