@@ -111,7 +111,7 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
         return resp
 
     @app.get("/")
-    def runs() -> str:
+    def runs() -> tuple[str, int]:
         f = {k: request.args.get(k, "").strip() for k in ("trace", "build", "status", "since", "until")}
         error = ""
         rows: list[dict[str, Any]] = []
@@ -119,14 +119,17 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
             if f["status"] and f["status"] not in STATUSES:
                 raise BadInput(f"status must be one of {', '.join(STATUSES)}")
             until = _day(f["until"], "until")
+            if until is not None:  # the day's end; there is none after 9999-12-31
+                until = until + dt.timedelta(days=1) if until.date() < dt.date.max else None
             rows = _listed(list_runs(store, trace=f["trace"] or None, build=f["build"] or None,
                                      status=f["status"] or None, since=_day(f["since"], "from"),
-                                     until=until + dt.timedelta(days=1) if until else None, limit=MAX_LISTED))
+                                     until=until, limit=MAX_LISTED))
         except BadInput as exc:
             error = str(exc)
-        return render_template_string(_LIST, title="Runs", runs=rows, f=f, builds=build_specs(store),
+        page = render_template_string(_LIST, title="Runs", runs=rows, f=f, builds=build_specs(store),
                                       statuses=STATUSES, assets=ASSET_URL, filters=True, error=error,
                                       limit=MAX_LISTED, history=None)
+        return page, 400 if error else 200
 
     @app.get("/runs/<int:run_id>")
     def run(run_id: int) -> str:

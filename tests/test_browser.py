@@ -207,3 +207,22 @@ def test_a_dense_rule_is_a_strip_that_a_click_reads_back(swa_trace_80, tmp_path)
         assert abs(call - r.calls_replayed / 2) < r.calls_replayed / 20 and key in page.inner_text("#detail h3")
         page.screenshot(path=str(screenshot_dir(tmp_path) / "dense-strip.png"), full_page=True)
         assert errors == []
+
+
+def test_hostile_names_stay_text_in_the_charts(cli, tmp_path):
+    # Plotly renders its text fields as a subset of HTML: a trace name or a build spec
+    # from data must not become a link or a style on the page.
+    db = str(tmp_path / "k.db")
+    shots = screenshot_dir(tmp_path)
+    hostile = tmp_path / 'h<a href="http:evil.example" target=_blank>EVIL<b style="color:red">x.parquet'
+    page0 = (Path(__file__).resolve().parents[1] / "traces" / "sglang-0.5.23-swa-page0.parquet").read_bytes()
+    hostile.write_bytes(page0)
+    (tmp_path / "plain.parquet").write_bytes(page0)  # two traces: rows are named by trace and build
+    matrix = tmp_path / "matrix.html"
+    assert cli("matrix", str(hostile), str(tmp_path / "plain.parquet"), "--builds",
+               "builtin:swa,builtin:swa@unfiltered-page0", "--db", db, "--report", str(matrix)).returncode == 1
+    with browser() as b:
+        page = _drawn_without_errors(b, matrix.as_uri(), shots, "hostile-matrix")
+        assert page.locator('[href*="evil"]').count() == 0
+        assert page.locator('#chart [style*="color:red"], #chart [style*="color: red"]').count() == 0
+        assert "EVIL" in page.inner_text("#chart")  # shown, as text

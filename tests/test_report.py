@@ -233,3 +233,26 @@ def test_dashboard_answers_only_its_own_host_names_and_a_busy_port_is_bad_input(
     res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", str(tmp_path / "none.db")],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no database" in res.stderr and not (tmp_path / "none.db").exists()
+
+
+def test_dashboard_answers_bad_parameters_with_400_or_404_never_500(store_with_runs):
+    from kvreplay.dashboard import create_app
+
+    db, clean, _ = store_with_runs
+    client = create_app(open_store(db)).test_client()
+    big = str(1 << 63)
+    for url, code in ((f"/runs/{big}", 404), (f"/compare?a={big}&b={clean.run_id}", 404),
+                      ("/compare?a=" + "9" * 5000 + "&b=1", 400), ("/?until=9999-12-31", 200),
+                      ("/?trace=" + "x" * 60_000, 400), ("/?build=" + "%" * 5000, 400), ("/traces/" + "a" * 3000, 404),
+                      ("/?since=0000-01-01", 400), ("/runs/0", 404)):
+        got = client.get(url).status_code
+        assert got == code, (url[:60], got)
+
+
+def test_show_and_report_of_a_run_id_beyond_the_store_range_are_one_line(store_with_runs, cli, tmp_path):
+    db, _, _ = store_with_runs
+    out = tmp_path / "r.html"
+    for argv in (("show",), ("report", "-o", str(out))):
+        res = cli(*argv, str(1 << 63), "--db", db)
+        assert res.returncode == 2 and "no run" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not out.exists()

@@ -112,6 +112,9 @@ def list_runs(store: Store, *, trace: str | None = None, build: str | None = Non
               trace_hash: str | None = None) -> list[Run]:
     """Stored runs, newest first: ``trace`` matches a path part or a hash prefix,
     ``trace_hash`` one trace exactly; ``since``/``until`` bound when they were stored."""
+    for name, value in (("trace", trace), ("build", build)):
+        if value and len(value) > MAX_FILTER_CHARS:
+            raise BadInput(f"the {name} filter is longer than {MAX_FILTER_CHARS} characters")
     q = select(Run).join(Run.trace).join(Run.build).options(selectinload(Run.trace), selectinload(Run.build))
     if trace_hash:
         q = q.where(Trace.content_hash == trace_hash)
@@ -140,7 +143,13 @@ def trace_by_hash(store: Store, prefix: str) -> Trace | None:
         return s.scalars(select(Trace).where(Trace.content_hash.startswith(prefix)).limit(1)).first()
 
 
+MAX_RUN_ID = (1 << 63) - 1  # the store's ids are 64-bit: a larger number names no run
+MAX_FILTER_CHARS = 1000  # a filter longer than any path (SQLite refuses long LIKE patterns)
+
+
 def get_run(store: Store, run_id: int) -> Run:
+    if not 1 <= run_id <= MAX_RUN_ID:
+        raise BadInput(f"no run {str(run_id)[:24]} in this database (run ids are 1 to {MAX_RUN_ID})")
     with store.session() as s:
         run = s.scalar(
             select(Run).where(Run.id == run_id).options(

@@ -35,6 +35,13 @@
     return e;
   }
 
+  // Plotly draws its text fields (names, labels, category ticks, annotations, hover
+  // text) as a subset of HTML: links, styles. Everything from data goes in escaped, and
+  // Plotly shows the entities as the characters they stand for.
+  function P(v) {
+    return String(v).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  }
+
   function text(v) {
     if (v === null || v === undefined) return "-";
     if (typeof v === "object") return JSON.stringify(v);
@@ -85,9 +92,9 @@
       for (const sub of Object.keys(occ.hi)) {
         const color = COLORS[sub] || "#555";
         const x = occ.hi[sub].map((_, i) => i * occ.stride + 1);
-        const name = (many ? run.label + ": " : "") + sub + " used" + (recorded ? " (replayed)" : "");
+        const name = P((many ? run.label + ": " : "") + sub + " used" + (recorded ? " (replayed)" : ""));
         traces.push({ x, y: occ.hi[sub], name, mode: "lines", line: { color, width: 1.5, dash: RUN_DASH[ri % 2] },
-          legendgroup: ri + sub, connectgaps: true, hovertemplate: "call %{x}: %{y} tokens used (highest)<extra>" + name.replace(/</g, "") + "</extra>" });
+          legendgroup: ri + sub, connectgaps: true, hovertemplate: "call %{x}: %{y} tokens used (highest)<extra>" + name + "</extra>" });
         traces.push({ x, y: occ.lo[sub], name: name + " (lowest)", mode: "lines", fill: "tonexty",
           fillcolor: rgba(color, many ? 0.12 : 0.25), line: { width: 0, color }, showlegend: false,
           legendgroup: ri + sub, connectgaps: true, hovertemplate: "call %{x}: %{y} tokens used (lowest)<extra></extra>" });
@@ -96,7 +103,7 @@
           shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: occ.sizes[sub], y1: occ.sizes[sub],
             line: { color, width: 1, dash: "dot" } });
           annotations.push({ xref: "paper", x: 1, xanchor: "right", yref: "y", y: occ.sizes[sub], yanchor: "bottom",
-            text: sub + " size " + occ.sizes[sub], showarrow: false, font: { size: 10, color } });
+            text: P(sub + " size " + occ.sizes[sub]), showarrow: false, font: { size: 10, color } });
         }
       }
       if (run.capacity_call) {
@@ -113,7 +120,7 @@
         const same = base && base.occupancy.stride === recorded.stride && sameSeries(base.occupancy.hi[sub], recorded.hi[sub]) && sameSeries(base.occupancy.lo[sub], recorded.lo[sub]);
         if (same && !many) { recordedNote.push(sub); continue; }
         const x = recorded.hi[sub].map((_, i) => i * recorded.stride + 1);
-        traces.push({ x, y: recorded.hi[sub], name: sub + " used (recorded)", mode: "lines", connectgaps: true,
+        traces.push({ x, y: recorded.hi[sub], name: P(sub + " used (recorded)"), mode: "lines", connectgaps: true,
           line: { color: "#222", width: 1, dash: "dot" }, hovertemplate: "call %{x}: %{y} tokens used, recorded<extra></extra>" });
         if (!Object.keys(seenSizes).length) {
           shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: recorded.sizes[sub], y1: recorded.sizes[sub], line: { color: "#222", width: 1, dash: "dot" } });
@@ -135,7 +142,7 @@
       for (const group of ["violation", "divergence"]) {
         const marks = (run.marks || {})[group] || {};
         for (const key of Object.keys(marks).sort()) {
-          const label = findingLabel(run, group, key, many);
+          const label = P(findingLabel(run, group, key, many));
           rows.push(label);
           const calls = marks[key];
           if (calls.length > SPARSE_MARKS) {
@@ -155,7 +162,7 @@
             traces.push({ x: calls, y: calls.map(() => label), yaxis: "y2", mode: "markers", type: "scatter",
               name: label, showlegend: false, customdata: calls.map((c) => [ri, group, key, c]),
               marker: { size: 6, color: group === "violation" ? "#d62728" : "#9467bd", opacity: 0.55, symbol: "line-ns-open" },
-              hovertemplate: "call %{x}<extra>" + label.replace(/</g, "") + "</extra>" });
+              hovertemplate: "call %{x}<extra>" + label + "</extra>" });
           }
         }
       }
@@ -176,14 +183,14 @@
     runs.forEach((run, ri) => {
       for (const group of ["violation", "divergence"]) {
         for (const key of Object.keys((run.marks || {})[group] || {}).sort()) {
-          const label = findingLabel(run, group, key, many);
+          const label = P(findingLabel(run, group, key, many));
           const calls = run.marks[group][key];
           const fi = run.firsts[group + ":" + key];
           const first = fi === undefined ? calls[0] : run.findings[fi].call;
           traces.push({ x: [first], y: [label], yaxis: "y2", mode: "markers", type: "scatter", showlegend: false,
             name: "first " + label, customdata: [[ri, group, key, first]],
             marker: { size: 15, color: "#ffd700", line: { color: "#000", width: 1.5 }, symbol: "star" },
-            hovertemplate: "first: call %{x}<extra>" + label.replace(/</g, "") + "</extra>" });
+            hovertemplate: "first: call %{x}<extra>" + label + "</extra>" });
         }
       }
     });
@@ -319,7 +326,7 @@
     const rowLabel = (c) => (many ? c.trace.split("/").pop() + " x " : "") + c.build;
     const z = [], txt = [], ylab = [], ids = [];
     for (const c of m.cells) {
-      ylab.push(rowLabel(c) + " [" + c.status + "]");
+      ylab.push(P(rowLabel(c) + " [" + c.status + "]"));
       ids.push(c.run_id);
       const untestable = ["unloadable", "unsupported", "crashed", "timeout"].includes(c.status);
       z.push(cols.map((r) => untestable ? null : (r.startsWith("divergence: ") ? ((c.divergences || {})[r.slice(12)] ? 1 : 0) : ((c.rules || {})[r] !== undefined ? 1 : 0))));
@@ -328,7 +335,7 @@
     const chart = el("div", { id: "chart", class: "chart" });
     app.append(el("h2", {}, "Build x rule"), chart);
     if (cols.length) {
-      Plotly.newPlot(chart, [{ type: "heatmap", x: cols, y: ylab, z, text: txt, customdata: ids.map((id) => cols.map(() => id)),
+      Plotly.newPlot(chart, [{ type: "heatmap", x: cols.map(P), y: ylab, z, text: txt, customdata: ids.map((id) => cols.map(() => id)),
         hovertemplate: "%{y}<br>%{x}: %{text}<extra></extra>", colorscale: [[0, "#e8f5e9"], [1, "#d62728"]], showscale: false, xgap: 2, ygap: 2 }],
         { height: 160 + 34 * ylab.length, margin: { l: 260, b: 160, t: 20 }, yaxis: { autorange: "reversed" } }, { displaylogo: false, responsive: true }).then(() => {
         chart.setAttribute("data-drawn", "1");
@@ -356,7 +363,7 @@
     const chart = el("div", { id: "chart", class: "chart" });
     app.append(el("h2", {}, "Builds in search order"), chart);
     Plotly.newPlot(chart, [{ type: "scatter", mode: "markers+text", x: steps.map((s) => s.index), y: steps.map(() => 0),
-      text: steps.map((s) => s.label), textposition: "top center", customdata: steps.map((s) => s.verdict + ": " + s.status + (s.why ? " (" + s.why + ")" : "")),
+      text: steps.map((s) => P(s.label)), textposition: "top center", customdata: steps.map((s) => P(s.verdict + ": " + s.status + (s.why ? " (" + s.why + ")" : ""))),
       marker: { size: 18, color: steps.map((s) => VERDICT[s.verdict] || "#555"), line: { color: steps.map((s) => (b.first_bad && s.label === b.first_bad.label) ? "#000" : "#fff"), width: 3 } },
       hovertemplate: "%{text}<br>%{customdata}<extra></extra>" }],
       { height: 260, yaxis: { visible: false, range: [-1, 1.5] }, xaxis: { title: { text: "builds in search order, oldest first (the good end first)" }, zeroline: false, tickvals: steps.map((s) => s.index), ticktext: steps.map((s) => "#" + (s.index + 1)) }, margin: { t: 20 } },
@@ -382,12 +389,12 @@
     const color = { clean: "#2ca02c", violation: "#d62728", divergence: "#9467bd" };
     const chart = el("div", { id: "chart", class: "chart" });
     app.append(el("h2", {}, "Across builds"), chart);
-    Plotly.newPlot(chart, [{ type: "scatter", mode: "markers", x: runs.map((r) => r.started_at), y: runs.map((r) => r.build),
-      customdata: runs.map((r) => r.run_id), text: runs.map((r) => "run " + r.run_id + " (" + r.mode + "): " + r.status + ", " + r.violation_total + " violation(s), " + r.divergence_total + " divergence(s)"),
+    Plotly.newPlot(chart, [{ type: "scatter", mode: "markers", x: runs.map((r) => r.started_at), y: runs.map((r) => P(r.build)),
+      customdata: runs.map((r) => r.run_id), text: runs.map((r) => P("run " + r.run_id + " (" + r.mode + "): " + r.status + ", " + r.violation_total + " violation(s), " + r.divergence_total + " divergence(s)")),
       marker: { size: runs.map((r) => 9 + Math.min(14, Math.log10(1 + r.violation_total + r.divergence_total) * 4)), color: runs.map((r) => color[r.status] || "#9e9e9e") },
       hovertemplate: "%{text}<extra></extra>" }],
       { height: 140 + 36 * builds.length, margin: { l: 240, t: 10, b: 50 }, xaxis: { title: { text: "stored" } },
-        yaxis: { type: "category", categoryarray: builds, automargin: true } }, { displaylogo: false, responsive: true }).then(() => {
+        yaxis: { type: "category", categoryarray: builds.map(P), automargin: true } }, { displaylogo: false, responsive: true }).then(() => {
       chart.setAttribute("data-drawn", "1");
       chart.on("plotly_click", (ev) => { const id = ev.points[0].customdata; if (data.links[String(id)]) window.location.href = safeHref(data.links[String(id)]); });
     });
