@@ -105,7 +105,7 @@ def _retyped(tmp_path: Path, column: str) -> Path:
     ("depth-string", ["column depth"]),
     ("negative-seq", ["row numbers"]),
     ("no-rows", ["no call to replay"]),
-    ("only-nested", ["no call to replay"]),
+    ("only-nested", ["the first row is a nested call"]),
 ])
 def test_a_trace_with_nothing_replayable_is_bad_input_and_stores_nothing(damage, words, tmp_path, cli):
     rows, schema = _rows(PAGE0)
@@ -512,3 +512,21 @@ def test_ci_summary_and_junit_carry_hostile_trace_names_as_text(tmp_path, cli):
     row = next(line for line in text.splitlines() if "evil" in line)
     assert not re.search(r"(?<!\\)[<>\[\]()]", row.split("|", 3)[2]), row  # no markup left unescaped
     assert len(re.findall(r"(?<!\\)\|", row)) == 7, row  # the table's own bars, none from the name
+
+
+def test_rows_deeper_than_a_sub_allocator_call_are_refused(tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    nested = next(i for i, r in enumerate(rows) if r["depth"] == 1)
+    rows[nested]["depth"] = 7
+    _bad(cli("replay", str(_write(rows, schema, tmp_path / "t.parquet")), "--build", "builtin:swa",
+             "--db", str(tmp_path / "k.db")), "call depth outside 0..1")
+    assert not (tmp_path / "k.db").exists()
+
+
+def test_a_value_naming_an_element_type_kvreplay_does_not_write_is_refused(tmp_path, cli):
+    rows, schema = _rows(PAGE0)
+    arg = next(a for r in rows for a in r["args"] if a["kind"] == "tensor")
+    arg["dtype"] = "os.system"
+    _bad(cli("replay", str(_write(rows, schema, tmp_path / "t.parquet")), "--build", "builtin:swa",
+             "--db", str(tmp_path / "k.db")), "element type 'os.system'")
+    assert not (tmp_path / "k.db").exists()

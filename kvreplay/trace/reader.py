@@ -40,7 +40,11 @@ if TYPE_CHECKING:
     import torch
 
 
-MAX_DEPTH = 64  # nested calls deeper than this are not a recording
+# A row is the pool's own call (depth 0) or one it made into a sub-allocator (depth 1):
+# sub-allocators have none of their own, and a pool's calls on itself are not rows.
+MAX_DEPTH = 1
+# Element types a recorded tensor may name (a segment list joins one per segment with ",").
+TENSOR_DTYPES = frozenset({"torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.bool"})
 
 
 def _regular_file(path: Path) -> None:
@@ -75,6 +79,14 @@ def _check_sizes(part: Path, f: pq.ParquetFile, meta: TraceMeta) -> None:
             raise TraceFormatError(
                 f"{part}: row group {g} lists {values:,} values for {rg.num_rows:,} calls, more than a pool of "
                 f"{slots - 2:,} slots can (at most {bound:,}; KVREPLAY_MAX_GROUP_VALUES raises the limit)")
+
+
+def _check_dtypes(path: Path, *columns: pa.Array) -> None:
+    for col in columns:
+        for name in pc.unique(col.drop_null()).to_pylist():
+            if name and not all(part in TENSOR_DTYPES for part in name.split(",")):
+                raise TraceFormatError(f"{path}: a value names element type {name[:40]!r}, not one of "
+                                       f"{', '.join(sorted(TENSOR_DTYPES))}")
 
 
 class TraceReader:
@@ -132,9 +144,17 @@ class TraceReader:
         Returns the number of calls (top-level, not gaps)."""
         calls = 0
         last_seq = -1
+        first = True
         names = API_METHODS | {GAP_METHOD, CHECKPOINT_METHOD}
-        for batch in self.iter_batches(columns=["seq", "depth", "target", "method"]):
-            seq, depth, target, method = (batch.column(i) for i in range(4))
+        for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
+                                                "result.dtype"]):
+            seq, depth, target, method, arg_dtypes, result_dtypes = (batch.column(i) for i in range(6))
+            _check_dtypes(self.path, arg_dtypes.flatten().field(0), result_dtypes.field(0))
+            recorded = pc.filter(depth, pc.not_equal(target, GAP_TARGET))
+            if first and len(recorded):
+                first = False
+                if recorded[0].as_py() != 0:
+                    raise TraceFormatError(f"{self.path}: the first row is a nested call, with no call it was made in")
             # gap rows carry the lost calls' numbers (or -1): only recorded rows must grow
             rows = pc.filter(seq, pc.not_equal(target, GAP_TARGET))
             if len(rows) and (pc.min(rows).as_py() <= last_seq or not _increasing(rows)):
