@@ -530,3 +530,42 @@ def test_a_value_naming_an_element_type_kvreplay_does_not_write_is_refused(tmp_p
     _bad(cli("replay", str(_write(rows, schema, tmp_path / "t.parquet")), "--build", "builtin:swa",
              "--db", str(tmp_path / "k.db")), "element type 'os.system'")
     assert not (tmp_path / "k.db").exists()
+
+
+def test_corpus_add_never_writes_what_the_manifest_schema_refuses(tmp_path, cli):
+    # The footer's extra.command is the trace author's: a number there used to go into
+    # the manifest, and every later corpus check and ci failed on it.
+    rows, schema = _rows(PAGE0)
+    trace = _write(rows, schema, tmp_path / "t.parquet", {"extra": json.dumps({"command": 12345})})
+    corpus = tmp_path / "corpus"
+    assert cli("corpus", "add", str(trace), "--name", "t", "--corpus", str(corpus)).returncode == 0
+    res = cli("corpus", "check", str(corpus))
+    assert res.returncode == 0, res.stderr
+    assert json.loads((corpus / "manifest.json").read_text())["traces"][0]["command"].startswith("kvreplay corpus add")
+
+
+def test_a_gap_row_whose_lost_call_count_is_text_is_one_line_in_inspect(tmp_path, cli):
+    from kvreplay.trace.format import GapRecord
+
+    rows, schema = _rows(PAGE0)
+    gap = GapRecord(5, 9, 5, "queue full", "", 0).to_table().to_pylist()[0]
+    for a in gap["args"]:
+        if a["name"] == "lost_calls":
+            a.update(kind="str", i=None, s="many")
+    rows.insert(10, {**gap, "seq": rows[9]["seq"]})
+    trace = _write(rows, schema, tmp_path / "t.parquet")
+    _bad(cli("inspect", str(trace)), "gap row", "damaged")
+
+
+@pytest.mark.parametrize("value", ["abc", 7, None, [1, 2], {"list": "x"}])
+def test_a_snapshot_attribute_of_the_wrong_kind_is_one_line(tmp_path, cli, value):
+    from kvreplay.pools.swa import SWAPool
+    from kvreplay.trace import snapshot
+
+    rows, schema = _rows(PAGE0)
+    state = snapshot.take(SWAPool(2048, 512, 16))
+    state["objects"]["full"]["free_pages"] = value
+    trace = _write(rows, schema, tmp_path / "t.parquet", {"initial_state": json.dumps(state)})
+    res = cli("replay", str(trace), "--build", "builtin:swa", "--db", str(tmp_path / "k.db"))
+    assert res.returncode in (1, 2), res.stderr  # refused, or replayed into a state the checker then flags
+    assert res.stderr.count("\n") <= 1 and "internal error" not in res.stderr, res.stderr

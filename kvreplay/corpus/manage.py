@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.corpus.expectations import expectation_of
-from kvreplay.corpus.manifest import MANIFEST, NAME, load_manifest, read_document, write_document
+from kvreplay.corpus.manifest import MANIFEST, NAME, check_entry, load_manifest, read_document, write_document
 from kvreplay.errors import BadInput
 from kvreplay.pools.registry import DEFAULT_FOR_FAMILY
 from kvreplay.replay.dispatch import replay
@@ -39,15 +39,18 @@ def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", build
         raise BadInput(f"{name} is already in {corpus / MANIFEST} (--force replaces it)")
     builds = builds or [DEFAULT_FOR_FAMILY[reader.meta.family]]
     expect = [expectation_of(replay(trace, b, device="cpu")) for b in builds]
-    corpus.mkdir(parents=True, exist_ok=True)
     dest = corpus / f"{name}.parquet"
-    shutil.copyfile(trace, dest)
     extra = reader.meta.extra or {}
+    command = extra.get("command")  # the trace's own footer says it: a string, or not used
     entry = {"name": name, "file": dest.name,
-             "command": extra.get("command") or f"kvreplay corpus add {trace} --name {name}",
+             "command": command[:2000] if isinstance(command, str) and command else
+             f"kvreplay corpus add {trace} --name {name}",
              "summary": f"added from {trace}: {reader.meta.pool_class} ({reader.meta.family}), "
                         f"{reader.num_rows} rows, recorded on {reader.meta.host or '?'} at {reader.meta.start_time}",
-             "expect": expect, "sha256": content_hash(dest)}
+             "expect": expect, "sha256": content_hash(Path(trace))}
+    check_entry(entry, corpus)  # before anything is written
+    corpus.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(trace, dest)
     manifest["traces"] = [e for e in manifest["traces"] if e["name"] != name] + [entry]
     write_document(corpus, manifest)
     return entry

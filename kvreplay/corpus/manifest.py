@@ -167,6 +167,12 @@ def _entry(t: Any, path: Path, index: int) -> CorpusEntry:
                        sha256=sha, summary=_of(t.get("summary", ""), str, "summary", where), expect=expect)
 
 
+def check_entry(entry: dict[str, Any], corpus: str | Path) -> CorpusEntry:
+    """A new entry held to the manifest's schema before it is written: what ``corpus
+    add`` takes from a trace (its footer's command) must not make the manifest unreadable."""
+    return _entry(entry, manifest_path(corpus), 0)
+
+
 def load_manifest(corpus: str | Path) -> list[CorpusEntry]:
     """The manifest's entries, checked against its schema: unknown keys, wrong types,
     names that are not plain names, files outside the corpus and duplicate names are

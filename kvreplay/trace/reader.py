@@ -234,7 +234,13 @@ class TraceReader:
                 break
         if not found:
             return []
-        return [c for c in self.calls(top_level_only=True) if c.target == GAP_TARGET and c.method == GAP_METHOD]
+        gaps = [c for c in self.calls(top_level_only=True) if c.target == GAP_TARGET and c.method == GAP_METHOD]
+        for g in gaps:  # what every reader of a gap relies on, checked once here
+            lost, state, reason = g.args.get("lost_calls", 0), g.args.get("state"), g.args.get("reason", "")
+            if type(lost) is not int or not (state is None or isinstance(state, str)) or not isinstance(reason, str):
+                raise TraceFormatError(f"{self.path}: a gap row at row {g.seq} is damaged (lost_calls must be a "
+                                       "number, state a snapshot, reason text)")
+        return gaps
 
     def checkpoints(self) -> list[Checkpoint]:
         """The trace's checkpoint rows, in order: where each is (row) and after how many

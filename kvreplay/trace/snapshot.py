@@ -154,8 +154,28 @@ def restore(pool: Any, snapshot: dict[str, Any]) -> list[str]:
             if key not in own:  # state the build keeps elsewhere (or not at all): setting it would do nothing
                 missing.append(f"{name}.{key}")
                 continue
-            setattr(obj, key, _decode(enc, device))
+            value = _decode(enc, device)
+            if not _same_kind(own[key], value):
+                raise ValueError(f"snapshot {name}.{key} is a {type(value).__name__}, where the pool keeps a "
+                                 f"{type(own[key]).__name__}")
+            setattr(obj, key, value)
     return missing
+
+
+def _same_kind(now: Any, restored: Any) -> bool:
+    """A snapshot value may replace a pool's attribute only with one of its kind: a tensor
+    of the same element type and rank, a number, a flag, a list, or what was None."""
+    if isinstance(now, torch.Tensor):
+        return isinstance(restored, torch.Tensor) and restored.dtype == now.dtype and restored.dim() == now.dim()
+    if now is None or restored is None:
+        return True
+    if isinstance(now, bool) or isinstance(restored, bool):
+        return type(now) is type(restored)
+    if isinstance(now, (int, float)):
+        return isinstance(restored, (int, float))
+    if isinstance(now, (list, tuple)):
+        return isinstance(restored, (list, tuple))
+    return type(now) is type(restored)
 
 
 def matches(pool: Any, snapshot: dict[str, Any]) -> bool:
