@@ -137,3 +137,35 @@ def test_damaged_manifests_fast(corpus, cli):
 def test_damaged_manifests_many(corpus, cli):
     exits = _fuzz_manifests(500, SEED + 1, corpus, cli)
     print(f"fuzz: 500 damaged manifests, exits {dict(sorted(exits.items()))}")
+
+
+def _fuzz_dashboard(cases: int, seed: int, db: str) -> dict[int, int]:
+    """Random GETs over every route with hostile parameters: never a 500."""
+    import random
+
+    from kvreplay.dashboard import create_app
+    from kvreplay.store.db import open_store
+
+    rng = random.Random(seed)
+    client = create_app(open_store(db)).test_client()
+    words = ["1", "0", "-1", str(1 << 63), "9" * 400, "x" * 5000, "%", "%25", "'; DROP TABLE runs;--", "<a>", "\x00",
+             "9999-12-31", "0001-01-01", "2026-13-40", "violation", "clean", "../../etc/passwd", "", "1e9", "١"]
+    routes = ["/", "/runs/{w}", "/compare", "/traces/{w}", "/api/runs", "/assets/{w}", "/favicon.ico", "/{w}"]
+    params = ["trace", "build", "status", "since", "until", "a", "b"]
+    codes: dict[int, int] = {}
+    for _ in range(cases):
+        route = rng.choice(routes).replace("{w}", rng.choice(words).replace("/", "%2F") or "x")
+        query = "&".join(f"{rng.choice(params)}={rng.choice(words)}" for _ in range(rng.randint(0, 3)))
+        got = client.get(route + ("?" + query if query else "")).status_code
+        codes[got] = codes.get(got, 0) + 1
+        assert got < 500, (route, query)
+    return codes
+
+
+def test_dashboard_routes_fast(swa_trace_80, tmp_path):
+    from kvreplay.stored_replay import replay_and_store
+
+    db = str(tmp_path / "k.db")
+    replay_and_store(swa_trace_80, "builtin:swa", db=db, device="cpu")
+    codes = _fuzz_dashboard(int(os.environ.get("KVREPLAY_FUZZ_DASHBOARD", "400")), SEED, db)
+    assert codes.get(200) and codes.get(404) and codes.get(400)

@@ -24,7 +24,14 @@ WILD_JSON = ["[]", "3", "\"x\"", "null", "{\"size\": -4}", "{\"size\": \"big\"}"
              "{\"format\": 1, \"objects\": {\"root\": {\"free_pages\": {\"tensor\": \"float99\", \"shape\": [1], "
              "\"z\": \"eJw=\"}}}}",
              "{\"format\": 1, \"objects\": {\"root\": {\"free_pages\": {\"tensor\": \"int64\", \"shape\": [2], "
-             "\"z\": \"not-base64!\"}}}}"]
+             "\"z\": \"not-base64!\"}}}}",
+             # second round: nesting past any parser's stack, integers too long to convert, a type name
+             # that is an attribute of torch, a shape that declares gigabytes
+             "{\"a\": " * 3000 + "1" + "}" * 3000, "{\"size\": " + "9" * 5000 + "}",
+             "{\"format\": 1, \"objects\": {\"full\": {\"free_pages\": {\"tensor\": \"load\", \"shape\": [1], "
+             "\"z\": \"eJw=\"}}}}",
+             "{\"format\": 1, \"objects\": {\"full\": {\"free_pages\": {\"tensor\": \"int64\", "
+             "\"shape\": [100000, 100000], \"z\": \"eJw=\"}}}}"]
 
 
 def _rows(table: pa.Table) -> list[dict[str, Any]]:
