@@ -204,3 +204,18 @@ def test_long_work_reports_progress_lines_when_not_on_a_terminal(swa_trace_80, c
     assert len(lines) >= 2 and done == total
     res = cli("diff", str(swa_trace_80), "--base", "builtin:swa", "--candidate", "builtin:swa@stale-tail")
     assert any(ln.startswith(f"diff {swa_trace_80.name}: ") for ln in res.stderr.splitlines())
+
+
+def test_commands_that_read_the_store_never_create_one(tmp_path, cli):
+    # A mistyped --db used to answer "no runs" and leave an empty 80 KB database behind.
+    for argv in (("show", "99"), ("runs",), ("report", "1", "-o", str(tmp_path / "r.html"))):
+        db = tmp_path / "sub" / "typo.db"
+        res = cli(*argv, "--db", str(db))
+        assert res.returncode == 2 and "database" in res.stderr, (argv, res.stderr)
+        assert not db.exists() and not db.parent.exists() and not (tmp_path / "r.html").exists()
+
+
+def test_synth_into_a_directory_that_does_not_exist_writes_nothing(tmp_path, cli):
+    res = cli("synth", "decode", "-n", "5", "-o", str(tmp_path / "no" / "such" / "t.parquet"))
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    assert not (tmp_path / "no").exists()

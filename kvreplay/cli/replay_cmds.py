@@ -177,7 +177,7 @@ def runs(
 
     if status is not None:
         one_of("status", status, STATUSES)
-    st = open_store(db)
+    st = open_store(db, existing=True)
     try:
         rows = [run_to_dict(r) for r in list_runs(st, trace=trace, build=build, status=status, limit=limit)]
     finally:
@@ -205,7 +205,7 @@ def show(
     from kvreplay.store.db import open_store
     from kvreplay.store.runs import get_run, run_to_dict
 
-    st = open_store(db)
+    st = open_store(db, existing=True)
     try:
         d = run_to_dict(get_run(st, run_id), details=True)
     finally:

@@ -36,7 +36,7 @@ def report(
     from kvreplay.store.db import check_store, open_store
 
     check_store(db)
-    st = open_store(db)
+    st = open_store(db, existing=True)
     try:
         page = stored_compare_report(st, run_id, against) if against is not None else stored_run_report(st, run_id)
     finally:
@@ -72,7 +72,7 @@ def serve(
         raise BadInput(f"no database at {url.removeprefix('sqlite:///')}: replay something first, or give --db")
     if not 0 < port < 65536:
         raise BadInput(f"--port must be 1..65535, not {port}")
-    st = open_store(db)
+    st = open_store(db, existing=True)
     say(f"kvreplay dashboard on http://{host}:{port}/ over {st.url.split('://')[0]} store (Ctrl-C stops it)",
         to_err=True)
     try:

@@ -119,9 +119,15 @@ def _refuse_newer(engine: Engine, url: str) -> None:
                        "upgrade kvreplay to use it")
 
 
-def open_store(db: str | None = None, *, migrate: bool = True) -> Store:
-    """Open (creating or migrating as needed) the store; BadInput if it cannot be."""
-    url = resolve_url(db)
+def open_store(db: str | None = None, *, migrate: bool = True, existing: bool = False) -> Store:
+    """Open (creating or migrating as needed) the store; BadInput if it cannot be.
+    ``existing``: a command that only reads (show, runs, report, serve) opens a SQLite
+    file only if it is there, so a mistyped --db is an error, not a new empty store."""
+    url = resolve_url(db, create_dirs=not existing)
+    if existing and url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        path = Path(url.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise BadInput(f"no database at {path}: nothing has been stored there (check --db or $KVREPLAY_DB)")
     try:
         engine = create_engine(url)
     except (SQLAlchemyError, ValueError, ImportError) as exc:

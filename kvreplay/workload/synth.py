@@ -138,6 +138,8 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
     out, remote = output_path(cfg.out)  # a URI: written here, then put there
     if out.is_dir():
         raise BadInput(f"{out} is a directory; give a file name for the trace")
+    if not remote and not out.parent.is_dir():  # bad input writes nothing, not even a directory
+        raise BadInput(f"{out.parent} does not exist; create it first or write the trace elsewhere")
     extra = {"synth": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "out"}}
     if command:
         extra["command"] = command
