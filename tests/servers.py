@@ -147,3 +147,20 @@ def screenshot_dir(tmp: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     return d
 
+
+
+def pids(where: str, *parts: bytes) -> list[int]:
+    """Processes whose /proc/PID/<where> file (cmdline, environ, comm) holds every one
+    of ``parts``; processes that end while being read are passed over."""
+    from pathlib import Path
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                text = Path(f"/proc/{d}/{where}").read_bytes()
+            except OSError:
+                continue
+            if all(p in text for p in parts):
+                out.append(int(d))
+    return out

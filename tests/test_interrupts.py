@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from servers import pids
 
 SLOW_POOL = '''
 import time
@@ -60,16 +61,8 @@ def trace(tmp_path_factory):
 
 
 def _marked(named: bytes = b"") -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                env = Path(f"/proc/{d}/environ").read_bytes()
-            except OSError:
-                continue
-            if MARK.encode() in env and named in Path(f"/proc/{d}/cmdline").read_bytes():
-                out.append(int(d))
-    return out
+    marked = pids("environ", MARK.encode())
+    return [p for p in marked if p in set(pids("cmdline", named))] if named else marked
 
 
 MARK = f"KVREPLAY_TEST_INTERRUPT={uuid.uuid4().hex}"

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import pids
 
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
@@ -108,22 +109,10 @@ class Server:
 
     def scheduler_pid(self) -> int:
         """The scheduler process (sglang names it ``sglang::scheduler``)."""
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    cmdline = Path(f"/proc/{d}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if b"sglang::scheduler" in cmdline or b"sglang::scheduler" in _comm(d):
-                    return int(d)
-        pytest.fail("no sglang::scheduler process found")
-
-
-def _comm(pid: str) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/comm").read_bytes()
-    except OSError:
-        return b""
+        found = pids("cmdline", b"sglang::scheduler") or pids("comm", b"sglang::scheduler")
+        if not found:
+            pytest.fail("no sglang::scheduler process found")
+        return found[0]
 
 
 def _traces(out: Path) -> list[Path]:
