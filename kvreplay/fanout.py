@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
 from kvreplay.errors import BadInput, KvreplayError
-from kvreplay.scratch import kill_tree
+from kvreplay.scratch import kill_tree, outer_tmp
 
 U = TypeVar("U")
 R = TypeVar("R")
@@ -102,6 +102,8 @@ def connect_ray(address: str) -> Any:
     ray = ray_module()
     if not ray.is_initialized():
         local = address in ("", "local")
+        if local:  # its session files live outside the command's scratch, which goes when it ends
+            os.environ.setdefault("RAY_TMPDIR", outer_tmp())
         try:
             # The workers see the store, trace and credentials settings this process sees.
             env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "KVREPLAY_", "GOOGLE_"))}

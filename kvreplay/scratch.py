@@ -48,6 +48,13 @@ def descendants(pid: int) -> list[int]:
 
 
 _stopping = threading.Event()
+_outer: list[str] = []  # the temporary directory in effect before each owned() (innermost last)
+
+
+def outer_tmp() -> str:
+    """The temporary directory outside this command's scratch: for what outlives the
+    command (a local Ray instance a test process keeps for its next command)."""
+    return _outer[-1] if _outer else tempfile.gettempdir()
 
 
 def stopping() -> bool:
@@ -86,11 +93,13 @@ def owned() -> Iterator[Path]:
         yield base
         return
     saved_dir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    _outer.append(str(base))
     tempfile.tempdir = str(root)
     os.environ["TMPDIR"] = str(root)  # spawned workers and their children too
     try:
         yield root
     finally:
+        _outer.pop()
         tempfile.tempdir = saved_dir
         if saved_env is None:
             os.environ.pop("TMPDIR", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -200,3 +201,14 @@ def test_a_pool_built_with_the_kv_cache_dtype_is_recorded_and_replays(tmp_path):
     assert dtypes == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn"]
     for p in traces:
         assert replay(p, "builtin:swa", device="cpu").status == "clean"
+
+
+def test_record_leaves_the_programs_environment_as_it_was(tmp_path):
+    # kvreplay pins its own torch to one thread; the server it records keeps its own
+    # choice (a recorded server with fewer threads is not the server measured bare).
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    prog = tmp_path / "prog.py"
+    prog.write_text("import os; print(os.environ.get('OMP_NUM_THREADS', 'unset'))")
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path / "out"), "--",
+                          sys.executable, str(prog)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout.splitlines()[0] == "unset", res.stdout + res.stderr

@@ -123,14 +123,17 @@ def _terminate_like_ctrl_c() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: turns library errors into one line and an exit code."""
-    _pin_torch_threads()
-    _terminate_like_ctrl_c()
-    _keep_freed_memory()
     argv = _ray_value(sys.argv[1:] if argv is None else argv)
     base.argv[:] = argv
-    # record runs someone else's program: its environment (TMPDIR) stays as it was, and
-    # its processes (the server, the trace writers) end on their own, never killed here.
-    if argv[:1] == ["record"]:
+    # record runs someone else's program: its environment (torch's threads, TMPDIR)
+    # stays as it was, and its processes (the server, the trace writers) end on their
+    # own, never killed here.
+    recording = argv[:1] == ["record"]
+    if not recording:
+        _pin_torch_threads()
+    _terminate_like_ctrl_c()
+    _keep_freed_memory()
+    if recording:
         _run(argv, interrupted=_fail)
         return
     with scratch.owned():
