@@ -569,3 +569,22 @@ def test_a_snapshot_attribute_of_the_wrong_kind_is_one_line(tmp_path, cli, value
     res = cli("replay", str(trace), "--build", "builtin:swa", "--db", str(tmp_path / "k.db"))
     assert res.returncode in (1, 2), res.stderr  # refused, or replayed into a state the checker then flags
     assert res.stderr.count("\n") <= 1 and "internal error" not in res.stderr, res.stderr
+
+
+def test_bit_flips_in_a_corpus_trace_are_refused_not_replayed(tmp_path, cli):
+    # The corpus carries a checksum per data page: a flipped bit in index data is a
+    # one-line refusal, never a plausible trace with other slots that replays to a finding.
+    import random
+
+    data = PAGE0.read_bytes()
+    footer = int.from_bytes(data[-8:-4], "little") + 8
+    rng = random.Random(7)
+    for i in range(40):  # without page checksums, 4 of these 40 replayed to a false finding (exit 1)
+        damaged = bytearray(data)
+        pos = rng.randrange(4, len(data) - footer)
+        damaged[pos] ^= 1 << rng.randrange(8)
+        trace = tmp_path / f"flip{i}.parquet"
+        trace.write_bytes(bytes(damaged))
+        res = cli("replay", str(trace), "--build", "builtin:swa", "--no-store")
+        assert res.returncode in (0, 2), (pos, res.returncode, res.stdout[-300:])
+        assert res.returncode == 2 or "clean" in res.stdout, (pos, res.stdout[-300:])
