@@ -428,8 +428,19 @@ def _capped(*argv: str) -> subprocess.CompletedProcess:
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (CAP_BYTES, CAP_BYTES))
 
-    return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *argv], capture_output=True, text=True,
-                          preexec_fn=cap, timeout=300)
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", *argv], stdout=out, stderr=err,
+                                text=True, preexec_fn=cap)
+        # Reaped here, not by Popen, for this child's own peak resident memory.
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        res = subprocess.CompletedProcess(argv, proc.returncode, out.read(), err.read())
+    assert usage.ru_maxrss < 1 << 20, f"peak RSS {usage.ru_maxrss / 1024:.0f} MB"  # KiB on Linux: under 1 GiB
+    return res
 
 
 @pytest.fixture(scope="module")
