@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -219,3 +220,16 @@ def test_synth_into_a_directory_that_does_not_exist_writes_nothing(tmp_path, cli
     res = cli("synth", "decode", "-n", "5", "-o", str(tmp_path / "no" / "such" / "t.parquet"))
     assert res.returncode == 2 and "does not exist" in res.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_a_piped_table_keeps_whole_names_and_help_keeps_its_brackets(tmp_path, swa_trace_80):
+    db = str(tmp_path / "k.db")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(swa_trace_80), "--build",
+                    "builtin:swa@page-partial-clear", "--db", db], capture_output=True, timeout=120, env=env)
+    listed = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "runs", "--db", db], capture_output=True,
+                            text=True, timeout=120, env=env).stdout
+    assert "builtin:swa@page-partial-clear" in listed and "…" not in listed
+    helped = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", "--help"], capture_output=True,
+                            text=True, timeout=120, env=env).stdout
+    assert "kvreplay[ray]" in helped

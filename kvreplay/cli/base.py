@@ -34,7 +34,7 @@ URI_HELP = " A path or a URI (s3://, gs://, hdfs://, file://)."
 JOBS_HELP = ("Worker processes: the trace's segments (between the checkpoints synth/record --checkpoint-every "
              "wrote) replay in parallel and merge into the serial run.")
 RAY_HELP = ("Send the work to Ray: --ray alone starts a local instance, --ray ADDRESS joins a cluster "
-            "(auto, HOST:PORT, ray://HOST:PORT). Needs pip install 'kvreplay[ray]'.")
+            "(auto, HOST:PORT, ray://HOST:PORT). Needs pip install 'kvreplay\\[ray]'.")
 # Seconds between progress lines when stderr is not a terminal (CI logs).
 PROGRESS_EVERY_S = float(os.environ.get("KVREPLAY_PROGRESS_S", "5"))
 
@@ -46,7 +46,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False, emoji=False)
+# Piped or redirected, a table gets the room its cells need (rich would assume 80
+# columns and cut names to "built…"): a script or a log reads whole names.
+_PIPED_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 400
+out = Console(highlight=False, emoji=False, width=_PIPED_WIDTH)
 err = Console(stderr=True, highlight=False, emoji=False)
 # The arguments of this invocation, so a trace can record the command that made it.
 argv: list[str] = []
