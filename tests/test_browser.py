@@ -227,3 +227,34 @@ def test_hostile_names_stay_text_in_the_charts(cli, tmp_path):
         assert page.locator("#chart a").count() == 0 and page.locator('[href*="evil"]').count() == 0
         assert page.locator('#chart tspan[style*="red"]').count() == 0
         assert "EVIL" in page.inner_text("#chart")  # shown, as text
+
+
+def test_a_hostile_build_spec_stays_text_on_the_history_page(swa_trace_80, tmp_path):
+    # A build spec comes from whoever wrote the store (a shared PostgreSQL, say): the
+    # trace-history chart draws it as a category label, where Plotly renders markup.
+    import sqlite3
+
+    db = str(tmp_path / "k.db")
+    run = replay_and_store(swa_trace_80, "builtin:swa", db=db)
+    replay_and_store(swa_trace_80, "builtin:swa@stale-tail", db=db)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE builds SET spec = ? WHERE spec = ?",
+                    ('b<a href="http:evil.example">EVIL</a><b style="color:red">x', "builtin:swa"))
+    port = free_port()
+    server = _serve(db, port)
+    shots = screenshot_dir(tmp_path)
+    try:
+        with browser() as b:
+            errors: list[str] = []
+            page = _open(b, f"http://127.0.0.1:{port}/runs/{run.run_id}", errors)
+            page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+            page.click("header nav a:has-text('trace history')")
+            page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+            page.screenshot(path=str(shots / "hostile-history.png"), full_page=True)
+            assert "EVIL" in page.inner_text("#chart")
+            assert page.locator("#chart a").count() == 0 and page.locator('[href*="evil"]').count() == 0
+            assert page.locator('#chart tspan[style*="red"]').count() == 0
+            assert errors == []
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

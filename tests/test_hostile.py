@@ -497,10 +497,13 @@ def test_a_schema_version_that_is_not_a_version_number_is_refused(tmp_path, cli,
     _bad(cli("inspect", str(trace)), "schema version")
 
 
-def test_a_manifest_integer_too_long_to_read_is_one_line(tmp_path, cli):
+@pytest.mark.parametrize("text", ['{"version": ' + "7" * 5000 + ', "traces": []}',
+                                  '{"version": 2, "traces": [' + "[" * 5000 + "]" * 5000 + "]}"],
+                         ids=["long-integer", "deep-nesting"])
+def test_a_manifest_integer_too_long_to_read_is_one_line(tmp_path, cli, text):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "manifest.json").write_text('{"version": ' + "7" * 5000 + ', "traces": []}')
+    (corpus / "manifest.json").write_text(text)
     res = cli("corpus", "check", str(corpus))
     _bad(res, "not a readable JSON manifest")
 
