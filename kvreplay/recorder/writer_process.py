@@ -6,9 +6,7 @@ was half of the recorder's overhead. Here the recording process only pickles eac
 batch (its buffers are already bytes) and a sender thread pushes it down a pipe,
 blocking in ``write`` with the GIL released. The writer (writer_child.py) imports
 no torch, and detaches from the recorded process so that nothing which kills that
-process or its process tree kills the writer: writer_child.py says how.
-
-"""
+process or its process tree kills the writer: writer_child.py says how."""
 
 from __future__ import annotations
 
@@ -23,8 +21,6 @@ from kvreplay.recorder.switches import DIR_ENV, SITE_DIR
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, settled
 from kvreplay.recorder.writer_child import DONE, FAILED, LEN
 from kvreplay.trace.format import TraceMeta
-
-_LEN = LEN
 
 
 class ProcessTraceWriter(QueuedWriter):
@@ -64,8 +60,8 @@ class ProcessTraceWriter(QueuedWriter):
                 payload = pickle.dumps(settled(item), protocol=5, buffer_callback=buffers.append)
             try:
                 views = [b.raw() for b in buffers]
-                pipe.write(_LEN.pack(len(payload)) + _LEN.pack(len(views))
-                           + b"".join(_LEN.pack(v.nbytes) for v in views))
+                pipe.write(LEN.pack(len(payload)) + LEN.pack(len(views))
+                           + b"".join(LEN.pack(v.nbytes) for v in views))
                 pipe.write(payload)
                 for v in views:  # large writes go straight to the pipe, GIL released
                     pipe.write(v)

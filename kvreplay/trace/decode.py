@@ -24,6 +24,7 @@ from kvreplay.trace.format import (
     SEGMENTS,
     STR,
     TENSOR,
+    TENSOR_DTYPES,
     Call,
     Opaque,
 )
@@ -179,7 +180,7 @@ def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torc
 
 # -- values -----------------------------------------------------------------------
 
-_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {name: getattr(torch, name.removeprefix("torch.")) for name in TENSOR_DTYPES}
 
 
 def decode_value(v: dict[str, Any] | None, device: str | torch.device = "cpu") -> Any:

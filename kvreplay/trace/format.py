@@ -37,6 +37,9 @@ MAX_POOL_SLOTS = _limit("KVREPLAY_MAX_POOL_SLOTS", 1 << 27)
 # Index values one row group may list (data and shape lists of every argument and result):
 # 2^26 is 512 MB decoded; real row groups (16,384 calls) list a few million.
 MAX_GROUP_VALUES = _limit("KVREPLAY_MAX_GROUP_VALUES", 1 << 26)
+# Element types a recorded tensor may name (a segment list joins one per segment with ","):
+# the reader refuses any other, the decoder maps these, and nothing else, to torch's.
+TENSOR_DTYPES = ("torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.bool")
 MAX_JSON_DEPTH = 32  # of any JSON a trace or manifest holds; real ones nest 4 deep
 SCHEMA_VERSION_TEXT = re.compile(r"^[1-9][0-9]{0,5}$")
 

@@ -30,6 +30,7 @@ from kvreplay.trace.format import (
     SCHEMA,
     SCHEMA_VERSION,
     TARGETS,
+    TENSOR_DTYPES,
     Call,
     TopCall,
     TraceMeta,
@@ -43,8 +44,7 @@ if TYPE_CHECKING:
 # A row is the pool's own call (depth 0) or one it made into a sub-allocator (depth 1):
 # sub-allocators have none of their own, and a pool's calls on itself are not rows.
 MAX_DEPTH = 1
-# Element types a recorded tensor may name (a segment list joins one per segment with ",").
-TENSOR_DTYPES = frozenset({"torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.bool"})
+
 
 
 def _regular_file(path: Path) -> None:
@@ -86,7 +86,7 @@ def _check_dtypes(path: Path, *columns: pa.Array) -> None:
         for name in pc.unique(col.drop_null()).to_pylist():
             if name and not all(part in TENSOR_DTYPES for part in name.split(",")):
                 raise TraceFormatError(f"{path}: a value names element type {name[:40]!r}, not one of "
-                                       f"{', '.join(sorted(TENSOR_DTYPES))}")
+                                       f"{', '.join(TENSOR_DTYPES)}")
 
 
 class TraceReader:
