@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -92,32 +94,37 @@ def test_demo_writes_the_bug_runs_report_and_it_opens(tmp_path):
     assert "swa-mapping/tail-prealloc-nontail-mapped" in shown
 
 
-def _serve(db: str, port: int) -> subprocess.Popen:
+@contextmanager
+def _served(db: str) -> Iterator[str]:
+    """``kvreplay serve`` over ``db`` on a free port, for the block: yields its address."""
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", db, "--port", str(port)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(150):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=1)
-            return p
-        except OSError:
-            if p.poll() is not None:
-                raise AssertionError(f"kvreplay serve ended: {p.stderr.read()}") from None
-            time.sleep(0.2)
-    p.kill()
-    raise AssertionError("kvreplay serve did not answer")
+    try:
+        for _ in range(150):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=1)
+                break
+            except OSError:
+                if p.poll() is not None:
+                    raise AssertionError(f"kvreplay serve ended: {p.stderr.read()}") from None
+                time.sleep(0.2)
+        else:
+            raise AssertionError("kvreplay serve did not answer")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
 
 
 def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
     db = str(tmp_path / "k.db")
     clean = replay_and_store(swa_trace_80, "builtin:swa", db=db)
     buggy = replay_and_store(swa_trace_80, "builtin:swa@stale-tail", db=db)
-    port = free_port()
-    server = _serve(db, port)
     shots = screenshot_dir(tmp_path)
-    try:
-        with browser() as b:
+    with _served(db) as url, browser() as b:
             errors: list[str] = []
-            page = _open(b, f"http://127.0.0.1:{port}/", errors)
+            page = _open(b, f"{url}/", errors)
             assert page.locator("tr.run").count() == 2
             page.screenshot(path=str(shots / "dashboard-runs.png"), full_page=True)
             # the filter narrows the list
@@ -138,7 +145,7 @@ def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
             assert page.locator("tr.run").count() == 2
             page.screenshot(path=str(shots / "dashboard-history.png"), full_page=True)
             # back to every run, pick A and B -> compare
-            page.goto(f"http://127.0.0.1:{port}/")
+            page.goto(f"{url}/")
             page.check(f"tr.run[data-run='{clean.run_id}'] input[name=a]")
             page.check(f"tr.run[data-run='{buggy.run_id}'] input[name=b]")
             page.click("#compare button[type=submit]")
@@ -147,9 +154,6 @@ def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
             assert [r["run_id"] for r in data["runs"]] == [clean.run_id, buggy.run_id]
             page.screenshot(path=str(shots / "dashboard-compare.png"), full_page=True)
             assert errors == []
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def _drawn_without_errors(b, url: str, shots: Path, name: str):
@@ -240,13 +244,10 @@ def test_a_hostile_build_spec_stays_text_on_the_history_page(swa_trace_80, tmp_p
     with sqlite3.connect(db) as con:
         con.execute("UPDATE builds SET spec = ? WHERE spec = ?",
                     ('b<a href="http:evil.example">EVIL</a><b style="color:red">x', "builtin:swa"))
-    port = free_port()
-    server = _serve(db, port)
     shots = screenshot_dir(tmp_path)
-    try:
-        with browser() as b:
+    with _served(db) as url, browser() as b:
             errors: list[str] = []
-            page = _open(b, f"http://127.0.0.1:{port}/runs/{run.run_id}", errors)
+            page = _open(b, f"{url}/runs/{run.run_id}", errors)
             page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
             page.click("header nav a:has-text('trace history')")
             page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
@@ -255,6 +256,3 @@ def test_a_hostile_build_spec_stays_text_on_the_history_page(swa_trace_80, tmp_p
             assert page.locator("#chart a").count() == 0 and page.locator('[href*="evil"]').count() == 0
             assert page.locator('#chart tspan[style*="red"]').count() == 0
             assert errors == []
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
