@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreplay.builds.resolve import build_version
 from kvreplay.builds.spec import BuildSpec
@@ -14,14 +15,17 @@ from kvreplay.errors import BadInput
 from kvreplay.fanout import run_units
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker
-from kvreplay.store.db import check_store, open_store
-from kvreplay.store.runs import TraceInfo, record_run
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.location import is_remote
 from kvreplay.trace.reader import TraceReader
 
+if TYPE_CHECKING:  # the store (SQLAlchemy, Alembic) loads only for a run that is stored
+    from kvreplay.store.runs import TraceInfo
+
 
 def trace_info(reader: TraceReader, calls: int | None = None) -> TraceInfo:
+    from kvreplay.store.runs import TraceInfo
+
     where = reader.source if is_remote(reader.source) else str(reader.path.resolve())
     return TraceInfo(path=where, content_hash=content_hash(reader.path),
                      pool_class=reader.meta.pool_class, family=reader.meta.family, meta=asdict(reader.meta),
@@ -44,7 +48,21 @@ class StoredReplay:
     report: ReplayReport
     run_id: int | None
     build_version: str = ""
-    trace: TraceInfo | None = None  # what a caller storing the run itself (ci's driver) needs
+    reader: TraceReader | None = None
+
+    @cached_property
+    def trace(self) -> TraceInfo | None:
+        """What a caller storing the run itself (ci's driver) needs; made on demand,
+        as it hashes the trace and loads the store's record types."""
+        if self.reader is None:
+            return None
+        r = self.report
+        return trace_info(self.reader, None if r.stopped_early or r.calls_replayed == 0 else r.calls_replayed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent back from a worker (ci): the trace's record travels, the open reader does not.
+        self.trace  # noqa: B018 - made here, where the reader is
+        return {**self.__dict__, "reader": None}
 
 
 def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, store: bool = True,
@@ -65,6 +83,9 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
     reader = TraceReader(trace)
     reader.check_calls()
     if store:
+        from kvreplay.store.db import check_store, open_store
+        from kvreplay.store.runs import record_run
+
         check_store(db)
     report = None
     if not spec.in_process:
@@ -88,12 +109,12 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
         replayer = Replayer(trace, build, reader=reader, checked=True, **options)
         report = replayer.run(progress=progress)
         version = build_version(replayer.pool)
-    calls = None if report.stopped_early or report.calls_replayed == 0 else report.calls_replayed
-    info = trace_info(reader, calls)
+    replayed = StoredReplay(report, None, version, reader)
     if not store:
-        return StoredReplay(report, None, version, info)
+        return replayed
     st = open_store(db)
     try:
-        return StoredReplay(report, record_run(st, report, info, build_version=version), version, info)
+        replayed.run_id = record_run(st, report, replayed.trace, build_version=version)
+        return replayed
     finally:
         st.close()

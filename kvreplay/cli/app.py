@@ -82,6 +82,43 @@ def _keep_freed_memory() -> None:
     mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: give memory back only past 256 MiB free at the top
 
 
+class _PyarrowWithoutPandas:
+    """pyarrow looks for pandas on its first conversion of a Python value (to see
+    whether it was handed a DataFrame), and importing pandas costs a command 0.3 s of
+    CPU: more than the replay of a small trace. No kvreplay command hands pyarrow a
+    pandas object, so when pyarrow loads, its one look is answered "not installed".
+    Only the console entry installs this: a program or a test that imports kvreplay
+    keeps pyarrow's pandas support."""
+
+    def find_spec(self, name: str, path: object, target: object = None) -> None:
+        if name != "pyarrow" or "pandas" in sys.modules:
+            return None
+        sys.meta_path.remove(self)
+        import pyarrow
+
+        blocker = _NoPandas()
+        sys.meta_path.insert(0, blocker)
+        try:
+            pyarrow.scalar(0)
+        finally:
+            sys.meta_path.remove(blocker)
+        return None  # pyarrow is in sys.modules now: the import finds it there
+
+
+class _NoPandas:
+    def find_spec(self, name: str, path: object, target: object = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+
+def console() -> None:
+    """The ``kvreplay`` executable: ``main`` with the start-up that only a process of
+    its own may have."""
+    sys.meta_path.insert(0, _PyarrowWithoutPandas())
+    main()
+
+
 _RAY_ADDRESS = re.compile(r"^(auto|local|ray://\S+|[\w.-]+:\d+)$")
 
 
@@ -177,4 +214,4 @@ def _run(argv: list[str], interrupted: Callable[[str, int], NoReturn]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    console()

@@ -71,10 +71,11 @@ def replay(
     """
     from kvreplay.builds.spec import BuildSpec
     from kvreplay.replay.report import Failure
-    from kvreplay.report.reports import check_report_path, run_report, write_report
     from kvreplay.stored_replay import replay_and_store
 
     if report_path is not None:
+        from kvreplay.report.reports import check_report_path
+
         check_report_path(report_path)
     try:
         wanted = Failure.parse(failure) if failure else None
@@ -92,6 +93,8 @@ def replay(
     r = res.report
     code = r.exit_code
     if report_path is not None:
+        from kvreplay.report.reports import run_report, write_report
+
         write_report(run_report({**r.to_dict(), "run_id": res.run_id}, r.timeline), report_path)
         say(f"report: {report_path}", to_err=True)
     if fixed and wanted is not None and code in (EXIT_CLEAN, EXIT_FOUND):

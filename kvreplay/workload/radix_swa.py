@@ -6,7 +6,16 @@ Tree frees pass a node's whole value, tombstoned pages included, and rely on the
 pool skipping unmapped pages (the #38519 contract). When a finished request
 duplicates a partially tombstoned node, the node adopts the request's live SWA in
 the same free group that drops the node's remnant SWA: the pattern that #36081
-(deferred mapping lookup) gets wrong."""
+(deferred mapping lookup) gets wrong.
+
+With ``sglang_scheduler`` the tree behaves as sglang 0.5.23's unified radix cache
+does (measured against a live hybrid-SWA server with ``kvreplay profile``): a
+prompt is the tree's once it is prefilled, so the tree frees its out-of-window SWA
+once, and the request slides only its own decoded tokens, from the end of its
+cached prompt; a finished sequence that duplicates a node frees the duplicate per
+overlapping node (``free_full_segment`` below the request's SWA cursor,
+``free_segment`` above it); and a tombstoned node revives by taking the request's
+slots and freeing its old ones full-side."""
 
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ class Node:
     children: dict[int, Node] = field(default_factory=dict)
     lock: int = 0
     last_used: int = 0
+    owner: int = -1  # the request that inserted it: sglang's tree keeps one node per inserted run
 
 
 class RadixSWAServer(ServerModel):
@@ -139,15 +149,28 @@ class RadixSWAServer(ServerModel):
                 n.last_used = self.stats.steps
             self.stats.prefix_hit_tokens += p
             self.running.append(Live(req, row, committed=fill, target=req.input_len + req.output_len,
-                                     evicted=p, prefix_len=p, nodes=chain))
+                                     evicted=p, prefix_len=p, nodes=chain,
+                                     protected=floor_page(fill, ps) if self.sglang_scheduler else p))
         self.batch_done()
+
+    def _block_keys(self, lv: Live, start: int, end: int) -> list[int]:
+        """Tree keys of the request's blocks start..end-1: its prompt's shared blocks,
+        then keys of its own that nobody else matches."""
+        shared = lv.req.blocks[start:min(end, self._prompt_blocks(lv.req))]
+        return list(shared) + [-((lv.req.rid + 1) << 24) - i for i in range(start + len(shared), end)]
 
     def slide_windows(self) -> None:
         pool = self.pool
         pool.free_group_begin()
         for lv in self.running:
             threshold = lv.committed - self.window_pages * self.ps
-            if self.eviction_interval and threshold < lv.evicted + self.eviction_interval:
+            if lv.evicted < lv.protected and not lv.tree_slid:  # the cached prompt's SWA: the tree's, once
+                end = min(floor_page(threshold, self.ps), lv.protected)
+                if end > lv.evicted:
+                    pool.free_swa_segment(lv.row[lv.evicted:end], start_pos=lv.evicted)
+                    lv.evicted, lv.tree_slid = end, True
+            # The request's own cursor starts at the end of its cached prompt.
+            if self.eviction_interval and threshold < max(lv.evicted, lv.protected) + self.eviction_interval:
                 continue
             new = floor_page(max(threshold, lv.evicted), self.ps)
             if new > lv.evicted:
@@ -184,27 +207,56 @@ class RadixSWAServer(ServerModel):
         node = lv.nodes[-1] if lv.nodes else self.root
         pos = lv.prefix_len
         pages = self.B // self.ps
-        blocks = list(lv.req.blocks[len(lv.nodes):self._prompt_blocks(lv.req)])
         if self.sglang_scheduler:
             # sglang's tree keeps the whole finished sequence, output included (whole
             # pages only): its later blocks are the request's own, matched by nobody.
-            own = lv.committed // self.B - len(lv.nodes) - len(blocks)
-            blocks += [-((lv.req.rid + 1) << 24) - i for i in range(max(0, own))]
+            blocks = self._block_keys(lv, len(lv.nodes), lv.committed // self.B)
+        else:
+            blocks = list(lv.req.blocks[len(lv.nodes):self._prompt_blocks(lv.req)])
+        duplicates: list[list[int]] = []  # [start, end, owner]: runs of blocks the tree already holds
         for b in blocks:
             seg = lv.row[pos:pos + self.B]
             live = [pos + j * self.ps >= lv.evicted for j in range(pages)]
             existing = node.children.get(b)
             if existing is None:
-                existing = Node(b, node, seg, live, last_used=self.stats.steps)
+                existing = Node(b, node, seg, live, last_used=self.stats.steps, owner=lv.req.rid)
                 node.children[b] = existing
             elif all(live) and not all(existing.swa_live) and existing.lock == 0:
-                self.adopt_swa(existing, seg, pos)
-            else:
+                (self.recover_swa if self.sglang_scheduler else self.adopt_swa)(existing, seg, pos)
+            elif not self.sglang_scheduler:
                 self.release_range(lv.row, pos, pos + self.B, lv.evicted)
+            elif duplicates and duplicates[-1][1] == pos and duplicates[-1][2] == existing.owner:
+                duplicates[-1][1] += self.B
+            else:
+                duplicates.append([pos, pos + self.B, existing.owner])
             existing.last_used = self.stats.steps
             node = existing
             pos += self.B
+        for start, end, _ in duplicates:
+            self.free_duplicate(lv, start, end)
         self.release_range(lv.row, pos, lv.committed, lv.evicted)
+
+    def free_duplicate(self, lv: Live, start: int, end: int) -> None:
+        """sglang's tree frees a finished sequence's overlap with a node in one call per
+        side: full-side only below the request's SWA cursor, both sides above it."""
+        mid = min(max(start, lv.evicted), end)
+        if mid > start:
+            self.pool.free_full_segment(lv.row[start:mid], start_pos=0)
+        if end > mid:
+            self.pool.free_segment(lv.row[mid:end], start_pos=0)
+
+    def recover_swa(self, node: Node, seg: torch.Tensor, pos: int) -> None:
+        """sglang's revival of a tombstoned span: the node takes the request's slots
+        there (their SWA is live) and its old ones go back full-side; over the span
+        still live the request's slots are the duplicates."""
+        pool = self.pool
+        dead = next((j for j, alive in enumerate(node.swa_live) if alive), len(node.swa_live)) * self.ps
+        pool.free_full_segment(node.full[:dead], start_pos=0)
+        if dead < self.B:
+            pool.free_segment(seg[dead:], start_pos=0)
+        node.full = torch.cat((seg[:dead], node.full[dead:]))
+        node.swa_live = [True] * len(node.swa_live)
+        self.stats.extra["revivals"] = self.stats.extra.get("revivals", 0) + 1
 
     def adopt_swa(self, node: Node, seg: torch.Tensor, pos: int) -> None:
         """Revive a tombstoned node with the duplicate's live SWA KV."""

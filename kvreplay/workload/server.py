@@ -42,6 +42,8 @@ class Live:
     target: int  # input + output tokens when finished
     evicted: int = 0  # SWA freed below this row position (page-aligned)
     prefix_len: int = 0  # leading part owned by the prefix cache
+    protected: int = 0  # leading part the tree owns once the prompt is cached (sglang: cache_protected_len)
+    tree_slid: bool = False  # the tree has freed the cached prompt's out-of-window SWA
     nodes: list[Any] = field(default_factory=list)
 
     @property

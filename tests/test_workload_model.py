@@ -1,0 +1,55 @@
+"""The workload model against the real thing: ``synth radix-swa --sglang-scheduler``
+on the same 300 Mooncake requests and pool sizes as the live hybrid-SWA server whose
+trace is in the corpus (traces/live-sglang-0.5.23-swa-mooncake300.parquet, recorded
+from sglang 0.5.23 on CPU with 16 requests in flight: the model gets every request at
+once and 16 running)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvreplay.trace.profile import profile
+from kvreplay.trace.reader import TraceReader
+from kvreplay.workload.synth import SynthConfig, synthesize
+
+ROOT = Path(__file__).resolve().parents[1]
+LIVE = ROOT / "traces" / "live-sglang-0.5.23-swa-mooncake300.parquet"
+MOONCAKE = ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def live_and_model(tmp_path_factory):
+    live = profile(LIVE)
+    args = TraceReader(LIVE).meta.ctor_args  # the live pool's sizes
+    out = tmp_path_factory.mktemp("model") / "synth.parquet"
+    synthesize(SynthConfig(scenario="radix-swa", out=out, requests=300, workload=MOONCAKE, length_scale=0.03,
+                           output_scale=0.5, page_size=args["page_size"], block_tokens=16, window=128,
+                           full_size=args["size"], swa_size=args["size_swa"], max_running=16,
+                           sglang_scheduler=True, speedup=1e9))
+    return live.per_request(), profile(out).per_request()
+
+
+@pytest.mark.parametrize("method", ["alloc_extend", "alloc_decode", "free_segments", "free_group_begin"])
+def test_the_main_methods_are_within_ten_percent_of_the_live_server(live_and_model, method):
+    live, model = live_and_model
+    assert model[method] == pytest.approx(live[method], rel=0.10), (method, live[method], model[method])
+
+
+def test_window_eviction_is_within_fifteen_percent(live_and_model):
+    # Measured 1.13x (183 calls against the live server's 165): a known miss, in the
+    # README's model-against-live table.
+    live, model = live_and_model
+    assert model["free_swa_segment"] == pytest.approx(live["free_swa_segment"], rel=0.15)
+
+
+def test_the_model_frees_as_the_live_tree_does(live_and_model):
+    # The live tree frees a duplicated span per node (free_segment, free_full_segment) and
+    # never calls free_full_segments or the mapping methods; the model before
+    # --sglang-scheduler's tree rules called free_full_segments 0.39 times per request.
+    live, model = live_and_model
+    for method in ("free_full_segments", "free_swa", "set_full_to_swa_mapping", "clear_full_to_swa_mapping"):
+        assert live.get(method, 0) == 0 and model.get(method, 0) == 0, method
+    for method in ("free_segment", "free_full_segment"):
+        assert 0 < model[method] < 0.05 and 0 < live[method] < 0.05, (method, live[method], model[method])
