@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from flask import Flask, Response, abort, jsonify, render_template_string, request
@@ -187,21 +188,27 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
     return app
 
 
-def serve(store: Store, *, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Serve until interrupted (Werkzeug's server: for one user, not the internet)."""
+def serve(store: Store, *, host: str = "127.0.0.1", port: int = 8765,
+          listening: Callable[[str], None] | None = None) -> None:
+    """Serve until interrupted (Werkzeug's server: for one user, not the internet).
+    ``port`` 0 takes a free one; ``listening`` is told the URL once the socket is bound."""
     from werkzeug.serving import make_server
 
-    names = {host, "localhost", "127.0.0.1", "[::1]"} if host in ("127.0.0.1", "localhost", "::1") else None
-    hosts = frozenset(f"{n}:{port}" for n in names) if names else None
     # Werkzeug answers a busy port by printing and exiting; try it first, as it would bind.
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
-        server = make_server(host, port, create_app(store, hosts=hosts), threaded=True)
+        app: dict[str, Any] = {}
+        server = make_server(host, port, lambda environ, start: app["wsgi"](environ, start), threaded=True)
     except (OSError, SystemExit) as exc:
         why = getattr(exc, "strerror", None) or "the address is in use or not this machine's"
         raise BadInput(f"cannot listen on {host}:{port} ({why})") from None
+    port = server.server_port  # the one bound (port 0 asks the system for a free one)
+    names = {host, "localhost", "127.0.0.1", "[::1]"} if host in ("127.0.0.1", "localhost", "::1") else None
+    app["wsgi"] = create_app(store, hosts=frozenset(f"{n}:{port}" for n in names) if names else None)
+    if listening is not None:
+        listening(f"http://{'[' + host + ']' if ':' in host else host}:{port}/")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

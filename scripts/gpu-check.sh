@@ -9,10 +9,17 @@
 #     releases whose paged allocators launch real Triton kernels (0.5.12, before the
 #     CPU fallback) and 0.5.23; every run must say kernels: cuda where kernels ran.
 #  2. bench/gpu_recorder.py (recorder overhead and host syncs per call on CUDA).
-#  3. A real sglang server on a tiny Llama made here with random weights (scripts/tiny_model.py:
-#     no download, no tokenizer), launched under `kvreplay record` with page size 16; 300
-#     Mooncake requests from `kvreplay drive`; then every trace it left replays on
-#     builtin:paged (or builtin:swa) and on the installed sglang.
+#  3. Real sglang servers on tiny models made here with random weights (scripts/tiny_model.py:
+#     no download, no tokenizer), each launched under `kvreplay record` with page size 16,
+#     driven with Mooncake requests by `kvreplay drive`, stopped with Ctrl-C; every trace
+#     each left replays on its builtin pool and on the installed sglang:
+#     live        a plain Llama, radix cache on (the CPU live tier's path, on CUDA);
+#     disagg      the seed's setting: a hybrid sliding-window model as a disaggregated decode
+#                 server (--disaggregation-mode decode, fake transfer backend: no prefill
+#                 server needed), whose SWA pool preallocates through alloc_extend_swa_tail;
+#                 its trace also replays on sglang==0.5.12 (remap): the seed bug in real traffic?
+#     spec        speculative decoding: STANDALONE with the tiny Llama as its own draft, and
+#                 NGRAM (no draft model). On CPU neither starts (see docs/recording.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVREPLAY_SGLANG_VENV:-.venv-sglang}
@@ -32,7 +39,7 @@ PY="$VENV/bin/python"; KV="$VENV/bin/kvreplay"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # 1. The corpus on CUDA.
-timeout 420 "$KV" matrix traces --builds builtin:swa,builtin:paged,sglang==0.5.12,sglang==0.5.23 \
+timeout 300 "$KV" matrix traces --builds builtin:swa,builtin:paged,sglang==0.5.12,sglang==0.5.23 \
     --device cuda --mode remap -j 4 --json > "$OUT/matrix.json" 2> "$OUT/matrix.err"
 RESULT[matrix]="exit $? $("$PY" - "$OUT/matrix.json" <<'PY'
 import collections, json, sys
@@ -49,33 +56,45 @@ PY
 timeout 180 "$PY" bench/gpu_recorder.py --requests 1000 --repeat 3 > "$OUT/gpu_recorder.txt" 2>&1
 RESULT[gpu_recorder]="exit $? $(tail -n 3 "$OUT/gpu_recorder.txt" | tr '\n' ' ')"
 
-# 3. A live server under kvreplay record (the same path as the CPU live tier, on CUDA).
-MODEL="$OUT/tiny-llama"
-"$PY" scripts/tiny_model.py "$MODEL" > /dev/null
-TRACES="$OUT/live"
-"$KV" record --out "$TRACES" -- "$PY" -m sglang.launch_server --model-path "$MODEL" --skip-tokenizer-init \
-    --page-size 16 --port 31999 --mem-fraction-static 0.3 --disable-cuda-graph --log-level warning \
-    > "$OUT/server.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 180); do
-    curl -sf localhost:31999/health > /dev/null && break
-    sleep 1
-done
-timeout 240 "$KV" drive http://127.0.0.1:31999 -w workloads/mooncake/synthetic_trace.jsonl -n 300 \
-    --length-scale 0.03 -c 32 > "$OUT/requests.txt" 2>&1
-RESULT[requests]="exit $? $(tail -n 1 "$OUT/requests.txt")"
-kill -INT "$SERVER" 2>/dev/null; wait "$SERVER"
-REPLAYS=""
-for t in "$TRACES"/*.parquet; do
-    [ -e "$t" ] || continue
-    fam=$("$KV" inspect "$t" --json | "$PY" -c "import json,sys; print(json.load(sys.stdin)['meta']['family'])")
-    for b in "builtin:$fam" sglang; do
-        timeout 120 "$KV" replay "$t" --build "$b" --device cuda --mode remap --json > "$OUT/replay.json" 2>/dev/null
-        REPLAYS+="$(basename "$t") on $b: $("$PY" -c "import json; d=json.load(open('$OUT/replay.json')); print(d['status'], d['calls_replayed'], 'calls')" 2>/dev/null || echo failed); "
+# 3. Live servers under kvreplay record (the CPU live tier's path, on CUDA, and what CPU cannot run).
+"$PY" scripts/tiny_model.py "$OUT/tiny-llama" > /dev/null
+"$PY" scripts/tiny_model.py "$OUT/tiny-swa" --swa 128 > /dev/null
+live_step() {  # NAME MODEL REQUESTS EXTRA_REPLAY_BUILDS [server args...]
+    local name=$1 model=$2 n=$3 extra=$4; shift 4
+    local traces="$OUT/$name" port=31999
+    "$KV" record --out "$traces" -- "$PY" -m sglang.launch_server --model-path "$model" --skip-tokenizer-init \
+        --page-size 16 --port $port --mem-fraction-static 0.3 --disable-cuda-graph --log-level warning "$@" \
+        > "$OUT/$name-server.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 1 240); do
+        curl -sf localhost:$port/health > /dev/null && break
+        kill -0 $server 2>/dev/null || break
+        sleep 1
     done
-done
-RESULT[live]="${REPLAYS:-no traces recorded (see $OUT/server.log)}"
+    timeout 240 "$KV" drive http://127.0.0.1:$port -w workloads/mooncake/synthetic_trace.jsonl -n "$n" \
+        --length-scale 0.03 -c 32 > "$OUT/$name-requests.txt" 2>&1
+    local drove="exit $? $(tail -n 1 "$OUT/$name-requests.txt")"
+    kill -INT $server 2>/dev/null; wait $server
+    local replays=""
+    for t in "$traces"/*.parquet; do
+        [ -e "$t" ] || continue
+        local fam
+        fam=$("$KV" inspect "$t" --json | "$PY" -c "import json,sys; print(json.load(sys.stdin)['meta']['family'])")
+        for b in "builtin:$fam" sglang $extra; do
+            timeout 300 "$KV" replay "$t" --build "$b" --device cuda --mode remap --json > "$OUT/replay.json" 2>/dev/null
+            replays+="$(basename "$t") on $b: $("$PY" -c "import json; d=json.load(open('$OUT/replay.json')); print(d['status'], d['calls_replayed'], 'calls', d['first_violation'] and d['first_violation']['rule'] or '')" 2>/dev/null || echo failed); "
+        done
+    done
+    RESULT[$name]="requests: $drove; ${replays:-no traces recorded (see $OUT/$name-server.log: $(grep -m1 -E 'Error|error' "$OUT/$name-server.log"))}"
+}
+live_step live "$OUT/tiny-llama" 300 ""
+live_step disagg "$OUT/tiny-swa" 300 "sglang==0.5.12" --disaggregation-mode decode --disaggregation-transfer-backend fake
+live_step spec-standalone "$OUT/tiny-llama" 100 "" --speculative-algorithm STANDALONE \
+    --speculative-draft-model-path "$OUT/tiny-llama" --speculative-num-steps 3 --speculative-eagle-topk 1 \
+    --speculative-num-draft-tokens 4
+live_step spec-ngram "$OUT/tiny-llama" 100 "" --speculative-algorithm NGRAM --speculative-ngram-max-bfs-breadth 1 \
+    --speculative-num-draft-tokens 4
 
 echo "=== gpu-check summary ($(cat "$OUT/gpu.txt")) ==="
-for k in matrix gpu_recorder requests live; do echo "$k: ${RESULT[$k]}"; done
+for k in matrix gpu_recorder live disagg spec-standalone spec-ngram; do echo "$k: ${RESULT[$k]}"; done
 echo "files: $OUT"

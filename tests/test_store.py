@@ -43,7 +43,7 @@ def test_opening_creates_the_schema_through_alembic(db_url):
     st = open_store(db_url)
     assert {"alembic_version", "traces", "builds", "runs", "violations", "divergences"} <= set(tables(st.engine))
     with st.engine.connect() as c:
-        assert c.exec_driver_sql("select version_num from alembic_version").scalar() == "0006"
+        assert c.exec_driver_sql("select version_num from alembic_version").scalar() == "0007"
     assert st.engine.dialect.name == ("postgresql" if "://" in db_url else "sqlite")
     st.close()
     if "://" not in db_url:
@@ -192,7 +192,7 @@ def test_a_database_at_the_first_revision_is_upgraded_on_open(tmp_path):
     assert "message" in {c["name"] for c in inspect(st.engine).get_columns("runs")}
     st.close()
     with sqlite3.connect(path) as con:
-        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0006"
+        assert con.execute("select version_num from alembic_version").fetchone()[0] == "0007"
 
 
 def test_two_writers_creating_the_same_build_both_succeed(db_url):

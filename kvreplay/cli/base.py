@@ -17,6 +17,28 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+
+def _flags_as_typed() -> None:
+    """Show an on/off option as the flag it is (``--json``), not ``--json <bool>``:
+    this typer's help gives every option a type column, and a user who reads
+    ``<bool>`` types ``--json true``, which is refused."""
+    try:
+        from typer.core import TyperOption
+    except ImportError:  # pragma: no cover - depends on the installed typer
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_kvreplay", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        return None if self.is_flag or self.count else shown(self, ctx)
+
+    display_type_rich._kvreplay = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_as_typed()
+
 EPILOG = (
     "Exit codes: 0 clean, 1 violation or divergence found, 2 bad input or usage, "
     "125 build could not be tested: unloadable, unsupported, crashed or timed out (git bisect skips it), "

@@ -52,7 +52,7 @@ def report(
 @app.command()
 def serve(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
-    port: int = typer.Option(8765, "--port", help="Port to listen on."),
+    port: int = typer.Option(8765, "--port", help="Port to listen on (0: any free port, printed once it listens)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. The dashboard has no "
                              "authentication: keep it on 127.0.0.1 unless the network is yours."),
 ) -> None:
@@ -65,17 +65,20 @@ def serve(
     Example: kvreplay serve --db team.db --port 8080, then open http://127.0.0.1:8080/
     """
     from kvreplay.dashboard import serve as run_server
-    from kvreplay.store.db import open_store, resolve_url
+    from kvreplay.store.db import open_store, resolve_url, safe_url
 
     url = resolve_url(db, create_dirs=False)
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
         raise BadInput(f"no database at {url.removeprefix('sqlite:///')}: replay something first, or give --db")
-    if not 0 < port < 65536:
-        raise BadInput(f"--port must be 1..65535, not {port}")
+    if not 0 <= port < 65536:
+        raise BadInput(f"--port must be 0..65535 (0: any free port), not {port}")
     st = open_store(db, existing=True)
-    say(f"kvreplay dashboard on http://{host}:{port}/ over {st.url.split('://')[0]} store (Ctrl-C stops it)",
-        to_err=True)
+    where = st.url.removeprefix("sqlite:///") if st.url.startswith("sqlite:///") else safe_url(st.url)
+
+    def listening(at: str) -> None:
+        say(f"kvreplay dashboard on {at} serving {where} (read-only; Ctrl-C stops it)", to_err=True)
+
     try:
-        run_server(st, host=host, port=port)
+        run_server(st, host=host, port=port, listening=listening)
     finally:
         st.close()

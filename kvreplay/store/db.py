@@ -77,7 +77,7 @@ class Store:
         self.engine.dispose()
 
 
-def _safe_url(url: str) -> str:
+def safe_url(url: str) -> str:
     try:
         from sqlalchemy.engine import make_url
 
@@ -115,7 +115,7 @@ def _refuse_newer(engine: Engine, url: str) -> None:
         return  # not readable as ours: the upgrade below reports it
     known = {r.revision for r in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
     if rev is not None and rev not in known:
-        raise BadInput(f"database {_safe_url(url)} was made by a newer kvreplay (schema revision {rev}); "
+        raise BadInput(f"database {safe_url(url)} was made by a newer kvreplay (schema revision {rev}); "
                        "upgrade kvreplay to use it")
 
 
@@ -131,7 +131,7 @@ def open_store(db: str | None = None, *, migrate: bool = True, existing: bool = 
     try:
         engine = create_engine(url)
     except (SQLAlchemyError, ValueError, ImportError) as exc:
-        raise BadInput(f"cannot open database {_safe_url(url)}: {exc}") from None
+        raise BadInput(f"cannot open database {safe_url(url)}: {exc}") from None
     if engine.dialect.name == "sqlite":
         _sqlite_pragmas(engine)
     try:
@@ -147,7 +147,7 @@ def open_store(db: str | None = None, *, migrate: bool = True, existing: bool = 
     except SQLAlchemyError as exc:
         engine.dispose()
         first = str(exc.orig if getattr(exc, "orig", None) else exc).splitlines()[0]
-        raise BadInput(f"cannot open database {_safe_url(url)}: {first}") from None
+        raise BadInput(f"cannot open database {safe_url(url)}: {first}") from None
     return Store(url, engine, sessionmaker(engine, expire_on_commit=False))
 
 

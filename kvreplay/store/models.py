@@ -54,6 +54,7 @@ class Run(Base):
     calls_replayed: Mapped[int] = mapped_column(Integer)
     wall_s: Mapped[float] = mapped_column(Float)
     calls_per_s: Mapped[float] = mapped_column(Float)
+    cpu_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # (0007)
     violation_total: Mapped[int] = mapped_column(Integer, default=0)
     divergence_total: Mapped[int] = mapped_column(Integer, default=0)
     violation_counts: Mapped[dict] = mapped_column(JSON, default=dict)

@@ -75,7 +75,7 @@ def record_run(store: Store, report: Any, info: TraceInfo, *, build_version: str
             run = Run(
                 trace=trace, build=build, mode=report.mode, device=report.device, status=report.status,
                 exit_code=report.exit_code, calls_replayed=report.calls_replayed, wall_s=report.wall_s,
-                calls_per_s=report.calls_per_s,
+                calls_per_s=report.calls_per_s, cpu_s=getattr(report, "cpu_s", None),
                 violation_total=sum(report.violation_counts.values()),
                 divergence_total=sum(report.divergence_counts.values()),
                 violation_counts=report.violation_counts, divergence_counts=report.divergence_counts,
@@ -177,7 +177,9 @@ def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
         "trace_calls": run.trace.calls, "build": run.build.spec, "build_version": run.build.resolved_version,
         "mode": run.mode, "device": run.device, "status": run.status, "exit_code": run.exit_code,
         "calls_replayed": run.calls_replayed, "wall_s": round(run.wall_s, 3), "calls_per_s": round(run.calls_per_s),
+        "cpu_s": round(run.cpu_s, 3) if run.cpu_s is not None else None,
         "violation_total": run.violation_total, "divergence_total": run.divergence_total,
+        "violation_counts": run.violation_counts or {}, "divergence_counts": run.divergence_counts or {},
         "first_violation": (
             {"call": run.first_violation_call, "invariant": run.first_violation_invariant,
              "method": run.first_violation_method} if run.first_violation_call is not None else None
@@ -190,8 +192,6 @@ def run_to_dict(run: Run, *, details: bool = False) -> dict[str, Any]:
         "kernels": run.kernels or "none",
     }
     if details:
-        d["violation_counts"] = run.violation_counts
-        d["divergence_counts"] = run.divergence_counts
         d["violations"] = [
             {"call": v.call, "detected_call": v.detected_call, "method": v.method, "invariant": v.invariant,
              "rule": v.rule, "sub_pool": v.sub_pool, "indices": v.indices, "message": v.message}
