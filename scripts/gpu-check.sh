@@ -81,11 +81,11 @@ live_step() {  # NAME MODEL REQUESTS EXTRA_REPLAY_BUILDS [server args...]
         local fam
         fam=$("$KV" inspect "$t" --json | "$PY" -c "import json,sys; print(json.load(sys.stdin)['meta']['family'])")
         for b in "builtin:$fam" sglang $extra; do
-            timeout 300 "$KV" replay "$t" --build "$b" --device cuda --mode remap --json > "$OUT/replay.json" 2>/dev/null
-            replays+="$(basename "$t") on $b: $("$PY" -c "import json; d=json.load(open('$OUT/replay.json')); print(d['status'], d['calls_replayed'], 'calls', d['first_violation'] and d['first_violation']['rule'] or '')" 2>/dev/null || echo failed); "
+            timeout 300 "$KV" replay "$t" --build "$b" --device cuda --mode remap --json > "$OUT/replay.json" 2> "$OUT/replay.err"
+            replays+="$(basename "$t") on $b: $("$PY" -c "import json; d=json.load(open('$OUT/replay.json')); print(d['status'], d['calls_replayed'], 'calls', d['first_violation'] and d['first_violation']['rule'] or '')" 2>/dev/null || echo "failed: $(tail -n 1 "$OUT/replay.err")"); "
         done
     done
-    RESULT[$name]="requests: $drove; ${replays:-no traces recorded (see $OUT/$name-server.log: $(grep -m1 -E 'Error|error' "$OUT/$name-server.log"))}"
+    RESULT[$name]="requests: $drove; ${replays:-no traces recorded (see $OUT/$name-server.log: $(grep -E '^[A-Za-z_.]*(Error|Exception):' "$OUT/$name-server.log" | tail -n 1))}"
 }
 live_step live "$OUT/tiny-llama" 300 ""
 live_step disagg "$OUT/tiny-swa" 300 "sglang==0.5.12" --disaggregation-mode decode --disaggregation-transfer-backend fake
