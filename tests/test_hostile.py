@@ -423,23 +423,27 @@ CAP_BYTES = 3 << 30  # address space for a command under attack: torch's import 
 def _capped(*argv: str) -> subprocess.CompletedProcess:
     """The CLI in a process whose memory is capped: a bomb that got through would fail
     it with MemoryError or a kill, not the one-line refusal."""
-    import resource
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (CAP_BYTES, CAP_BYTES))
-
     import tempfile
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", *argv], stdout=out, stderr=err,
-                                text=True, preexec_fn=cap)
-        # Reaped here, not by Popen, for this child's own peak resident memory.
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+    # A small launcher sets the cap, starts the command and reaps it (wait4) for its
+    # peak resident memory. Started from this test process directly, the command's peak
+    # would count this process's pages: Linux charges a forked or vforked child with the
+    # parent's resident set until it execs.
+    launch = ("import os, resource, sys; cap, report = int(sys.argv[1]), sys.argv[2]; "
+              "resource.setrlimit(resource.RLIMIT_AS, (cap, cap)); "
+              "pid = os.posix_spawn(sys.executable, [sys.executable, '-m', 'kvreplay.cli.app', *sys.argv[3:]], "
+              "os.environ); _, status, usage = os.wait4(pid, 0); open(report, 'w').write(str(usage.ru_maxrss)); "
+              "code = os.waitstatus_to_exitcode(status); sys.exit(code if code >= 0 else 128 - code)")
+    with tempfile.TemporaryDirectory() as where, tempfile.TemporaryFile("w+") as out, \
+            tempfile.TemporaryFile("w+") as err:
+        report = Path(where) / "maxrss"
+        code = subprocess.run([sys.executable, "-c", launch, str(CAP_BYTES), str(report), *argv], stdout=out,
+                              stderr=err, text=True).returncode
         out.seek(0)
         err.seek(0)
-        res = subprocess.CompletedProcess(argv, proc.returncode, out.read(), err.read())
-    assert usage.ru_maxrss < 1 << 20, f"peak RSS {usage.ru_maxrss / 1024:.0f} MB"  # KiB on Linux: under 1 GiB
+        res = subprocess.CompletedProcess(argv, code, out.read(), err.read())
+        peak_kib = int(report.read_text())
+    assert peak_kib < 1 << 20, f"peak RSS {peak_kib / 1024:.0f} MB"  # KiB on Linux: under 1 GiB
     return res
 
 
