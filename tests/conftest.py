@@ -75,9 +75,42 @@ def kill_a_second_after_its_mark(script: str, wait_for: Path | None = None) -> i
     return done
 
 
-# Parametrized cases that run in the slow tier: the SIGKILL timing matrix (the fast
-# tier keeps test_sigkill_keeps_a_small_last_batch[native], a kill -9 of its own).
+# The slow tier, in this one place: `python -m pytest -m slow` runs what is named here (a
+# test by name: all its cases; or one case as name[params]), and every case whose
+# parameters include a corpus trace of more than SMALL_CALLS calls (those replay in
+# .ci/run's kvreplay ci step too). Nothing else in tests/ marks a test slow.
+SMALL_CALLS = 6_000
+SLOW_TESTS = {
+    # benches, end to end
+    "test_recorder_overhead_prints_a_ratio_for_every_setup_and_the_trace_size",
+    "test_report_open_prints_size_and_open_time",
+    # bisect and git bisect run over a 31-commit repository
+    "test_bisect_names_the_culprit_within_the_replay_budget_and_skips_the_broken_commit",
+    "test_cli_bisect_prints_the_commit_and_the_step_log",
+    "test_git_bisect_run_with_kvreplay_replay",
+    "test_a_crashing_or_hanging_build_does_not_take_kvreplay_down",
+    # the demo's 2,000 requests in a browser; S3 and Ray fleets
+    "test_demo_writes_the_bug_runs_report_and_it_opens",
+    "test_a_hive_partitioned_dump_is_a_corpus",
+    "test_ci_on_s3_with_ray_stores_the_same_runs",
+    # 2,000 fuzzed traces, 500 manifests
+    "test_damaged_traces_many",
+    "test_damaged_manifests_many",
+    # signals and kills with timing
+    "test_synth_stopped_by_a_signal_leaves_no_file_under_its_name",
+    "test_one_sigusr2_writes_one_dump",
+    "test_killed_with_its_writer_a_rotated_trace_keeps_its_closed_parts",
+    "test_a_recording_attached_mid_life_starts_with_a_snapshot_and_replays_clean",
+    "test_eight_replays_writing_at_once_lose_nothing",
+}
+# Single cases: the SIGKILL timing matrix (the fast tier keeps
+# test_sigkill_keeps_a_small_last_batch[native], a kill -9 of its own), and more.
 SLOW_CASES = {
+    "test_other_corpus_bugs_shrink_too[radix-swa-800-builtin:swa@deferred-lookup]",
+    "test_jobs_give_the_serial_run[remap-builtin:swa@page-partial-clear]",
+    "test_jobs_give_the_serial_run[remap-builtin:swa@unfiltered-page0]",
+    "test_jobs_give_the_serial_run[strict-builtin:swa@page-partial-clear]",
+    "test_jobs_give_the_serial_run[strict-builtin:swa@unfiltered-page0]",
     "test_sigkill_loses_no_call_older_than_a_second[native-busy]",
     "test_sigkill_loses_no_call_older_than_a_second[native-idle]",
     "test_sigkill_loses_no_call_older_than_a_second[python-busy]",
@@ -108,10 +141,26 @@ SLOW_CASES = {
 }
 
 
+_CALLS: dict[Path, int] = {}
+
+
+def _big_corpus_trace(item: pytest.Item) -> bool:
+    from kvreplay.corpus.manifest import CorpusEntry
+    from kvreplay.trace.reader import TraceReader
+
+    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+        if isinstance(value, CorpusEntry):
+            if value.file not in _CALLS:
+                _CALLS[value.file] = TraceReader(value.file).count_calls()
+            if _CALLS[value.file] > SMALL_CALLS:
+                return True
+    return False
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.name in SLOW_CASES:
+        if item.name in SLOW_CASES or item.originalname in SLOW_TESTS or _big_corpus_trace(item):
             item.add_marker(pytest.mark.slow)
 
 

@@ -33,7 +33,6 @@ def setups_of_recorder_bench() -> list[str]:
     return [label for label, _ in mod.SETUPS]
 
 
-@pytest.mark.slow
 def test_recorder_overhead_prints_a_ratio_for_every_setup_and_the_trace_size():
     got = run_bench(str(BENCH / "recorder_overhead.py"), "--requests", "15", "--repeat", "1")
     assert got.returncode == 0, got.stderr
@@ -62,7 +61,6 @@ def test_gpu_recorder_says_plainly_that_it_measured_nothing_without_cuda():
     assert "no CUDA device" in got.stderr and got.stdout == ""
 
 
-@pytest.mark.slow
 def test_report_open_prints_size_and_open_time():
     from servers import browser  # skips (or fails under .ci/run) without Chromium and Playwright
 

@@ -79,7 +79,6 @@ def test_a_small_run_report_in_chromium(swa_trace_80, tmp_path):
                      for k in firsts}
 
 
-@pytest.mark.slow
 def test_demo_writes_the_bug_runs_report_and_it_opens(tmp_path):
     """The Done-when: kvreplay demo writes the report and prints its path; in Chromium
     it shows the occupancy chart and the first violation of each rule."""

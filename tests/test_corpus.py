@@ -13,21 +13,12 @@ from kvreplay.corpus.expectations import check_report
 from kvreplay.corpus.manifest import load_manifest
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.hashing import content_hash as sha256_of
-from kvreplay.trace.reader import TraceReader
 from kvreplay.trace.summary import summarize
 
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
 ENTRIES = load_manifest(CORPUS)
-# Traces of more calls than this replay in the slow tier (and in .ci/run's kvreplay ci step).
-SMALL_CALLS = 6_000
-CALLS = {e.name: TraceReader(e.file).count_calls() for e in ENTRIES}
-
-
-def _tier(name: str, *values: object) -> object:
-    return pytest.param(*values, marks=[pytest.mark.slow] if CALLS[name] > SMALL_CALLS else [])
-
-
-CASES = [_tier(e.name, e, x, mode) for e in ENTRIES for x in e.expect for mode in x.modes]
+# Cases on a big corpus trace run in the slow tier (conftest.py says which).
+CASES = [(e, x, mode) for e in ENTRIES for x in e.expect for mode in x.modes]
 
 
 def test_manifest_files_exist_match_their_hash_and_stay_small():
@@ -51,26 +42,24 @@ def test_corpus_has_a_disagg_mtp_trace_of_2000_requests():
 
 
 @pytest.mark.parametrize("entry, exp, mode", CASES, ids=[f"{e.name}-{x.build.removeprefix('builtin:')}-{m}"
-                                                         for e, x, m in (c.values for c in CASES)])
+                                                         for e, x, m in CASES])
 def test_corpus_expectation(entry, exp, mode):
     report = replay(entry.file, exp.build, mode=mode, device="cpu")
     assert check_report(report, exp) == []
 
 
-BUGGY = [_tier(n, n, b) for n, b in sorted({(e.name, x.build) for e in ENTRIES for x in e.expect
-                                             if x.status == "violation"})]
+BUGGY = [(e, b) for n, b in sorted({(e.name, x.build) for e in ENTRIES for x in e.expect if x.status == "violation"})
+         for e in ENTRIES if e.name == n]
 
 
-@pytest.mark.parametrize("name, build", BUGGY,
-                         ids=[f"{n}-{b.removeprefix('builtin:')}" for n, b in (c.values for c in BUGGY)])
-def test_native_and_numpy_checkers_find_the_same_violations(name, build, monkeypatch):
+@pytest.mark.parametrize("entry, build", BUGGY, ids=[f"{e.name}-{b.removeprefix('builtin:')}" for e, b in BUGGY])
+def test_native_and_numpy_checkers_find_the_same_violations(entry, build, monkeypatch):
     """The C index kernels are an optimisation: the numpy fallback must report the
     same violations, in the same order, with the same indices and counts."""
     from kvreplay.check import checker as invariants
 
     if invariants.native is None:
         pytest.skip("native shadow kernels not built")
-    entry = next(e for e in ENTRIES if e.name == name)
     fast = replay(entry.file, build, mode="strict", device="cpu")
     monkeypatch.setattr(invariants, "native", None)
     slow = replay(entry.file, build, mode="strict", device="cpu")

@@ -145,3 +145,9 @@ def test_the_readme_tour_runs_in_order(tmp_path):
     assert "tail-prealloc-nontail-mapped" in step["show"] and "#519" in step["show"]
     assert (tmp_path / "run2.html").stat().st_size > 10_000
     assert "#178" in step["diff"]
+
+
+def test_slow_tests_are_marked_in_one_place():
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        if path.name != "conftest.py":
+            assert "mark.slow" not in path.read_text(), f"{path.name}: slow tests are named in conftest.py only"

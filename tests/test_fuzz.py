@@ -93,7 +93,6 @@ def test_damaged_traces_fast(bases, tmp_path, cli):
     assert exits.get(2, 0) > 0 and exits.get(0, 0) + exits.get(1, 0) > 0, exits  # both kinds were reached
 
 
-@pytest.mark.slow
 def test_damaged_traces_many(bases, tmp_path, cli):
     exits = _fuzz_traces(SLOW_TRACES, SEED + 1, bases, tmp_path, cli)
     print(f"fuzz: {SLOW_TRACES} damaged traces, replay exits {dict(sorted(exits.items()))}")
@@ -133,7 +132,6 @@ def test_damaged_manifests_fast(corpus, cli):
     assert exits.get(2, 0) > 0, exits
 
 
-@pytest.mark.slow
 def test_damaged_manifests_many(corpus, cli):
     exits = _fuzz_manifests(500, SEED + 1, corpus, cli)
     print(f"fuzz: 500 damaged manifests, exits {dict(sorted(exits.items()))}")

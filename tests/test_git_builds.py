@@ -75,7 +75,6 @@ def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace
     assert json.loads(shown.stdout)[0]["status"] == "unloadable"
 
 
-@pytest.mark.slow
 def test_a_crashing_or_hanging_build_does_not_take_kvreplay_down(repo, trace):
     crashed = replay(trace, f"git:{repo}@crash:mypool:Pool", device="cpu")
     assert crashed.status == "crashed" and crashed.exit_code == 125

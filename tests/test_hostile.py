@@ -125,7 +125,6 @@ def test_a_trace_with_nothing_replayable_is_bad_input_and_stores_nothing(damage,
     assert not db.exists()
 
 
-@pytest.mark.slow
 def test_synth_stopped_by_a_signal_leaves_no_file_under_its_name(tmp_path):
     out = tmp_path / "big.parquet"
     child = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "synth", "disagg-mtp", "--requests",
@@ -376,7 +375,6 @@ def test_a_foreign_part_in_a_rotated_trace_is_refused(meta, words, tmp_path, cli
 
 
 # 11 -- one signal, one flight dump per allocator that has calls -------------------------
-@pytest.mark.slow
 def test_one_sigusr2_writes_one_dump(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent("""

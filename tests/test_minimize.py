@@ -65,7 +65,7 @@ def test_the_seed_bug_trace_shrinks_to_a_reproducer_that_fails_only_on_the_bug(t
 
 
 @pytest.mark.parametrize("name,variant", [
-    pytest.param("radix-swa-800", "builtin:swa@deferred-lookup", marks=pytest.mark.slow),
+    ("radix-swa-800", "builtin:swa@deferred-lookup"),
     ("sglang-0.5.23-swa-page0", "builtin:swa@unfiltered-page0")])
 def test_other_corpus_bugs_shrink_too(name, variant, tmp_path):
     res = minimize(TRACES / f"{name}.parquet", variant, tmp_path / "m.parquet", emit_test=tmp_path / "test_m.py")

@@ -55,8 +55,7 @@ def test_checkpoints_are_rows_between_calls(tmp_path, swa_trace):
 
 
 @pytest.mark.parametrize("build", ["builtin:swa", "builtin:swa@stale-tail",
-                                   pytest.param("builtin:swa@page-partial-clear", marks=pytest.mark.slow),
-                                   pytest.param("builtin:swa@unfiltered-page0", marks=pytest.mark.slow)])
+                                   "builtin:swa@page-partial-clear", "builtin:swa@unfiltered-page0"])
 @pytest.mark.parametrize("mode", ["strict", "remap"])
 def test_jobs_give_the_serial_run(swa_trace, build, mode):
     serial = Replayer(swa_trace, build, mode=mode).run()

@@ -36,7 +36,6 @@ def attached(tmp_path_factory):
     return out, len(calls) - half
 
 
-@pytest.mark.slow
 def test_a_recording_attached_mid_life_starts_with_a_snapshot_and_replays_clean(attached):
     path, n = attached
     meta = TraceReader(path).meta
