@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -233,3 +234,19 @@ def test_a_piped_table_keeps_whole_names_and_help_keeps_its_brackets(tmp_path, s
     helped = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", "--help"], capture_output=True,
                             text=True, timeout=120, env=env).stdout
     assert "kvreplay[ray]" in helped
+
+
+def test_outputs_in_a_missing_directory_are_refused_before_any_work(cli, tmp_path):
+    """-o, --junit, --summary and record --out never create directories above the one
+    named; the refusal comes first, so nothing is written (the store included)."""
+    db = tmp_path / "k.db"
+    page0 = str(Path(__file__).resolve().parents[1] / "traces" / "sglang-0.5.23-swa-page0.parquet")
+    corpus = str(Path(__file__).resolve().parents[1] / "traces")
+    for argv in (("ci", corpus, "--build", "builtin:swa", "--junit", str(tmp_path / "no" / "j.xml")),
+                 ("ci", corpus, "--build", "builtin:swa", "--summary", str(tmp_path / "no" / "s.md")),
+                 ("record", "--out", str(tmp_path / "no" / "traces"), "--", sys.executable, "-c", "pass"),
+                 ("replay", page0, "--build", "builtin:swa", "--report", str(tmp_path / "no" / "r.html"))):
+        r = cli(*argv, "--db", str(db)) if argv[0] != "record" else cli(*argv)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
+        assert "does not exist" in r.stderr, r.stderr
+        assert not (tmp_path / "no").exists() and not db.exists(), argv

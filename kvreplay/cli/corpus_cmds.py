@@ -43,6 +43,10 @@ def corpus_ci(
 
     if report_path is not None:
         check_report_path(report_path)
+    if junit is not None:
+        check_report_path(junit, "--junit")
+    if summary is not None:
+        check_report_path(summary, "--summary")
 
     def show(r: Any, done: int, total: int) -> None:
         if not as_json:

@@ -62,8 +62,10 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         raise BadInput("nothing to run: give the server command after --, e.g. "
                        "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
     out = Path(out)
+    if not out.is_dir() and not out.parent.is_dir():  # the directory named is made, nothing above it
+        raise BadInput(f"--out {out}: its directory {out.parent} does not exist")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
     except OSError as exc:
         raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     before = set(out.glob(TRACE_GLOB))

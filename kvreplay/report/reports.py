@@ -198,13 +198,14 @@ def ci_index(results: list[dict[str, Any]], links: dict[str, str], build: str) -
     return render(title, {"kind": "ci", "title": title, "ci": results, "links": links, "notes": []})
 
 
-def check_report_path(path: str | os.PathLike[str]) -> Path:
-    """Refuse a report path that cannot be written, before any long work starts."""
+def check_report_path(path: str | os.PathLike[str], what: str = "report path") -> Path:
+    """Refuse an output file (a report, a JUnit file, a summary) that cannot be
+    written, before any long work starts; its directory is never created."""
     out = Path(path)
     if out.is_dir():
-        raise BadInput(f"report path {out} is a directory; give a file name (report.html)")
+        raise BadInput(f"{what} {out} is a directory; give a file name")
     if not out.parent.is_dir():
-        raise BadInput(f"report path {out}: the directory {out.parent} does not exist")
+        raise BadInput(f"{what} {out}: the directory {out.parent} does not exist")
     return out
 
 
