@@ -250,3 +250,33 @@ def test_outputs_in_a_missing_directory_are_refused_before_any_work(cli, tmp_pat
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (argv, r.stderr)
         assert "does not exist" in r.stderr, r.stderr
         assert not (tmp_path / "no").exists() and not db.exists(), argv
+
+
+def test_a_matrix_cell_shows_every_rule_its_invariant_broke(cli, tmp_path):
+    # On the seed reproducer, 0.5.12's pool breaks swa-mapping by two rules, 0.5.12.post1's
+    # by one: a cell that showed only the earliest made them look the same.
+    trace = str(Path(__file__).resolve().parents[1] / "traces" / "sglang-0.5.12-swa-tail-prealloc.parquet")
+    r = cli("matrix", trace, "--builds", "builtin:swa,builtin:swa@stale-tail", "--db", str(tmp_path / "m.db"))
+    assert r.returncode == 1, r.stderr
+    assert "#16 released-page-keeps-peer" in r.stdout and "tail-prealloc-nontail-mapped" in r.stdout, r.stdout
+
+
+def test_show_says_what_the_capacity_call_is(cli, tmp_path):
+    page0 = str(Path(__file__).resolve().parents[1] / "traces" / "sglang-0.5.23-swa-page0.parquet")
+    db = str(tmp_path / "k.db")
+    assert cli("replay", page0, "--build", "builtin:swa@unfiltered-page0", "--db", db).returncode == 1
+    shown = cli("show", "1", "--db", db).stdout
+    assert "capacity: an available count exceeds its pool's size from call #" in shown, shown
+    assert "assertion fires" not in shown
+
+
+def test_a_release_missing_its_dependencies_says_which_environment_it_needs(tmp_path, monkeypatch):
+    from kvreplay.builds import sglang as adapter
+    from kvreplay.errors import BuildUnloadable
+
+    (tmp_path / "fake_release_pool.py").write_text("import orjson_not_installed_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(BuildUnloadable) as err:
+        adapter._first(("fake_release_pool:Allocator",))
+    assert "imports orjson_not_installed_anywhere, which this environment lacks" in str(err.value)
+    assert "pip install sglang==" in str(err.value)

@@ -60,14 +60,23 @@ def _absent(module: str, exc: BaseException) -> bool:
 
 def _first(paths: tuple[str, ...], what: str = "") -> tuple[str, Any]:
     broken = []
+    missing = set()  # packages sglang imports that this environment lacks
     for path in paths:
         try:
             return path, _load(path)
         except Exception as exc:  # an old release may fail to import in any way; say how
             if not _absent(path.partition(":")[0], exc):
                 broken.append(f"{path}: {type(exc).__name__}: {exc}")
+                name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+                if name and not name.startswith("sglang"):
+                    missing.add(name.split(".")[0])
     if broken:
-        raise BuildUnloadable("sglang does not import here (" + "; ".join(broken) + ")")
+        hint = ""
+        if missing:
+            hint = (f". sglang's pool code imports {', '.join(sorted(missing))}, which this environment lacks: run "
+                    f"kvreplay from an environment with sglang's dependencies (pip install sglang=={version() or 'X'} "
+                    "beside kvreplay; scripts/sglang-tier.sh makes one as .venv-sglang)")
+        raise BuildUnloadable("sglang does not import here (" + "; ".join(broken) + ")" + hint)
     if version() is None:
         raise BuildUnloadable("sglang is not importable here")
     raise BuildUnsupported(f"sglang {version()} has no {what or 'such class'} (looked for "

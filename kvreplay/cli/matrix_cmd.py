@@ -36,9 +36,10 @@ def matrix(
 ) -> None:
     """Replay traces on many builds and print build x invariant.
 
-    Each cell holds the first call that broke the invariant and the rule
-    it broke; 'assert' is the call where the build's own capacity
-    assertion fired. Every run is stored (kvreplay show RUN). A release
+    Each cell holds every rule of the invariant the build broke, each at
+    its first call; 'capacity' is the first call after which an available
+    count exceeds its pool's size (the condition sglang's capacity
+    assertion checks; the build raises it later, where it checks). Every run is stored (kvreplay show RUN). A release
     is fetched and imported once and replays all the traces. Exit 1 when
     any build shows a violation or divergence, 0 when all tested builds
     are clean, 125 when none could be tested, 2 on bad input.
@@ -68,13 +69,13 @@ def matrix(
     kinds = sorted({k for c in res.cells for k in c.divergences})
     for trace in res.traces:
         keys = " ".join(f"{k}={v}" for k, v in res.partitions.get(trace, {}).items())
-        t = Table("build", "status", "kernels", *invariants, *(["divergences"] if kinds else []), "assert",
+        t = Table("build", "status", "kernels", *invariants, *(["divergences"] if kinds else []), "capacity",
                   title=Path(trace).name + (f"  ({keys})" if keys else ""), title_justify="left")
         for b in res.builds:
             c = res.cell(trace, b)
             if c is None:
                 continue
-            inv = [f"#{c.firsts[i]['call']} {c.firsts[i]['rule']}" if i in c.firsts else "" for i in invariants]
+            inv = [_rules_of(c.rules, i) for i in invariants]
             div = [", ".join(f"{k} {n}" for k, n in sorted(c.divergences.items()))] if kinds else []
             assert_at = f"#{c.capacity_assert_call}" if c.capacity_assert_call is not None else ""
             row(t, b, c.status, c.kernels, *inv, *div, assert_at, style=STATUS_STYLE.get(c.status))
@@ -86,6 +87,13 @@ def matrix(
                 say(f"  {b}: {c.status}: {c.message}")
     say(f"{len(res.cells)} runs in {res.wall_s:.1f} s; kvreplay show RUN for one, kvreplay matrix ... --json for all")
     raise typer.Exit(res.exit_code)
+
+
+def _rules_of(rules: dict[str, int], invariant: str) -> str:
+    """Every rule of ``invariant`` the run broke, by its first call: two builds that
+    break the same invariant by different rules must not look the same."""
+    mine = sorted((call, key.split("/", 1)[1]) for key, call in rules.items() if key.split("/", 1)[0] == invariant)
+    return "\n".join(f"#{call} {rule}" for call, rule in mine)
 
 
 def write_matrix_report(res: Any, path: Path, db: str | None) -> None:

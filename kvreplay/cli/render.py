@@ -47,12 +47,17 @@ def render_report(r: Any) -> None:
 
 
 def _capacity_line(call: int | None, after: int | None) -> None:
+    # The call where the condition of sglang's capacity assertion (available_size() <=
+    # size) first fails, or where the build raised it: a release asserts only where it
+    # checks, so it may raise calls later (or never) on the same broken state.
     if call is None:
-        say("the build's own capacity assertion never fires on this trace")
+        say("capacity: no available count ever exceeds its pool's size on this trace")
     elif after is None:
-        say(f"the build's own capacity assertion fires at call #{call}")
+        say(f"capacity: an available count exceeds its pool's size from call #{call} (the condition the "
+            "build's own assertion checks, where it checks)")
     else:
-        say(f"the build's own capacity assertion fires at call #{call}, {after} calls after the first violation")
+        say(f"capacity: an available count exceeds its pool's size from call #{call}, {after} calls after the "
+            "first violation (the condition the build's own assertion checks, where it checks)")
 
 
 def render_stored(d: dict[str, Any], *, show_all: bool = False) -> None:
