@@ -19,6 +19,7 @@ import pytest
 from servers import browser, browser_available, free_port, screenshot_dir
 
 from kvreplay.stored_replay import replay_and_store
+from kvreplay.workload.synth import SynthConfig, synthesize
 
 
 @pytest.fixture(autouse=True)
@@ -184,7 +185,7 @@ def test_matrix_bisect_and_assertion_pages(cli, swa_trace_80, tmp_path):
         page = _drawn_without_errors(b, bisect.as_uri(), shots, "bisect")
         assert page.locator("tr.verdict-bad").count() >= 1 and page.locator("tr.verdict-good").count() >= 1
         page = _drawn_without_errors(b, cap.as_uri(), shots, "capacity-assertion")
-        assert "build's own assertion fires (call 223)" in page.inner_text("#chart")
+        assert "an available count exceeds its size (call 223)" in page.inner_text("#chart")
 
 
 def test_a_dense_rule_is_a_strip_that_a_click_reads_back(swa_trace_80, tmp_path):
@@ -202,6 +203,8 @@ def test_a_dense_rule_is_a_strip_that_a_click_reads_back(swa_trace_80, tmp_path)
         errors: list[str] = []
         page = _open(b, out.as_uri(), errors)
         page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+        page.evaluate("Plotly.relayout('chart', {'xaxis.autorange': true})")  # every call, not the first findings
+        page.locator("#chart").scroll_into_view_if_needed()
         assert page.locator("#chart .heatmaplayer image").count() == 1
         box = page.locator("#chart .heatmaplayer image").bounding_box()
         page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
@@ -255,3 +258,40 @@ def test_a_hostile_build_spec_stays_text_on_the_history_page(swa_trace_80, tmp_p
             assert page.locator("#chart a").count() == 0 and page.locator('[href*="evil"]').count() == 0
             assert page.locator('#chart tspan[style*="red"]').count() == 0
             assert errors == []
+
+
+def test_a_run_report_opens_on_its_answer(tmp_path):
+    """The first screen holds the verdict and the first finding of the earliest rule,
+    opened with the calls that made and revealed it; every rule's first finding is
+    opened below; findings that crowd the start of a long axis are told apart by a
+    zoom; identifiers do not wrap."""
+    trace = tmp_path / "t.parquet"
+    synthesize(SynthConfig(scenario="disagg-mtp", out=trace, requests=2000))  # the tour's: #49 and #519 of 37,830
+    res = replay_and_store(trace, "builtin:swa@stale-tail", db=str(tmp_path / "k.db"), store=False)
+    from kvreplay.report.reports import run_report, write_report
+
+    out = write_report(run_report(res.report.to_dict(), res.report.timeline), tmp_path / "r.html")
+    rules = {f"{v.invariant}/{v.rule}" for v in res.report.violations}
+    first = res.report.first_violation
+    errors: list[str] = []
+    with browser() as b:
+        page = _open(b, out.as_uri(), errors)
+        page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
+        page.screenshot(path=str(screenshot_dir(tmp_path) / "first-screen.png"))
+        height = page.viewport_size["height"]
+        verdict = page.locator("#verdict")
+        assert verdict.bounding_box()["y"] < height and f"#{first.call}" in verdict.inner_text()
+        opened = page.locator("details.finding[open]")
+        assert opened.count() == len(rules)
+        top = opened.nth(0)
+        assert top.get_attribute("data-call") == str(first.call)
+        assert top.locator("summary").bounding_box()["y"] < height  # on the first screen
+        made = top.locator("tr.here")
+        assert made.count() == 1 and made.bounding_box()["y"] < height and "made the state" in made.inner_text()
+        methods = top.locator("table.context td.ident:nth-child(2)").all_inner_texts()
+        assert methods and not any(m.split()[0].endswith("available_size") for m in methods)
+        # the first findings sit near the start of a long axis: the chart opens zoomed on them
+        assert int(page.get_attribute("#chart", "data-zoom")) < res.report.calls_replayed
+        for cell in page.locator("table.firsts td").all()[:12]:
+            assert cell.evaluate("e => getComputedStyle(e).whiteSpace") == "nowrap"
+    assert errors == []

@@ -50,9 +50,17 @@ def test_a_run_report_places_every_violation_and_the_first_of_each_rule(store_wi
         assert f["call"] == min(run["marks"][f["group"]][f["key"]])
     # the calls around the first violation come from the trace
     first = r.first_violation
-    ctx = data["contexts"]
+    ctx, around = data["contexts"], data["around"]
     assert ctx[str(first.call)]["method"] == first.method
-    assert all(str(n) in ctx for n in range(max(1, first.call - 3), first.call + 4) if n <= r.calls_replayed)
+    shown = around[str(first.call)]
+    assert first.call in shown and shown == sorted(shown)
+    # three state-changing calls on each side; counter reads are never the neighbours shown
+    before = [n for n in shown if n < first.call]
+    after = [n for n in shown if n > first.call]
+    assert len(before) == min(3, first.call - 1) and len(after) == 3
+    from kvreplay.pool_api import COUNTER_METHODS
+
+    assert not any(ctx[str(n)]["method"] in COUNTER_METHODS for n in before + after)
     # occupancy: replayed per sub-pool, in buckets
     occ = run["occupancy"]
     assert set(occ["hi"]) == {"full", "swa"}
@@ -162,7 +170,7 @@ def test_a_report_whose_trace_is_gone_or_damaged_still_draws_the_run(swa_trace_8
         raw[100:len(raw) // 2] = b"\xff" * (len(raw) // 2 - 100)
         trace.write_bytes(bytes(raw))
     data = page_data(run_report(r.to_dict(), r.timeline))
-    assert data["recorded"] is None and data["contexts"] == {}
+    assert data["recorded"] is None and data["contexts"] == {} and data["around"] == {}
     assert data["notes"] and data["runs"][0]["occupancy"] and data["runs"][0]["marks"]["violation"]
 
 
@@ -256,3 +264,12 @@ def test_show_and_report_of_a_run_id_beyond_the_store_range_are_one_line(store_w
         res = cli(*argv, str(1 << 63), "--db", db)
         assert res.returncode == 2 and "no run" in res.stderr and res.stderr.count("\n") == 1, res.stderr
     assert not out.exists()
+
+
+def test_segments_read_as_segments_in_a_report():
+    import torch
+
+    from kvreplay.report.gather import summarise
+
+    got = summarise([(torch.tensor([8, 9, 10, 11]), 16), (torch.tensor([40, 41]), 32)])
+    assert got == ["from 16: [8 9 10 11] (4; 8..11)", "from 32: [40 41] (2; 40..41)"]

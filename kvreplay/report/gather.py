@@ -5,13 +5,14 @@ machine's) still draws the replayed side; ``TraceGone`` says why the rest is mis
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 
 from kvreplay.errors import KvreplayError
-from kvreplay.pool_api import sub_pool_sizes
+from kvreplay.pool_api import COUNTER_METHODS, sub_pool_sizes
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET
 from kvreplay.trace.reader import TraceReader
@@ -71,7 +72,8 @@ def recorded_occupancy(reader: TraceReader, stride: int | None = None) -> dict[s
 
 def summarise(value: Any) -> Any:
     """A JSON-able short form of a recorded value: index tensors as their length, first
-    values and range, so a call of 10,000 indices stays a line."""
+    values and range, so a call of 10,000 indices stays a line; a segment (slots and
+    where they start in their request's row) as one string that says so."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -84,6 +86,8 @@ def summarise(value: Any) -> Any:
         return f"[{head}{more}] ({n}; {int(flat.min())}..{int(flat.max())})"
     if isinstance(value, (int, float, bool)) or value is None:
         return value
+    if _segment(value):
+        return f"from {int(value[1])}: {summarise(value[0])}"
     if isinstance(value, (list, tuple)):
         return [summarise(v) for v in value[:SHOWN_VALUES]] + (["..."] if len(value) > SHOWN_VALUES else [])
     if isinstance(value, dict):
@@ -91,29 +95,60 @@ def summarise(value: Any) -> Any:
     return str(value)[:200]
 
 
-def call_contexts(reader: TraceReader, calls: set[int], around: int = CONTEXT) -> dict[int, dict[str, Any]]:
-    """Each call numbered in ``calls`` and those within ``around`` of it: method,
-    arguments and result summarised, counters after it, by call number."""
-    want: set[int] = set()
-    for c in calls:
-        want.update(range(max(1, c - around), c + around + 1))
-    if not want:
-        return {}
-    last = max(want)
-    out: dict[int, dict[str, Any]] = {}
+def _segment(value: Any) -> bool:
+    import torch
+
+    return (isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], torch.Tensor)
+            and isinstance(value[1], int) and not isinstance(value[1], bool))
+
+
+def call_contexts(reader: TraceReader, calls: set[int], around: int = CONTEXT
+                  ) -> tuple[dict[int, dict[str, Any]], dict[int, list[int]]]:
+    """The calls around each call numbered in ``calls``: ``around`` state-changing calls
+    on each side (counter reads skipped: a live server reads its counters thousands of
+    times a second, and they would crowd out the calls that made the state). Returns
+    each shown call (method, arguments and result summarised, counters after it) by
+    number, and for each of ``calls`` the numbers to show with it, in order."""
+    if not calls:
+        return {}, {}
+    pending = sorted(calls)
+    last = pending[-1]
+    before: deque[Any] = deque(maxlen=around)  # the latest state-changing calls seen
+    after: dict[int, int] = {}  # a call of ``calls`` -> state-changing calls still to take after it
+    chosen: dict[int, Any] = {}
+    shown: dict[int, list[int]] = {c: [] for c in calls}
+    nxt = 0
     for tc in reader.top_calls(nested_args=False):
-        if tc.number > last:
+        n = tc.number
+        if n > last and not after:
             break
-        if tc.number in want:
-            c = tc.call
-            out[tc.number] = {
-                "call": tc.number, "method": c.method,
-                "args": {k: summarise(v) for k, v in c.args.items()},
-                "result": summarise(c.result), "exc": c.exc_type,
-                "counters": {k: v for k, v in c.counters.items() if v is not None},
-                "nested": [f"{n.target}.{n.method}" for n in tc.nested],
-            }
-    return out
+        changing = tc.call.method not in COUNTER_METHODS
+        for c in [c for c in after if changing]:
+            chosen[n] = tc
+            shown[c].append(n)
+            after[c] -= 1
+            if not after[c]:
+                del after[c]
+        while nxt < len(pending) and pending[nxt] == n:
+            chosen[n] = tc
+            for b in before:
+                chosen[b.number] = b
+            shown[n] = [b.number for b in before] + [n]
+            after[n] = around
+            nxt += 1
+        if changing:
+            before.append(tc)
+    out = {}
+    for n, tc in chosen.items():
+        c = tc.call
+        out[n] = {
+            "call": n, "method": c.method,
+            "args": {k: summarise(v) for k, v in c.args.items()},
+            "result": summarise(c.result), "exc": c.exc_type,
+            "counters": {k: v for k, v in c.counters.items() if v is not None},
+            "nested": [f"{x.target}.{x.method}" for x in tc.nested],
+        }
+    return out, shown
 
 
 __all__ = ["TraceGone", "call_contexts", "open_trace", "recorded_occupancy", "sizes_of", "summarise"]

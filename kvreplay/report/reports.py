@@ -91,7 +91,7 @@ def _with_trace(data: dict[str, Any], trace: str | None, entries: list[dict[str,
     """The recorded side, from the trace: occupancy and the calls around the findings."""
     data.setdefault("notes", [])
     data["recorded"] = None
-    data["contexts"] = {}
+    data["contexts"], data["around"] = {}, {}
     if not trace:
         return data
     try:
@@ -99,11 +99,13 @@ def _with_trace(data: dict[str, Any], trace: str | None, entries: list[dict[str,
         stride = next((e["occupancy"]["stride"] for e in entries if e["occupancy"]), None)
         data["recorded"] = recorded_occupancy(reader, stride)
         wanted = {f[k] for e in entries for f in e["findings"] for k in ("call", "detected_call")}
-        data["contexts"] = {str(k): v for k, v in call_contexts(reader, wanted).items()}
+        contexts, around = call_contexts(reader, wanted)
+        data["contexts"] = {str(k): v for k, v in contexts.items()}
+        data["around"] = {str(k): v for k, v in around.items()}
     except TraceGone as exc:
         data["notes"].append(f"{exc}: the recorded occupancy and the calls around each finding are not shown")
     except KvreplayError as exc:  # readable at first, damaged further on
-        data["recorded"], data["contexts"] = None, {}
+        data["recorded"], data["contexts"], data["around"] = None, {}, {}
         data["notes"].append(f"the trace could not be read to the end ({' '.join(str(exc).split())}): the "
                              "recorded occupancy and the calls around each finding are not shown")
     return data

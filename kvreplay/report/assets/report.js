@@ -44,7 +44,8 @@
 
   function text(v) {
     if (v === null || v === undefined) return "-";
-    if (typeof v === "object") return JSON.stringify(v);
+    if (Array.isArray(v)) return "[" + v.map(text).join(", ") + "]";
+    if (typeof v === "object") return "{" + Object.entries(v).map(([k, x]) => k + ": " + text(x)).join(", ") + "}";
     return String(v);
   }
 
@@ -102,7 +103,7 @@
           seenSizes[sub] = 1;
           shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: occ.sizes[sub], y1: occ.sizes[sub],
             line: { color, width: 1, dash: "dot" } });
-          annotations.push({ xref: "paper", x: 1, xanchor: "right", yref: "y", y: occ.sizes[sub], yanchor: "bottom",
+          annotations.push({ xref: "paper", x: 0, xanchor: "left", yref: "y", y: occ.sizes[sub], yanchor: "bottom",
             text: P(sub + " size " + occ.sizes[sub]), showarrow: false, font: { size: 10, color } });
         }
       }
@@ -110,7 +111,7 @@
         shapes.push({ type: "line", x0: run.capacity_call, x1: run.capacity_call, yref: "paper", y0: 0, y1: 1,
           line: { color: "#d62728", width: 2 } });
         annotations.push({ x: run.capacity_call, yref: "paper", y: 1, yanchor: "bottom", showarrow: false,
-          text: "build's own assertion fires (call " + run.capacity_call + ")", font: { color: "#d62728", size: 11 } });
+          text: "an available count exceeds its size (call " + run.capacity_call + ")", font: { color: "#d62728", size: 11 } });
       }
     });
     const recordedNote = [];
@@ -195,12 +196,22 @@
       }
     });
     const hasRows = rows.length > 0;
+    // First findings that crowd the start of a long axis would sit on top of each other:
+    // the chart opens zoomed on them (a double-click shows every call).
+    const firstCalls = runs.flatMap((run) => Object.values(run.firsts).map((i) => run.findings[i].call));
+    let zoomTo = null;
+    if (firstCalls.length > 1 && span > 200) {
+      const far = Math.max(...firstCalls);
+      const near = Math.min(...firstCalls);
+      if (far < span * 0.2 && (far - near) < span * 0.05) zoomTo = Math.min(span, Math.ceil(far * 1.25 + 20));
+    }
+    if (zoomTo) div.setAttribute("data-zoom", String(zoomTo));
     const layout = {
-      height: hasRows ? 440 + 22 * rows.length : 420,
-      margin: { l: 70, r: 20, t: 30, b: 50 },
+      height: hasRows ? 460 + 22 * rows.length : 440,
+      margin: { l: 70, r: 20, t: 40, b: 50 },
       hovermode: "closest",
-      legend: { orientation: "h", y: 1.08 },
-      xaxis: { title: { text: "call" }, zeroline: false, anchor: hasRows ? "y2" : "y" },
+      legend: { orientation: "h", x: 0, xanchor: "left", y: 1.0, yanchor: "bottom" },
+      xaxis: { title: { text: "call" }, zeroline: false, anchor: hasRows ? "y2" : "y", ...(zoomTo ? { range: [0, zoomTo] } : {}) },
       yaxis: { title: { text: "tokens in use (size - available)" }, domain: hasRows ? [Math.min(0.55, 0.12 + 0.05 * rows.length), 1] : [0, 1], rangemode: "tozero" },
       shapes, annotations,
     };
@@ -208,7 +219,7 @@
       layout.yaxis2 = { domain: [0, Math.min(0.45, 0.05 * rows.length + 0.02)], type: "category", automargin: true,
         categoryorder: "array", categoryarray: rows.slice().reverse(), fixedrange: true };
     }
-    return Plotly.newPlot(div, traces, layout, { responsive: true, displaylogo: false }).then(() => {
+    return Plotly.newPlot(div, traces, layout, { responsive: true, displaylogo: false, displayModeBar: "hover" }).then(() => {
       div.setAttribute("data-drawn", "1");
       div.setAttribute("data-ms", String(Math.round(performance.now())));
       div.on("plotly_click", (ev) => {
@@ -220,16 +231,24 @@
     });
   }
 
-  function contextTable(contexts, call, detected) {
+  function contextTable(contexts, around, call, detected) {
+    // The state-changing calls before and after the call that made the state and the one
+    // that revealed it (counter reads left out), as the report's gatherer chose them.
+    const wanted = [...new Set([...(around[String(call)] || []), ...(around[String(detected)] || [])])].sort((a, b) => a - b);
     const rows = [];
-    const lo = call - 3, hi = Math.max(call, detected) + 3;
-    for (let n = lo; n <= hi; n++) {
+    let prev = null;
+    for (const n of wanted) {
       const c = contexts[String(n)];
       if (!c) continue;
-      if (n > call + 3 && n < detected - 3) continue;
+      if (prev !== null && n > prev + 1) {
+        rows.push(el("tr", { class: "gap" }, el("td", { colSpan: 5 }, (n - prev - 1) + " call(s) between, counter reads or further away")));
+      }
+      prev = n;
       const args = Object.entries(c.args).map(([k, v]) => k + "=" + text(v)).join(", ");
+      const role = n === call ? "made the state" : n === detected ? "revealed it" : "";
       const tr = el("tr", { class: n === call ? "here" : n === detected ? "seen" : "" },
-        el("td", {}, "#" + n), el("td", {}, c.method), el("td", { class: "args" }, args),
+        el("td", { class: "ident" }, "#" + n), el("td", { class: "ident" }, c.method + (role ? " (" + role + ")" : "")),
+        el("td", { class: "args" }, args),
         el("td", {}, c.exc ? "raised " + c.exc : text(c.result)),
         el("td", {}, Object.entries(c.counters).map(([k, v]) => k + " " + v).join(", ")));
       rows.push(tr);
@@ -238,14 +257,11 @@
     return table(["call", "method", "arguments", "result", "counters after"], rows, "context");
   }
 
-  function showFinding(detail, runs, contexts, ri, group, key, call) {
-    const run = runs[ri];
+  function findingBody(run, runs, group, key, call) {
     const f = run.findings.find((x) => x.group === group && x.key === key && x.call === call);
-    detail.replaceChildren();
-    const label = group === "violation" ? key : "divergence " + key;
-    detail.append(el("h3", {}, label + " at call #" + call + (runs.length > 1 ? " (" + run.label + ")" : "")));
+    const parts = [];
     if (!f) {
-      detail.append(el("p", {}, "Only the first findings of each rule are kept whole; this one is counted and placed, its details are not kept."));
+      parts.push(el("p", {}, "Only the first findings of each rule are kept whole; this one is counted and placed, its details are not kept."));
     } else {
       const facts = [["call", "#" + f.call + " " + f.method]];
       if (group === "violation") {
@@ -259,18 +275,61 @@
         facts.push(["got", text(f.actual)]);
       }
       facts.push(["message", f.message]);
-      detail.append(table(null, facts, "facts"));
+      parts.push(table(null, facts, "facts"));
     }
-    detail.append(el("h4", {}, "The calls around it"));
-    detail.append(contextTable(contexts || {}, call, f ? f.detected_call : call));
+    parts.push(el("h4", {}, "The calls around it"));
+    parts.push(contextTable(data.contexts || {}, data.around || {}, call, f ? f.detected_call : call));
+    return parts;
+  }
+
+  function showFinding(detail, runs, contexts, ri, group, key, call) {
+    const run = runs[ri];
+    detail.replaceChildren();
+    const label = group === "violation" ? key : "divergence " + key;
+    detail.append(el("h3", {}, label + " at call #" + call + (runs.length > 1 ? " (" + run.label + ")" : "")));
+    detail.append(...findingBody(run, runs, group, key, call));
     detail.setAttribute("data-call", String(call));
     detail.scrollIntoView({ block: "nearest" });
+  }
+
+  function verdict(run) {
+    // The answer first: what the run found, and where it started.
+    const v = Object.values(run.counts.violation || {}).reduce((a, b) => a + b, 0);
+    const d = Object.values(run.counts.divergence || {}).reduce((a, b) => a + b, 0);
+    const rules = Object.keys(run.firsts).length;
+    const firsts = Object.values(run.firsts).map((i) => run.findings[i]).sort((a, b) => a.call - b.call);
+    const p = el("p", { class: "verdict status-" + run.status, id: "verdict" }, run.status + ": ");
+    const ident = (t) => el("span", { class: "ident" }, t);
+    if (!rules) p.append("no violation and no divergence in " + run.calls + " calls.");
+    else {
+      p.append(rules + " rule(s) broken (" + v + " violation(s), " + d + " divergence(s)) in " + run.calls + " calls; the first at call ",
+        ident("#" + firsts[0].call), ", ", ident(firsts[0].method), ": ",
+        ident(firsts[0].group === "violation" ? firsts[0].key : "divergence " + firsts[0].key), ".");
+    }
+    if (run.capacity_call) p.append(" An available count exceeds its pool's size from call ", ident("#" + run.capacity_call), ".");
+    return p;
+  }
+
+  function openedFirsts(runs) {
+    // The first finding of each rule, opened: the call that made the state, the one that
+    // revealed it, and the state-changing calls around them.
+    const box = el("div", { id: "firsts-open" });
+    runs.forEach((run) => {
+      const firsts = Object.values(run.firsts).map((i) => run.findings[i]).sort((a, b) => a.call - b.call);
+      for (const f of firsts) {
+        const label = (f.group === "violation" ? f.key : "divergence " + f.key) + " at call #" + f.call;
+        box.append(el("details", { class: "finding", open: true, "data-key": f.key, "data-call": String(f.call) },
+          el("summary", {}, label + (runs.length > 1 ? " (" + run.label + ")" : "")), ...findingBody(run, runs, f.group, f.key, f.call)));
+      }
+    });
+    return box;
   }
 
   function firstsTable(runs, pick) {
     const rows = [];
     runs.forEach((run, ri) => {
-      for (const [k, fi] of Object.entries(run.firsts)) {
+      const order = Object.entries(run.firsts).sort((a, b) => run.findings[a[1]].call - run.findings[b[1]].call);
+      for (const [k, fi] of order) {
         const f = run.findings[fi];
         const [group, key] = [f.group, f.key];
         const count = (run.counts[group] || {})[key];
@@ -287,30 +346,43 @@
 
   function renderRuns() {
     const runs = data.runs;
+    const single = runs.length === 1 && data.kind === "run";
     app.append(el("h1", {}, data.title));
     const n = notes(data.notes);
     if (n) app.append(n);
+    if (single) app.append(verdict(runs[0]));
     if (data.summary) app.append(table(null, data.summary, "meta"));
     const metas = el("div", { class: "metas" });
     for (const run of runs) {
       const box = el("div", { class: "meta-box status-" + run.status }, runs.length > 1 ? el("h3", {}, run.label) : null, table(null, run.meta, "meta"));
       metas.append(box);
     }
-    if (data.kind !== "diff") app.append(metas);
-    const chart = el("div", { id: "chart", class: "chart" });
-    app.append(el("h2", {}, "Occupancy and findings over the calls"));
-    const legendNote = el("p", { class: "muted", id: "chart-note" });
-    app.append(chart, legendNote);
-    app.append(el("h2", {}, "First of each rule"));
-    const detail = el("div", { id: "detail", class: "detail" }, el("p", { class: "muted" }, "Click a finding (a mark on the chart or a row below) to see its call, its arguments and the calls around it."));
+    const detail = el("div", { id: "detail", class: "detail" }, el("p", { class: "muted" }, "Click a finding (a mark on the chart or a row above) to see its call, its arguments and the calls around it."));
     const pick = (ri, g, k, c) => showFinding(detail, runs, data.contexts, ri, g, k, c);
-    app.append(firstsTable(runs, pick));
-    app.append(el("h2", {}, "Detail"), detail);
+    const firsts = firstsTable(runs, pick);
+    const chart = el("div", { id: "chart", class: "chart" });
+    const legendNote = el("p", { class: "muted", id: "chart-note" });
+    if (single) {
+      // A run's page opens on its answer: the verdict, the first of each rule opened,
+      // then the picture, then the run's facts.
+      app.append(el("h2", {}, "First of each rule"), firsts);
+      if (Object.keys(runs[0].firsts).length) app.append(openedFirsts(runs));
+      app.append(el("h2", {}, "Occupancy and findings over the calls"), chart, legendNote);
+      app.append(el("h2", {}, "Detail"), detail);
+      app.append(el("h2", {}, "The run"), metas);
+    } else {
+      if (data.kind !== "diff") app.append(metas);
+      app.append(el("h2", {}, "Occupancy and findings over the calls"), chart, legendNote);
+      app.append(el("h2", {}, "First of each rule"), firsts);
+      app.append(el("h2", {}, "Detail"), detail);
+    }
     const capped = runs.flatMap((r) => r.capped);
     if (capped.length) legendNote.append("Only the first 50,000 findings of " + capped.join(", ") + " are placed. ");
     drawRuns(chart, runs, data.recorded, pick).then((same) => {
       if (same.length) legendNote.append("The recorded occupancy of " + same.join(", ") + " equals the replayed one. ");
       legendNote.append("Bands: lowest to highest use in each bucket of calls; stars: the first finding of each rule.");
+      const zoom = chart.getAttribute("data-zoom");
+      if (zoom) legendNote.append(" Zoomed on the first findings (calls 1 to " + zoom + "); double-click the chart for all calls.");
     });
   }
 
