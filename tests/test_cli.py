@@ -280,3 +280,28 @@ def test_a_release_missing_its_dependencies_says_which_environment_it_needs(tmp_
         adapter._first(("fake_release_pool:Allocator",))
     assert "imports orjson_not_installed_anywhere, which this environment lacks" in str(err.value)
     assert "pip install sglang==" in str(err.value)
+
+
+def test_help_shows_flags_as_they_are_typed(cli):
+    # "--json <bool>" read as an option taking a value; "--json true" is refused.
+    shown = cli("replay", "--help").stdout
+    line = next(ln for ln in shown.splitlines() if "--json" in ln)
+    assert "<bool>" not in line and "<bool>" not in shown
+    assert "<str>" in next(ln for ln in shown.splitlines() if "--mode" in ln)
+
+
+def test_tables_on_a_narrow_terminal_wrap_and_never_cut_a_name(tmp_path):
+    import os
+    import subprocess
+
+    page0 = str(Path(__file__).resolve().parents[1] / "traces" / "sglang-0.5.23-swa-page0.parquet")
+    db = str(tmp_path / "k.db")
+    env = {**os.environ, "COLUMNS": "70"}
+    subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", page0, "-b", "builtin:swa@unfiltered-page0",
+                    "--db", db], capture_output=True, env=env)
+    got = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "runs", "--db", db], capture_output=True,
+                         text=True, env=env).stdout
+    assert max(len(ln) for ln in got.splitlines()) <= 70
+    assert "…" not in got
+    cells = "".join(ln.split("│")[3].strip() for ln in got.splitlines() if ln.count("│") > 3)
+    assert "builtin:swa@unfiltered-page0" in cells  # the build column, read down its lines

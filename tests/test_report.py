@@ -238,6 +238,8 @@ def test_dashboard_answers_only_its_own_host_names_and_a_busy_port_is_bad_input(
         res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", db, "--port", str(port)],
                              capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "cannot listen" in res.stderr and "Traceback" not in res.stderr
+    assert "dashboard on" not in res.stderr  # it says it serves only once it listens
+    assert len(res.stderr.strip().splitlines()) == 1
     res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", str(tmp_path / "none.db")],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no database" in res.stderr and not (tmp_path / "none.db").exists()

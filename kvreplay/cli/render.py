@@ -14,8 +14,12 @@ STATUS_STYLE = {"clean": "green", "violation": "red", "divergence": "yellow"}
 
 
 def row(t: Table, *cells: Any, style: str | None = None) -> None:
-    """Add a row of plain-text cells (data never becomes markup)."""
-    t.add_row(*(Text(str(c)) for c in cells), style=style)
+    """Add a row of plain-text cells (data never becomes markup). On a narrow terminal a
+    cell wraps onto more lines; it is never cut short with an ellipsis (a cut name is
+    another name: "builtin:swa@stale-…" could be any variant)."""
+    for col in t.columns:
+        col.overflow = "fold"
+    t.add_row(*(Text(str(c), overflow="fold") for c in cells), style=style)
 
 
 def render_report(r: Any) -> None:
