@@ -27,12 +27,11 @@ from kvreplay.errors import BadInput, BuildUnloadable
 from kvreplay.replay.report import UNTESTABLE, Failure, ReplayReport, describe, firsts_by_rule, invariant_ids
 from kvreplay.store.db import open_store
 from kvreplay.store.models import Run
-from kvreplay.store.runs import cached_run
+from kvreplay.store.runs import reusable_run
 from kvreplay.stored_replay import replay_and_store
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.location import local_path
 from kvreplay.trace.reader import TraceReader
-from kvreplay.version import __version__
 
 
 @dataclass
@@ -206,12 +205,13 @@ class Prober:
         self.jobs, self.ray = jobs, ray  # each step's replay: segments in parallel, or on Ray
 
     def cached(self, spec: str) -> Outcome | None:
-        if not (self.use_cache and BuildSpec.parse(spec).exact):
+        """A stored run that may stand in for this step's replay (store/runs.py's rule)."""
+        parsed = BuildSpec.parse(spec)
+        if not (self.use_cache and parsed.exact):
             return None
         st = open_store(self.db)
         try:
-            version = __version__ if BuildSpec.parse(spec).kind == "builtin" else None
-            run = cached_run(st, self.hash, spec, self.mode, kvreplay_version=version)
+            run = reusable_run(st, self.hash, parsed, self.mode)
             return Outcome.of_run(run) if run is not None else None
         finally:
             st.close()

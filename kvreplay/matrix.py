@@ -29,14 +29,11 @@ from kvreplay.fanout import iter_units
 from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
 from kvreplay.replay.worker import replay_many_in_worker
 from kvreplay.store.db import check_store, open_store
-from kvreplay.store.runs import cached_run, get_run, record_run, run_to_dict
-from kvreplay.stored_replay import trace_info, worker_build_version
+from kvreplay.store.runs import get_run, record_run, reusable_run, run_to_dict
+from kvreplay.stored_replay import trace_info
 from kvreplay.trace import location
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader
-from kvreplay.version import __version__
-
-REUSED = frozenset({"clean", "violation", "divergence", "unsupported"})
 
 
 @dataclass
@@ -154,9 +151,8 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
         todo: dict[str, list[str]] = {}
         for spec in specs:
             for trace, (_, digest) in infos.items():
-                run = cached_run(st, digest, spec, mode, kvreplay_version=__version__) \
-                    if use_cache and BuildSpec.parse(spec).exact else None
-                if run is not None and run.status in REUSED:
+                run = reusable_run(st, digest, BuildSpec.parse(spec), mode) if use_cache else None
+                if run is not None:
                     cell = Cell.of_run(run_to_dict(get_run(st, run.id), details=True), cached=True)
                     cell.trace = trace
                     _add(result, cell, on_cell)
@@ -177,7 +173,7 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
             trace = given.get(trace, str(Path(trace).resolve()))
             info, _ = infos[trace]
             report.build = spec
-            run_id = record_run(st, report, info, build_version=_version_of(spec, code_id))
+            run_id = record_run(st, report, info, build_version=BuildSpec.parse(spec).resolved(code_id=code_id))
             cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
             cell.trace = trace
             _add(result, cell, on_cell)
@@ -239,13 +235,6 @@ def _add(result: MatrixResult, cell: Cell, on_cell: Callable[[Cell], None] | Non
     result.cells.append(cell)
     if on_cell is not None:
         on_cell(cell)
-
-
-def _version_of(spec: str, code_id: str) -> str:
-    s = BuildSpec.parse(spec)
-    if not s.in_process:
-        return worker_build_version(s, code_id)
-    return f"kvreplay {__version__}" if s.kind == "builtin" else ""
 
 
 __all__ = ["Cell", "MatrixResult", "matrix_traces", "run_matrix"]

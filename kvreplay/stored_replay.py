@@ -1,5 +1,11 @@
-"""A replay that becomes a stored run: ``replay_and_store``, what every command that
-replays and stores (replay, bisect, ci, corpus add, demo) goes through."""
+"""A replay that becomes a stored run: ``replay_and_store``, what replay, bisect's
+steps and the demo go through (ci's cases too, which replay here without
+storing and are stored by ci's driver as they come back).
+
+Who writes a run: one function, ``store.runs.record_run``, called from here, from
+matrix's driver and from ci's driver, each with what the build resolved to from
+``BuildSpec.resolved``. Whether a stored run may stand in for a replay is
+``store.runs.reusable_run``'s one rule."""
 
 from __future__ import annotations
 
@@ -9,7 +15,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvreplay.builds.resolve import build_version
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
 from kvreplay.fanout import run_units
@@ -36,11 +41,6 @@ def worker_unit(unit: tuple[str, str, dict[str, Any]]) -> tuple[ReplayReport, st
     """A worker build's replay as a unit of work (a Ray task): (report, code id)."""
     trace, build, options = unit
     return replay_in_worker(trace, build, **options)
-
-
-def worker_build_version(spec: BuildSpec, code_id: str) -> str:
-    """What a worker build resolved to: the release, or the commit."""
-    return f"sglang {code_id}" if spec.kind == "release" else f"git {code_id}"
 
 
 @dataclass
@@ -93,7 +93,7 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
             report, code_id = run_units(worker_unit, [(str(trace), build, options)], ray=ray)[0]
         else:
             report, code_id = replay_in_worker(trace, build, **options)
-        version = worker_build_version(spec, code_id)
+        version = spec.resolved(code_id=code_id)
     elif jobs > 1 or ray is not None:
         from kvreplay.replay.segments import replay_segments  # imports torch
 
@@ -108,7 +108,7 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
         options.pop("timeout_s", None)
         replayer = Replayer(trace, build, reader=reader, checked=True, **options)
         report = replayer.run(progress=progress)
-        version = build_version(replayer.pool)
+        version = spec.resolved(pool=replayer.pool)
     replayed = StoredReplay(report, None, version, reader)
     if not store:
         return replayed

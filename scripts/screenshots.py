@@ -2,10 +2,10 @@
 
     python scripts/screenshots.py [--out docs/img]
 
-- demo-report.png: the demo's trace on builtin:swa@stale-tail (the seed bug), the
-  first tail-prealloc-nontail-mapped violation opened;
-- seed-bug-0.5.12.png (with --sglang-python): the corpus trace disagg-mtp-2000 on
-  the real sglang 0.5.12 release, whose own capacity assertion fires at its end. The
+- demo-report.png: the first screen of the report of the demo's trace on
+  builtin:swa@stale-tail (the seed bug): its verdict and first findings, opened;
+- seed-bug-0.5.12.png (with --sglang-python): the first screen of the report of the
+  corpus trace disagg-mtp-2000 on the real sglang 0.5.12 release. The
   release needs sglang's runtime dependencies: give the Python of an environment that
   has them and kvreplay (the integration tier's .venv-sglang does);
 - matrix.png: the demo's trace on the SWA pool and its bug variants;
@@ -26,7 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-SEED_RULE = "swa-mapping/tail-prealloc-nontail-mapped"
 VARIANTS = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@unfiltered-page0",
             "builtin:swa@page-partial-clear", "builtin:swa@deferred-lookup"]
 
@@ -46,14 +45,13 @@ def run_of(db: str, build: str) -> int:
     return json.loads(out.stdout)[0]["run_id"]
 
 
-def shoot(b, url: str, out: Path, click: str | None = None) -> None:
+def shoot(b, url: str, out: Path, first_screen: bool = False) -> None:
+    """A page as a reader meets it: a run's report by its first screen (what it opens
+    on), other pages whole."""
     page = b.new_page(viewport={"width": 1300, "height": 900})
     page.goto(url)
     page.wait_for_selector("#chart[data-drawn='1']", timeout=60_000)
-    if click:
-        page.click(click)
-        page.wait_for_selector("#detail[data-call]")
-    page.screenshot(path=str(out), full_page=True)
+    page.screenshot(path=str(out), full_page=not first_screen)
     page.close()
 
 
@@ -74,7 +72,7 @@ def main() -> None:
     if a.sglang_python:
         res = subprocess.run([a.sglang_python, "-m", "kvreplay.cli.app", "replay",
                               str(ROOT / "traces" / "disagg-mtp-2000.parquet"), "--build", "sglang==0.5.12",
-                              "--device", "cpu", "--db", db, "--report", str(tmp / "release.html")],
+                              "--mode", "remap", "--device", "cpu", "--db", db, "--report", str(tmp / "release.html")],
                              cwd=ROOT, stdout=subprocess.DEVNULL)
         if res.returncode != 1:
             raise SystemExit(f"the sglang 0.5.12 replay ended with exit {res.returncode}, not 1 (the seed bug)")
@@ -90,10 +88,9 @@ def main() -> None:
                 time.sleep(0.2)
         a.out.mkdir(parents=True, exist_ok=True)
         with browser() as b:
-            shoot(b, (tmp / "seed.html").as_uri(), a.out / "demo-report.png", f"button.first[data-key='{SEED_RULE}']")
+            shoot(b, (tmp / "seed.html").as_uri(), a.out / "demo-report.png", first_screen=True)
             if a.sglang_python:
-                shoot(b, (tmp / "release.html").as_uri(), a.out / "seed-bug-0.5.12.png",
-                      f"button.first[data-key='{SEED_RULE}']")
+                shoot(b, (tmp / "release.html").as_uri(), a.out / "seed-bug-0.5.12.png", first_screen=True)
             shoot(b, (tmp / "matrix.html").as_uri(), a.out / "matrix.png")
             clean = run_of(db, "builtin:swa")
             shoot(b, f"http://127.0.0.1:{port}/compare?a={clean}&b={seed}", a.out / "dashboard-compare.png")

@@ -6,7 +6,6 @@ family is constructed from them (pool_api.FAMILY_ARGS gives the signature)."""
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,6 @@ from kvreplay.pools.registry import BUILTINS
 from kvreplay.pools.swa import SWAPool
 from kvreplay.pools.token import TokenPool
 from kvreplay.trace.format import POOL_DTYPES
-from kvreplay.version import __version__
 
 
 @dataclass(frozen=True)
@@ -121,10 +119,3 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def build_version(pool: Any) -> str:
-    """What the build resolved to: kvreplay's version for builtins, else its package's."""
-    top = type(pool).__module__.split(".")[0]
-    if top == "kvreplay":
-        return f"kvreplay {__version__}"
-    ver = getattr(sys.modules.get(top), "__version__", "")
-    return f"{top} {ver}".strip()

@@ -8,17 +8,21 @@
 
 Every command that takes a build parses it here, so what a spec means (where it
 runs, whether its code is pinned exactly, which correct pool a variant breaks) is
-answered in one place."""
+answered in one place; so is what a build resolved to (``BuildSpec.resolved``)."""
 
 from __future__ import annotations
 
 import string
+import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from kvreplay.builds.releases import check_version
 from kvreplay.errors import UnknownBuild, did_you_mean
 from kvreplay.pools.registry import BUILTINS
+from kvreplay.version import __version__
 
 KINDS = ("builtin", "py", "sglang", "release", "git")
 _HEX = frozenset(string.hexdigits.lower())
@@ -85,6 +89,31 @@ class BuildSpec:
         if self.kind == "git":
             return len(self.rev) == 40 and set(self.rev.lower()) <= _HEX
         return self.kind == "builtin"
+
+    def resolved(self, *, pool: Any = None, code_id: str = "") -> str:
+        """What the build resolved to, as a stored run says it: a release's version or a
+        git build's commit (``code_id``, from its worker), else the package the pool's
+        class comes from (kvreplay's own version for builtins). The one answer, for
+        replay, bisect, matrix and ci alike."""
+        if self.kind == "release":
+            return f"sglang {code_id}"
+        if self.kind == "git":
+            return f"git {code_id}"
+        if pool is not None:
+            top = type(pool).__module__.split(".")[0]
+        else:
+            top = {"builtin": "kvreplay", "sglang": "sglang"}.get(self.kind, "")
+        if top == "kvreplay":
+            return f"kvreplay {__version__}"
+        if not top:
+            return ""
+        ver = getattr(sys.modules.get(top), "__version__", "")
+        if not ver:
+            try:
+                ver = metadata.version(top)
+            except metadata.PackageNotFoundError:
+                ver = ""
+        return f"{top} {ver}".strip()
 
     @property
     def base(self) -> str | None:

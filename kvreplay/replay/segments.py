@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreplay.builds.resolve import build_version
+from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import Violation, ViolationLog
 from kvreplay.fanout import iter_units
 from kvreplay.replay.replayer import Replayer, Segment, compose_report
@@ -95,7 +95,7 @@ def replay_segment(unit: SegmentUnit) -> SegmentResult:
         kept=list(log.kept) if log else [], counts=dict(log.counts) if log else {},
         divergences=list(r.divergences), div_counts=dict(r.div_counts), translated=dict(r.translated),
         capacity_call=r.capacity_call, unsupported=r.unsupported, held=report.held_at_end, device=r.device,
-        build_version=build_version(r.pool), cpu_s=report.cpu_s, timeline=report.timeline)
+        build_version=BuildSpec.parse(unit.build).resolved(pool=r.pool), cpu_s=report.cpu_s, timeline=report.timeline)
 
 
 def merge(results: list[SegmentResult], *, trace: str, build: str, mode: str, keep: int, wall: float,

@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload
 
+from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
 from kvreplay.store.db import Store
 from kvreplay.store.models import Build, DivergenceRow, Run, Trace, ViolationRow
@@ -215,20 +216,27 @@ def run_timeline(store: Store, run_id: int) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-# Statuses a cached result may have: crashed and timeout may be flaky, so they are replayed again.
-CACHEABLE = frozenset({"clean", "violation", "divergence", "unloadable"})
+# What a stored run may stand in for a replay with, and when. The one rule, for every
+# command that reuses runs (bisect, matrix):
+# - the build pins its code exactly (BuildSpec.exact: a builtin pool, a release, a git
+#   build at a full commit); py: and sglang builds can change under the same spec;
+# - the run was made by this kvreplay version: the checker and the replayer are
+#   kvreplay's own, so another version may find other things on the same code;
+# - its status follows from the code and the trace alone: clean, violation, divergence,
+#   unsupported. unloadable depends on the environment the build was loaded in (a
+#   missing package), crashed and timeout on the machine: those are replayed again.
+REUSABLE = frozenset({"clean", "violation", "divergence", "unsupported"})
 
 
-def cached_run(store: Store, content_hash: str, spec: str, mode: str, *,
-               kvreplay_version: str | None = None) -> Run | None:
-    """The newest stored run of this trace on this exact build spec and mode (and,
-    when given, by this kvreplay version), with its violations and divergences."""
+def reusable_run(store: Store, content_hash: str, spec: BuildSpec, mode: str) -> Run | None:
+    """The newest stored run that may stand in for replaying the trace with this
+    content hash on ``spec`` in ``mode`` (the rule above), with its findings; or None."""
+    if not spec.exact:
+        return None
     q = (select(Run).join(Run.trace).join(Run.build)
-         .where(Trace.content_hash == content_hash, Build.spec == spec, Run.mode == mode,
-                Run.status.in_(CACHEABLE))
+         .where(Trace.content_hash == content_hash, Build.spec == spec.text, Run.mode == mode,
+                Run.status.in_(REUSABLE), Run.kvreplay_version == __version__)
          .options(selectinload(Run.violations), selectinload(Run.divergences))
          .order_by(Run.id.desc()).limit(1))
-    if kvreplay_version is not None:
-        q = q.where(Run.kvreplay_version == kvreplay_version)
     with store.session() as s:
         return s.scalar(q)
