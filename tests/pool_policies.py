@@ -88,3 +88,12 @@ class SlotsStateSWAPool(SWAPool):
         if name == "full_to_swa_index_mapping":
             return self.__dict__["swa_of_full"]
         raise AttributeError(name)
+
+
+class ListResultPagedPool(HighPagesFirstPagedPool):
+    """Hands out slots as a Python list instead of an index tensor: in remap mode a
+    caller can tell that apart (it cannot index a KV buffer with it)."""
+
+    def alloc_extend(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = super().alloc_extend(*args, **kwargs)
+        return None if out is None else out.tolist()

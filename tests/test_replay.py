@@ -177,3 +177,21 @@ def test_remap_translates_swa_slots_for_an_swa_build_with_another_policy():
     assert remap.status == "clean", (remap.first_violation, remap.first_divergence)
     strict = replay(trace, build, mode="strict", device="cpu", stop_at_first=True)
     assert strict.exit_code == 1 and strict.first_divergence.kind == "result"
+
+
+def test_the_replayer_and_diff_share_one_remap_equality(decode_trace):
+    """replay/compare.py's remap_difference is the one definition: the replayer and
+    diff agree on a build that returns a list where the recording has an index tensor
+    (the replayer's own inline rule let that through before)."""
+    import torch
+
+    from kvreplay.replay.compare import alike, remap_difference
+    from kvreplay.replay.diff import diff_builds
+
+    assert remap_difference(torch.arange(3), [0, 1, 2]) is not None and not alike(torch.arange(3), [0, 1, 2])
+    assert alike(torch.arange(3), torch.arange(5, 8)) and not alike(None, torch.arange(1))
+    r = replay(decode_trace, "py:pool_policies:ListResultPagedPool", mode="remap", device="cpu")
+    assert r.first_divergence is not None and r.first_divergence.kind == "result"
+    assert r.first_divergence.method == "alloc_extend"
+    d = diff_builds(decode_trace, "builtin:paged", "py:pool_policies:ListResultPagedPool", mode="remap")
+    assert d.first is not None and d.first.call == r.first_divergence.call

@@ -23,15 +23,24 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def remap_difference(recorded: Any, got: Any) -> str | None:
+    """Remap equality, the one definition (the replayer's and ``diff``'s): what a caller
+    can tell apart when slot numbers are the build's own. None where ``got`` is alike
+    ``recorded``, else why not: a value where the recording has None or the reverse,
+    an index tensor of another length, a tensor against something else, another value."""
+    if (recorded is None) != (got is None):
+        return "None where the recording has a value, or the reverse"
+    rt, gt = isinstance(recorded, torch.Tensor), isinstance(got, torch.Tensor)
+    if rt and gt:
+        return None if recorded.numel() == got.numel() else "result length differs"
+    if rt or gt:
+        return "an index tensor where the recording has another kind of value, or the reverse"
+    return None if recorded == got else "result differs from the recording"
+
+
 def alike(a: Any, b: Any) -> bool:
-    """Remap equality: None or not, and for index tensors the same length."""
-    if (a is None) != (b is None):
-        return False
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.numel() == b.numel()
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    return a == b
+    """Remap equality (``remap_difference``) as a yes or no."""
+    return remap_difference(a, b) is None
 
 
 def outcome_difference(a: tuple[BaseException | None, Any], b: tuple[BaseException | None, Any],

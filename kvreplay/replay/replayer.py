@@ -28,7 +28,7 @@ from kvreplay.check.pool_view import view_of
 from kvreplay.check.rules import ViolationLog
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
-from kvreplay.replay.compare import json_value, same
+from kvreplay.replay.compare import alike, json_value, remap_difference, same
 from kvreplay.replay.remap import PageTable, Remapper
 from kvreplay.replay.report import MODES, Divergence, ReplayReport
 from kvreplay.replay.timeline import Timeline
@@ -242,7 +242,7 @@ class Replayer:
         except Exception as exc:
             self._compare(tc, None, exc, None)
             return None, exc
-        if not (same(c.result, result) if self.mode == "strict" else c.result == result):
+        if not (same(c.result, result) if self.mode == "strict" else alike(c.result, result)):
             self._diverge(tc.number, c.method, "result", c.result, result, "counter read differs")
         return result, None
 
@@ -280,16 +280,13 @@ class Replayer:
             if tc.nested or self.capture.calls:
                 self._compare_nested(tc)
             return
-        # remap: only what the caller could tell apart
-        if (c.result is None) != (result is None):
-            self._diverge(n, c.method, "result", c.result, result, "None where the recording has a value, "
-                          "or the reverse")
-        elif isinstance(c.result, torch.Tensor) and isinstance(result, torch.Tensor):
-            if c.result.numel() != result.numel():
-                self._diverge(n, c.method, "result", c.result, result, "result length differs")
-            elif self.remap is not None:
-                self.remap.full.learn(c.result, result)
-                self._learn_swa(tc, result)
+        # remap: only what the caller could tell apart (compare.py's one definition)
+        why = remap_difference(c.result, result)
+        if why is not None:
+            self._diverge(n, c.method, "result", c.result, result, why)
+        elif self.remap is not None and isinstance(result, torch.Tensor):
+            self.remap.full.learn(c.result, result)
+            self._learn_swa(tc, result)
 
     def _learn_swa(self, tc: TopCall, result: torch.Tensor) -> None:
         if self.remap is None or self.remap.swa is None or tc.call.method not in ALLOCS:
