@@ -73,15 +73,6 @@ SEVERITIES = ("corrupts", "leaks", "misreports")
 assert {r.severity for r in RULES.values()} <= set(SEVERITIES)
 assert {r.invariant for r in RULES.values()} == set(INVARIANTS)
 
-# How a replay can differ from its recording (or one build from another).
-DIVERGENCE_KINDS: dict[str, str] = {
-    "result": "the build returned another value than the recording",
-    "counter": "the pool's counters after the call differ",
-    "nested": "the build's sub-allocator calls differ (strict mode)",
-    "exception": "the build raised where the recording returned, or the reverse",
-    "unsupported": "the build lacks the method, or an argument was not recorded losslessly",
-}
-
 
 
 @dataclass

@@ -29,8 +29,9 @@ from kvreplay.check.rules import ViolationLog
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
 from kvreplay.replay.compare import alike, json_value, remap_difference, same
+from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.remap import PageTable, Remapper
-from kvreplay.replay.report import MODES, Divergence, ReplayReport
+from kvreplay.replay.report import MODES, ReplayReport
 from kvreplay.replay.timeline import Timeline
 from kvreplay.trace import snapshot
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_TARGET, Opaque, TopCall, parse_json

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.check.rules import DIVERGENCE_KINDS, INVARIANTS, RULES, Finding, Violation
+from kvreplay.check.rules import INVARIANTS, RULES, Violation
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput, did_you_mean
 from kvreplay.pool_api import method_kind
+from kvreplay.replay.divergence import DIVERGENCE_KINDS, Divergence
 
 MODES = ("strict", "remap")
 STATUSES = ("clean", "violation", "divergence", "unloadable", "unsupported", "crashed", "timeout")
@@ -22,16 +23,6 @@ STATUSES = ("clean", "violation", "divergence", "unloadable", "unsupported", "cr
 # build lacks what the trace needs (its pool family, its page size).
 UNTESTABLE = frozenset({"unloadable", "unsupported", "crashed", "timeout"})
 KERNELS = ("none", "triton-interpreter", "cuda")
-
-
-@dataclass
-class Divergence(Finding):
-    """The call did something else than the recording (or the other build)."""
-
-    kind: str  # see rules.DIVERGENCE_KINDS
-    expected: Any  # JSON values (compare.json_value)
-    actual: Any
-    message: str
 
 
 @dataclass

@@ -24,8 +24,9 @@ from typing import Any
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import Violation, ViolationLog
 from kvreplay.fanout import iter_units
+from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.replayer import Replayer, Segment, compose_report
-from kvreplay.replay.report import Divergence, ReplayReport
+from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.timeline import merge as merge_timelines
 from kvreplay.trace.reader import TraceReader
 
