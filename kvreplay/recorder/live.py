@@ -63,7 +63,8 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
                        "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
     out = Path(out)
     if not out.is_dir() and not out.parent.is_dir():  # the directory named is made, nothing above it
-        raise BadInput(f"--out {out}: its directory {out.parent} does not exist")
+        why = "is not a directory" if out.parent.exists() else "does not exist"
+        raise BadInput(f"--out {out}: cannot create it ({out.parent} {why})")
     try:
         out.mkdir(exist_ok=True)
     except OSError as exc:
