@@ -3,7 +3,6 @@ explained, and nothing in the repository points outside it."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 
@@ -12,12 +11,9 @@ from kvreplay.check.rules import RULES
 ROOT = Path(__file__).parents[1]
 
 
-def test_every_rule_the_checker_flags_is_in_the_table_and_documented():
-    src = (ROOT / "kvreplay" / "check" / "checker.py").read_text()
-    flagged = set(re.findall(r'"(capacity|free-list|ownership|none-unchanged|swa-mapping)", "([a-z-]+)"', src))
-    flagged |= {("quiescence", rule) for rule in re.findall(r'"quiescence" if final else "[a-z-]+", "([a-z-]+)"', src)}
-    assert len(flagged) >= 15
-    assert {f"{i}/{r}" for i, r in flagged} == set(RULES)
+def test_every_rule_in_the_table_is_documented():
+    # That the checker fires exactly the table's rules is held by construction
+    # (InvariantChecker._flag refuses any other) and tests/test_rules.py (a case per rule).
     doc = (ROOT / "docs" / "invariants.md").read_text()
     for rule_id in RULES:
         assert f"`{rule_id}`" in doc, rule_id

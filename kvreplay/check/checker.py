@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvreplay.check.pool_view import PoolView, SubPoolView, to_np
-from kvreplay.check.rules import Violation, ViolationLog
+from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.pool_api import ALLOCS, FREES, FULL_ONLY_FREES, SWA_ONLY_FREES
 
 try:  # C loops for the per-call shadow updates; the numpy code below is the fallback
@@ -246,6 +246,10 @@ class InvariantChecker:
     # -- reporting -------------------------------------------------------------
     def _flag(self, call: int, method: str, invariant: str, rule: str, sub: str, idx: Any, msg: str,
               detected: int | None = None) -> None:
+        # Every finding goes through here, so the checker can fire no rule the table
+        # (check/rules.py) lacks; tests/test_rules.py trips every rule of the table.
+        if f"{invariant}/{rule}" not in RULES:
+            raise KeyError(f"the checker fired {invariant}/{rule}, which check/rules.py does not list")
         indices = [int(x) for x in np.asarray(idx).reshape(-1)[:MAX_INDICES]]
         self.log.add(Violation(call, method, invariant, rule, sub, indices, msg,
                                call if detected is None else detected))
