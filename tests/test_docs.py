@@ -28,3 +28,23 @@ def test_nothing_in_the_repository_points_outside_it():
         text = path.read_text(errors="replace")
         for outside in ("DESIGN" + ".md", "../" + "shared"):
             assert outside not in text, (name, outside)
+
+
+def test_every_docs_pointer_in_the_code_leads_to_a_page_and_its_section():
+    """A docstring or message that names a page of docs/ (and "Section") names one that
+    exists, and a heading of it."""
+    import re
+
+    cited = re.compile(r'docs/([\w.-]+\.md)(?:, "([^"]+)")?')
+    found = 0
+    for folder in ("kvreplay", "scripts", "bench", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for page, section in cited.findall(path.read_text()):
+                found += 1
+                doc = ROOT / "docs" / page
+                assert doc.is_file(), f"{path.relative_to(ROOT)} points to docs/{page}"
+                if section:
+                    headings = re.findall(r"^#+ (.+)$", doc.read_text(), re.M)
+                    assert any(h.startswith(section) for h in headings), \
+                        f"{path.relative_to(ROOT)} points to docs/{page}, \"{section}\""
+    assert found >= 10

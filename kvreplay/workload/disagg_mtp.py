@@ -1,5 +1,5 @@
 """Disaggregated decode with EAGLE/MTP speculation on an SWA pool, as SGLang 0.5.23
-drives it (docs/design.md, "What a disagg decode + MTP server does").
+drives it.
 
 Per request: admission preallocates full KV for the transferred prompt and SWA KV
 for its window tail only (``alloc_extend_swa_tail``). Per step: pages that left the
