@@ -204,9 +204,9 @@ class Prober:
         self.use_cache = use_cache
         self.jobs, self.ray = jobs, ray  # each step's replay: segments in parallel, or on Ray
 
-    def cached(self, spec: str) -> Outcome | None:
+    def cached(self, spec: str | BuildSpec) -> Outcome | None:
         """A stored run that may stand in for this step's replay (store/runs.py's rule)."""
-        parsed = BuildSpec.parse(spec)
+        parsed = spec if isinstance(spec, BuildSpec) else BuildSpec.parse(spec)
         if not (self.use_cache and parsed.exact):
             return None
         st = open_store(self.db)
@@ -219,11 +219,12 @@ class Prober:
     def probe(self, spec: str) -> tuple[Outcome, bool, float]:
         """(outcome, whether it came from the store, seconds spent)."""
         t0 = time.perf_counter()
-        hit = self.cached(spec)
+        parsed = BuildSpec.parse(spec)  # once per step, handed to the cache and the replay
+        hit = self.cached(parsed)
         if hit is not None:
             return hit, True, time.perf_counter() - t0
         try:
-            stored = replay_and_store(self.trace, spec, db=self.db, mode=self.mode, device=self.device,
+            stored = replay_and_store(self.trace, parsed, db=self.db, mode=self.mode, device=self.device,
                                       timeout_s=self.timeout_s, jobs=self.jobs, ray=self.ray)
         except BuildUnloadable as exc:  # an in-process build (py:, sglang) that does not import
             return Outcome("unloadable", [], [], str(exc)), False, time.perf_counter() - t0

@@ -153,13 +153,17 @@ class Dependencies:
 class Subject:
     """A trace, a build and the failure to keep; ``fails`` replays a subset."""
 
-    def __init__(self, trace: str | Path, build: str, device: str = "cpu", reference: str | None = None) -> None:
-        if not BuildSpec.parse(build).in_process or (reference and not BuildSpec.parse(reference).in_process):
+    def __init__(self, trace: str | Path, build: str | BuildSpec, device: str = "cpu",
+                 reference: str | BuildSpec | None = None) -> None:
+        # Parsed once here and handed down to every candidate's replayer.
+        spec = build if isinstance(build, BuildSpec) else BuildSpec.parse(build)
+        ref = reference if isinstance(reference, BuildSpec) or reference is None else BuildSpec.parse(reference)
+        if not spec.in_process or (ref is not None and not ref.in_process):
             raise BadInput("minimize replays thousands of candidates in-process; use a builtin:, py: or sglang "
                            "build (for a git: revision, py:MODULE:CLASS on a checkout of it)")
         self.trace = str(trace)
-        self.build = build
-        self.reference = reference
+        self.build = spec
+        self.reference = ref
         self.device = device
         self.reader = TraceReader(trace)
         self.reader.check_calls()  # once, not per candidate: candidates replay with checked=True
@@ -169,7 +173,7 @@ class Subject:
         self.deps: Dependencies | None = None
         self.tests = 0
 
-    def _replayer(self, check: bool = True, build: str | None = None) -> Replayer:
+    def _replayer(self, check: bool = True, build: BuildSpec | None = None) -> Replayer:
         return Replayer(self.trace, build or self.build, mode="remap", device=self.device, keep=1 << 30,
                         check=check, reader=self.reader, start=self.start, checked=True)
 
@@ -234,7 +238,7 @@ class Subject:
                 dead.add(i)
             yield tc
 
-    def _shows(self, build: str, kept: Sequence[int], failure: Failure, *, any_method: bool) -> bool:
+    def _shows(self, build: BuildSpec, kept: Sequence[int], failure: Failure, *, any_method: bool) -> bool:
         r = self._replayer(build=build)
         log = r.checker.log
 
@@ -302,11 +306,6 @@ def ddmin(units: list[list[int]], kept: list[int], test: Callable[[list[int]], b
     return kept
 
 
-def default_reference(build: str) -> str | None:
-    """The build a candidate must stay clean on: for a builtin variant, its base pool."""
-    return BuildSpec.parse(build).base
-
-
 def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str | None = None,
              reference: str | None = "auto",
              emit_test: str | Path | None = None, timeout_s: float | None = None, device: str = "cpu",
@@ -320,10 +319,11 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     if not out.parent.is_dir():
         raise BadInput(f"{out.parent}: no such directory for -o")
     clock = _Clock(timeout_s)
-    ref = default_reference(build) if reference == "auto" else reference
-    subject = Subject(trace, build, device, ref)
+    spec = BuildSpec.parse(build)  # once, handed down to every candidate
+    ref = spec.base if reference == "auto" else reference
+    subject = Subject(trace, spec, device, ref)
     failure, at = subject.first_failure(invariant)
-    if ref is not None and subject._shows(ref, range(at + 1), failure, any_method=True):
+    if subject.reference is not None and subject._shows(subject.reference, range(at + 1), failure, any_method=True):
         raise BadInput(f"the reference build {ref} shows the same {failure.id} failure on this trace; "
                        "pick a reference that replays it clean (--reference) or none (--reference none)")
     sizes: list[int] = []
@@ -350,7 +350,7 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     kept = ddmin(deps.groups(kept), kept, test, deps.without, clock, on_size)
     kept = ddmin([[i] for i in kept], kept, test, deps.without, clock, on_size)
     rebase(subject, kept, out, failure)
-    check = replay(out, build, mode="strict", device=device)
+    check = replay(out, spec, mode="strict", device=device)
     shows, failing_call = _shown(check, failure)
     total = sum(int(pc.equal(b.column(0), 0).true_count) for b in subject.reader.iter_batches(columns=["depth"]))
     if remote:
@@ -380,7 +380,7 @@ def rebase(subject: Subject, kept: Sequence[int], out: Path, failure: Failure) -
     ``out`` and renamed, so a failure leaves no partial file."""
     r = subject._replayer(check=False)  # the checker reads counters through the pool: they would be recorded
     tmp = Path(tempfile.mkdtemp(prefix=".kvreplay-min-", dir=out.parent)) / out.name
-    extra = {"minimized_from": Path(subject.trace).name, "minimized_on": subject.build,
+    extra = {"minimized_from": Path(subject.trace).name, "minimized_on": subject.build.text,
              "minimized_failure": asdict(failure), "source_pool_class": subject.meta.pool_class}
     rec = record(r.pool, tmp, writer="thread", extra=extra)
     try:

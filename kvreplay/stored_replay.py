@@ -65,7 +65,7 @@ class StoredReplay:
         return {**self.__dict__, "reader": None}
 
 
-def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, store: bool = True,
+def replay_and_store(trace: str | Path, build: str | BuildSpec, *, db: str | None = None, store: bool = True,
                      progress: Callable[[int, int], None] | None = None, jobs: int = 1, ray: str | None = None,
                      **options: Any) -> StoredReplay:
     """Replay and, unless ``store`` is False, write the run to the database.
@@ -79,7 +79,7 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
     the run a serial replay gives (replay/segments.py); the run is stored from here."""
     if jobs < 1:
         raise BadInput(f"--jobs must be at least 1, not {jobs}")
-    spec = BuildSpec.parse(build)
+    spec = build if isinstance(build, BuildSpec) else BuildSpec.parse(build)  # parsed once, then handed down
     reader = TraceReader(trace)
     reader.check_calls()
     if store:
@@ -90,15 +90,15 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
     report = None
     if not spec.in_process:
         if ray is not None:  # the worker (and its build's environment) on a Ray node
-            report, code_id = run_units(worker_unit, [(str(trace), build, options)], ray=ray)[0]
+            report, code_id = run_units(worker_unit, [(str(trace), spec.text, options)], ray=ray)[0]
         else:
-            report, code_id = replay_in_worker(trace, build, **options)
+            report, code_id = replay_in_worker(trace, spec.text, **options)
         version = spec.resolved(code_id=code_id)
     elif jobs > 1 or ray is not None:
         from kvreplay.replay.segments import replay_segments  # imports torch
 
         options.pop("timeout_s", None)
-        parallel = replay_segments(str(trace), build, jobs=jobs, ray=ray, progress=progress, reader=reader,
+        parallel = replay_segments(str(trace), spec.text, jobs=jobs, ray=ray, progress=progress, reader=reader,
                                    **options)
         if parallel is not None:
             report, version = parallel
@@ -106,7 +106,7 @@ def replay_and_store(trace: str | Path, build: str, *, db: str | None = None, st
         from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
 
         options.pop("timeout_s", None)
-        replayer = Replayer(trace, build, reader=reader, checked=True, **options)
+        replayer = Replayer(trace, spec, reader=reader, checked=True, **options)
         report = replayer.run(progress=progress)
         version = spec.resolved(pool=replayer.pool)
     replayed = StoredReplay(report, None, version, reader)

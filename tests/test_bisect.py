@@ -98,7 +98,9 @@ def test_bisect_names_the_culprit_within_the_replay_budget_and_skips_the_broken_
 
     again = bisect(trace, good, order, db=db, device="cpu")
     assert again.first_bad.commit == commits[CULPRIT_AT]
-    assert again.replays == 0 and all(s.cached for s in again.steps)
+    # every step from the store but the one whose build did not load (a missing package:
+    # the environment's fault, maybe fixed since, so store/runs.py's rule tries it again)
+    assert again.replays == 1 and [s.status for s in again.steps if not s.cached] == ["unloadable"]
 
 
 def test_a_skip_next_to_the_culprit_leaves_a_candidate_range(trace, tmp_path):

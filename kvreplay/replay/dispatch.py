@@ -11,11 +11,13 @@ from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker
 
 
-def replay(trace: str | Path, build: str, **options: Any) -> ReplayReport:
-    """Replay ``trace`` against ``build``; see Replayer for the options. ``git:``
-    builds run in a worker process; ``timeout_s`` bounds them."""
+def replay(trace: str | Path, build: str | BuildSpec, **options: Any) -> ReplayReport:
+    """Replay ``trace`` against ``build`` (a spec, or one already parsed, which is
+    handed down as it is); see Replayer for the options. ``git:`` and release builds
+    run in a worker process; ``timeout_s`` bounds them."""
     progress = options.pop("progress", None)
-    if not BuildSpec.parse(build).in_process:
-        return replay_in_worker(trace, build, **options)[0]
+    spec = build if isinstance(build, BuildSpec) else BuildSpec.parse(build)
+    if not spec.in_process:
+        return replay_in_worker(trace, spec.text, **options)[0]
     options.pop("timeout_s", None)
-    return Replayer(trace, build, **options).run(progress=progress)
+    return Replayer(trace, spec, **options).run(progress=progress)

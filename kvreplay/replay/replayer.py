@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvreplay.builds.resolve import load_build, resolve_device
+from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.checked_call import checked_call, method_of
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
@@ -131,7 +132,7 @@ def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
 class Replayer:
     """One replay of one trace against one build; ``run`` drives it to the end."""
 
-    def __init__(self, trace: str | Path, build: str, *, mode: str = "strict", device: str = "auto",
+    def __init__(self, trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
                  start: tuple[int, dict[str, Any] | None] | None = None, checked: bool = False,
@@ -148,7 +149,7 @@ class Replayer:
         if segment is not None and segment.start_row > 0:
             start = (-1, None)  # the segment's checkpoint holds its state (_start_segment)
         self.start_after, start_state = start or start_point(self.reader, after_gap)
-        self.build_spec = build
+        self.build_spec = str(build)  # as the user gave it; a parsed spec is used as it is
         self.device = resolve_device(device)
         self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
         if start_state is not None:
