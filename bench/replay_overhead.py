@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kvreplay.replay.replayer import Replayer
+from kvreplay.trace.format import CHECKPOINT_METHOD
 from kvreplay.trace.reader import TraceReader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +44,7 @@ DEFAULT = ROOT / "traces" / "disagg-mtp-2000.parquet"
 
 def bare(trace: Path, build: str, calls: list) -> float:
     pool = Replayer(trace, build, mode="remap", check=False).pool
+    calls = [tc for tc in calls if tc.call.method != CHECKPOINT_METHOD]  # markers, not pool calls
     t0 = clock()
     for tc in calls:
         getattr(pool, tc.call.method)(**tc.call.args)
