@@ -74,7 +74,7 @@ def _stored(db: str) -> list[dict]:
     finally:
         st.close()
     for r in runs:
-        for k in ("run_id", "id", "wall_s", "calls_per_s", "created_at", "when", "started_at"):
+        for k in ("run_id", "id", "wall_s", "cpu_s", "calls_per_s", "created_at", "when", "started_at"):
             r.pop(k, None)
     return sorted(runs, key=lambda r: (r["trace"], r["build"], r["mode"]))
 
