@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.report.reports import stored_run_report, write_report
+from kvreplay.scratch import outer_tmp
 from kvreplay.store.db import open_store
 from kvreplay.store.runs import get_run, run_to_dict
 from kvreplay.stored_replay import StoredReplay, replay_and_store
@@ -33,7 +34,8 @@ def demo(*, db: str | None = None, out_dir: str | Path | None = None, requests: 
     """Synth a disagg-mtp trace, replay it on the correct SWA pool and on the 0.5.12
     one (the seed bug), and read the bug run back from the store."""
     open_store(db).close()  # fail fast on a bad database
-    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="kvreplay-demo-"))
+    # What the demo writes outlives the command: not in its scratch directory.
+    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="kvreplay-demo-", dir=outer_tmp()))
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda _msg: None)
     say(f"synthesizing a disagg-mtp trace of {requests} requests")

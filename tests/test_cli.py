@@ -307,3 +307,18 @@ def test_tables_on_a_narrow_terminal_wrap_and_never_cut_a_name(tmp_path):
     assert "…" not in got
     cells = "".join(ln.split("│")[3].strip() for ln in got.splitlines() if ln.count("│") > 3)
     assert "builtin:swa@unfiltered-page0" in cells  # the build column, read down its lines
+
+
+def test_what_the_demo_writes_outlives_the_command(tmp_path):
+    """The demo's trace and report were written into the command's scratch directory,
+    which is removed when the command ends: the printed path led nowhere."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "KVREPLAY_DB": str(tmp_path / "k.db")}
+    r = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "demo", "--requests", "300", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert Path(d["trace"]).is_file() and Path(d["report"]).is_file()
