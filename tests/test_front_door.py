@@ -152,3 +152,49 @@ def test_slow_tests_are_marked_in_one_place():
     for path in sorted((ROOT / "tests").glob("*.py")):
         if path.name != "conftest.py":
             assert marker not in path.read_text(), f"{path.name}: slow tests are named in conftest.py only"
+
+
+OUTSIDE = ("sglang", "git:", "--ray", "s3://", "http://", "--repo", "cuda", "traces/live/")  # the last: record's
+
+
+def _needs_outside(words: list[str]) -> str | None:
+    """Why a written command cannot run in a test here (a server, a GPU, sglang, a
+    repository of the reader's), or None."""
+    if words[0] in ("record", "drive", "serve"):
+        return f"kvreplay {words[0]} runs against a server or a program of the reader's"
+    hit = next((w for w in words for o in OUTSIDE if o in w), None)
+    return f"needs {hit}" if hit else None
+
+
+def test_the_docs_commands_that_need_nothing_outside_run(tmp_path):
+    """Every command the docs pages write that needs nothing outside this repository
+    (no server, GPU, sglang install or release, git repository, Ray, object store) runs
+    as written, from a copy of the repository's corpus, and exits 0 or 1; the others
+    are only parsed (test_every_written_command_parses) and run by the sglang tier's
+    and the GPU script's own tests."""
+    import shutil
+
+    work = tmp_path / "repo"
+    work.mkdir()
+    shutil.copytree(ROOT / "traces", work / "traces")  # corpus add writes to the manifest
+    (work / "workloads").symlink_to(ROOT / "workloads")
+    outside = tmp_path / "tmp"
+    outside.mkdir()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "KVREPLAY_DB": str(tmp_path / "docs.db"), "TMPDIR": str(outside)}
+    for made in (work / "t.parquet", outside / "t.parquet"):  # the trace the pages call t.parquet
+        subprocess.run(["kvreplay", "synth", "disagg-mtp", "--requests", "300", "-o", str(made)], env=env,
+                       check=True, capture_output=True)
+    ran, skipped = [], []
+    for page, words in ALL_COMMANDS:
+        if page == "README.md":
+            continue  # the tour runs in test_the_readme_tour_runs_in_order
+        why = _needs_outside(words)
+        if why:
+            skipped.append((page, words[0], why))
+            continue
+        argv = [w.replace("/tmp/", f"{outside}/") for w in words]
+        r = subprocess.run(["kvreplay", *argv], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode in (0, 1), (page, " ".join(words), r.stderr[-2000:])
+        ran.append((page, words[0]))
+    assert len(ran) >= 6, (ran, skipped)
