@@ -19,8 +19,8 @@ from kvreplay.builds.resolve import load_build
 from kvreplay.check.checked_call import checked_call, method_of
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
+from kvreplay.check.rules import describe_violation
 from kvreplay.pool_api import COUNTER_METHODS
-from kvreplay.replay.report import describe
 
 
 class CheckedPool:
@@ -64,7 +64,7 @@ class CheckedPool:
         new, self._reported = kept[self._reported:], len(kept)
         for v in new:
             if self.invariant is None or self.invariant in (v.invariant, f"{v.invariant}/{v.rule}"):
-                raise AssertionError(f"{self.build}: {describe(v, long=True)}")
+                raise AssertionError(f"{self.build}: {describe_violation(v, long=True)}")
 
 
 __all__ = ["CheckedPool"]

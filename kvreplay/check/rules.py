@@ -123,3 +123,20 @@ class ViolationLog:
 
     def first(self) -> Violation | None:
         return min(self.kept, key=lambda v: (v.call, v.detected_call)) if self.kept else None
+
+
+def describe_violation(v: Any, *, long: bool = False) -> str:
+    """One line for a violation (a Violation or its stored dict):
+    ``swa-mapping/peer-not-live at call #12 free`` and, with ``long``, where it was
+    seen, the sub-pool, the slots and the message."""
+    def get(name: str) -> Any:
+        return v[name] if isinstance(v, dict) else getattr(v, name)
+
+    call = get("call")
+    head = f"{get('invariant')}/{get('rule')} at call #{call} {get('method')}"
+    if not long:
+        return head
+    detected = get("detected_call")
+    seen = f" (seen at call #{detected})" if detected != call else ""
+    idx = get("indices")
+    return f"{head}{seen} [{get('sub_pool')}]" + (f" slots {idx}" if idx else "") + f": {get('message')}"

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.check.rules import INVARIANTS, RULES, Violation
+from kvreplay.check.rules import INVARIANTS, RULES, Violation, describe_violation
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput, did_you_mean
 from kvreplay.pool_api import method_kind
 from kvreplay.replay.divergence import DIVERGENCE_KINDS, Divergence
@@ -131,14 +131,7 @@ def describe(item: Any, *, long: bool = False) -> str:
         return "-"
     call, method = _get(item, "call"), _get(item, "method")
     if isinstance(item, dict) and "invariant" in item or hasattr(item, "invariant"):
-        head = f"{_get(item, 'invariant')}/{_get(item, 'rule')} at call #{call} {method}"
-        if not long:
-            return head
-        detected = _get(item, "detected_call")
-        seen = f" (seen at call #{detected})" if detected != call else ""
-        idx = _get(item, "indices")
-        return (f"{head}{seen} [{_get(item, 'sub_pool')}]" + (f" slots {idx}" if idx else "")
-                + f": {_get(item, 'message')}")
+        return describe_violation(item, long=long)
     head = f"{_get(item, 'kind')} divergence at call #{call} {method}"
     if not long:
         return head
