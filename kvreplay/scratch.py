@@ -86,6 +86,9 @@ def kill_tree(pid: int | None = None) -> int:
 def owned() -> Iterator[Path]:
     """Run a command with its own scratch directory, removed when it ends however it
     ends; the CLI calls ``kill_tree()`` inside it when the command is interrupted."""
+    # A new command is not stopping, whatever an earlier one in this process (a test's,
+    # run in process) ended in: its workers would be refused as if interrupted.
+    _stopping.clear()
     base = Path(tempfile.gettempdir())
     try:
         root = Path(tempfile.mkdtemp(prefix=f"kvreplay-{os.getpid()}-", dir=base))

@@ -604,3 +604,21 @@ def test_bit_flips_in_a_corpus_trace_are_refused_not_replayed(tmp_path, cli):
         res = cli("replay", str(trace), "--build", "builtin:swa", "--no-store")
         assert res.returncode in (0, 2), (pos, res.returncode, res.stdout[-300:])
         assert res.returncode == 2 or "clean" in res.stdout, (pos, res.stdout[-300:])
+
+
+def test_a_batch_that_lost_call_columns_is_bad_input_not_a_crash(tmp_path, cli, monkeypatch):
+    """Flipped bytes in a fuzzed radix-swa trace left a record batch without some of the
+    columns the call check asked for: an IndexError (exit 134) instead of one line."""
+    import pyarrow as pa
+
+    from kvreplay.trace.reader import TraceReader
+
+    real = TraceReader.iter_batches
+
+    def short(self, columns=None, batch_size=8192):  # type: ignore[no-untyped-def]
+        for batch in real(self, columns=columns, batch_size=batch_size):
+            yield pa.RecordBatch.from_arrays(batch.columns[:-1], names=batch.schema.names[:-1]) if columns else batch
+
+    monkeypatch.setattr(TraceReader, "iter_batches", short)
+    _bad(cli("replay", str(PAGE0), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")), "call columns cannot be read")
+    assert not (tmp_path / "k.db").exists()

@@ -111,3 +111,15 @@ def test_sigint_to_bisect_ends_its_worker_and_removes_its_scratch(tmp_path, trac
     repo, revs = slow
     _interrupt(tmp_path, signal.SIGINT, "bisect", str(trace), "--repo", str(repo), "--good", revs[0],
                "--bad", revs[1], "--class", "slowpool:Pool", worker=b"kvreplay.replay.worker")
+
+
+def test_a_command_is_not_stopping_because_an_earlier_one_in_the_process_was():
+    """An in-process command that ended in an internal error killed its tree and left the
+    process 'stopping': the next command's workers were refused as if interrupted."""
+    from kvreplay import scratch
+
+    with scratch.owned():
+        scratch.kill_tree()
+        assert scratch.stopping()
+    with scratch.owned():
+        assert not scratch.stopping()

@@ -148,6 +148,8 @@ class TraceReader:
         names = API_METHODS | {GAP_METHOD, CHECKPOINT_METHOD}
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
                                                 "result.dtype"]):
+            if batch.num_columns != 6:  # damaged bytes can leave a batch without some of them
+                raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
             seq, depth, target, method, arg_dtypes, result_dtypes = (batch.column(i) for i in range(6))
             _check_dtypes(self.path, arg_dtypes.flatten().field(0), result_dtypes.field(0))
             recorded = pc.filter(depth, pc.not_equal(target, GAP_TARGET))
