@@ -31,17 +31,11 @@ def live_and_model(tmp_path_factory):
     return live.per_request(), profile(out).per_request()
 
 
-@pytest.mark.parametrize("method", ["alloc_extend", "alloc_decode", "free_segments", "free_group_begin"])
+@pytest.mark.parametrize("method", ["alloc_extend", "alloc_decode", "free_segments", "free_group_begin",
+                                    "free_swa_segment"])
 def test_the_main_methods_are_within_ten_percent_of_the_live_server(live_and_model, method):
     live, model = live_and_model
     assert model[method] == pytest.approx(live[method], rel=0.10), (method, live[method], model[method])
-
-
-def test_window_eviction_is_within_fifteen_percent(live_and_model):
-    # Measured 1.13x (183 calls against the live server's 165): a known miss, in the
-    # README's model-against-live table.
-    live, model = live_and_model
-    assert model["free_swa_segment"] == pytest.approx(live["free_swa_segment"], rel=0.15)
 
 
 def test_the_model_frees_as_the_live_tree_does(live_and_model):

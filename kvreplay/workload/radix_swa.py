@@ -164,11 +164,15 @@ class RadixSWAServer(ServerModel):
         pool.free_group_begin()
         for lv in self.running:
             threshold = lv.committed - self.window_pages * self.ps
-            if lv.evicted < lv.protected and not lv.tree_slid:  # the cached prompt's SWA: the tree's, once
-                end = min(floor_page(threshold, self.ps), lv.protected)
+            if lv.evicted < lv.protected and not lv.tree_slid:
+                # The cached prompt's out-of-window SWA goes once, as the prompt enters the
+                # tree (sglang measures from the last prompt token, hence the 1); what is
+                # still inside the window then stays the tree's, never the request's to free.
+                end = min(floor_page(threshold - 1, self.ps), lv.protected)
                 if end > lv.evicted:
                     pool.free_swa_segment(lv.row[lv.evicted:end], start_pos=lv.evicted)
-                    lv.evicted, lv.tree_slid = end, True
+                    lv.evicted = end
+                lv.tree_slid = True
             # The request's own cursor starts at the end of its cached prompt.
             if self.eviction_interval and threshold < max(lv.evicted, lv.protected) + self.eviction_interval:
                 continue
