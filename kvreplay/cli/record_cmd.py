@@ -106,6 +106,9 @@ def drive(
                                      help="Tokens per shared prompt block after scaling (the server's page size)."),
     vocab: int = typer.Option(2048, "--vocab", help="Token ids are drawn below this (the model's vocabulary size)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated stream (no --workload)."),
+    wait: float = typer.Option(0.0, "--wait", metavar="SECONDS",
+                               help="Wait up to this long for the server to answer (one still starting: "
+                               "sglang on CPU takes minutes); 0: it must answer now."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Send a public request trace to a running server: real traffic to record.
@@ -117,8 +120,8 @@ def drive(
     hits, errors, elapsed. Exit 0 when every request succeeded, 1 when some
     failed, 2 when the server cannot be reached or the trace is bad.
 
-    Example: kvreplay drive http://127.0.0.1:30000 -w workloads/mooncake/
-    synthetic_trace.jsonl -n 300 --length-scale 0.03 -c 16
+    Example: kvreplay drive http://127.0.0.1:30000 --wait 600 -w workloads/
+    mooncake/synthetic_trace.jsonl -n 300 --length-scale 0.03 -c 16
     """
     from kvreplay.cli.base import progress
     from kvreplay.workload.drive import DriveConfig
@@ -132,9 +135,17 @@ def drive(
     reqs = load_requests(workload, count=requests, seed=seed, block_tokens=block_tokens, length_scale=length_scale,
                          output_scale=output_scale)
     cfg = DriveConfig(url=url, api=api, model=model, concurrency=concurrency, time_scale=time_scale, vocab=vocab,
-                      block_tokens=block_tokens, max_output=max_output, seed=seed)
+                      block_tokens=block_tokens, max_output=max_output, seed=seed, wait_s=wait)
+    told = [0.0]
+
+    def waiting(seconds: float) -> None:
+        # Said every 15 s, so a log (no terminal) shows the wait too.
+        if seconds - told[0] >= 15 or not told[0]:
+            told[0] = max(seconds, 1e-9)
+            say(f"waiting for {url} to answer ({seconds:.0f} s of {wait:.0f})", to_err=True)
+
     with progress(f"drive {url}", "requests") as cb:
-        res = run_drive(cfg, reqs, lambda r, total: cb(r.ok + r.errors, total))
+        res = run_drive(cfg, reqs, lambda r, total: cb(r.ok + r.errors, total), waiting)
     if as_json:
         emit_json(res.to_dict())
     else:

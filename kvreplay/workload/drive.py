@@ -47,6 +47,7 @@ class DriveConfig:
     max_output: int = 0  # 0: the trace's output lengths as they are
     timeout_s: float = 600.0
     seed: int = 0
+    wait_s: float = 0.0  # how long a server may take to start answering (0: it must answer now)
 
 
 @dataclass
@@ -97,21 +98,39 @@ def _get(url: str, timeout: float) -> bytes:
         return resp.read()
 
 
-def check_server(cfg: DriveConfig) -> str:
-    """Reach the server before sending anything; returns the model name to use."""
+def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = None) -> str:
+    """Reach the server before sending anything; returns the model name to use. A
+    server that refuses connections is asked again each second for ``cfg.wait_s``
+    seconds (one that is starting up), and ``waiting(seconds so far)`` hears of it."""
     parts = urllib.parse.urlsplit(cfg.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise BadInput(f"server URL {cfg.url!r}: want http://HOST:PORT")
     if cfg.api not in APIS:
         raise BadInput(f"--api {cfg.api!r}: one of {', '.join(APIS)}")
+    if cfg.wait_s < 0:
+        raise BadInput(f"--wait must be >= 0 seconds, got {cfg.wait_s}")
     probe = "/health" if cfg.api == "sglang" else "/v1/models"
-    try:
-        body = _get(cfg.url.rstrip("/") + probe, 10)
-    except urllib.error.HTTPError as exc:
-        raise BadInput(f"server {cfg.url} answered {probe} with HTTP {exc.code}: is it a {cfg.api} server?") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise BadInput(f"server {cfg.url} unreachable: {reason}") from None
+    t0 = time.monotonic()
+    while True:
+        try:
+            body = _get(cfg.url.rstrip("/") + probe, 10)
+            break
+        except urllib.error.HTTPError as exc:
+            # A server that is up but not ready (503 while it loads) is waited for too.
+            if exc.code == 503 and time.monotonic() - t0 < cfg.wait_s:
+                pass
+            else:
+                raise BadInput(f"server {cfg.url} answered {probe} with HTTP {exc.code}: "
+                               f"is it a {cfg.api} server?") from None
+        except (urllib.error.URLError, OSError) as exc:
+            waited = time.monotonic() - t0
+            if waited >= cfg.wait_s:
+                reason = getattr(exc, "reason", exc)
+                after = f" after waiting {waited:.0f} s" if cfg.wait_s else " (--wait S waits for a server to start)"
+                raise BadInput(f"server {cfg.url} unreachable{after}: {reason}") from None
+        if waiting is not None:
+            waiting(time.monotonic() - t0)
+        time.sleep(1.0)
     if cfg.api == "openai" and not cfg.model:
         try:
             return str(json.loads(body)["data"][0]["id"])
@@ -150,14 +169,16 @@ def _error_kind(exc: BaseException) -> str:
 
 
 def drive(cfg: DriveConfig, requests: Sequence[Request],
-          progress: Callable[[DriveResult, int], None] | None = None) -> DriveResult:
+          progress: Callable[[DriveResult, int], None] | None = None,
+          waiting: Callable[[float], None] | None = None) -> DriveResult:
     """Send ``requests`` to the server at their (scaled) arrival times; returns the tally.
-    ``progress(result, total)`` is called after each request finishes."""
+    ``progress(result, total)`` is called after each request finishes; ``waiting`` while
+    the server is awaited (``check_server``)."""
     if cfg.concurrency < 1:
         raise BadInput(f"--concurrency must be at least 1, got {cfg.concurrency}")
     if cfg.time_scale < 0:
         raise BadInput(f"--time-scale must be >= 0 (0: no pauses), got {cfg.time_scale}")
-    model = check_server(cfg)
+    model = check_server(cfg, waiting)
     res = DriveResult(cfg.url, cfg.api, requests=len(requests))
     lock = threading.Lock()
     errors: Counter[str] = Counter()
