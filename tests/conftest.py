@@ -94,7 +94,7 @@ SLOW_TESTS = {
     "test_a_hive_partitioned_dump_is_a_corpus",
     "test_ci_on_s3_with_ray_stores_the_same_runs",
     # the docs pages' commands, run as written (the production-size synth among them)
-    "test_the_docs_commands_that_need_nothing_outside_run",
+    "test_the_docs_commands_of_this_tier_run",
     # 2,000 fuzzed traces, 500 manifests
     "test_damaged_traces_many",
     "test_damaged_manifests_many",

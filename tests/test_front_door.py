@@ -1,13 +1,13 @@
 """The front door keeps its word: the README is short, every link in it and in docs/
 leads somewhere, every ``kvreplay`` command written in either parses against the real
-CLI (right command, right options, right value types), and the README's tour runs, in
-order, after the README's set-up."""
+CLI (right command, right options, right value types) and runs in a test (where each
+runs: tests/docs_commands.py), and the README's tour runs, in order, after the
+README's set-up."""
 
 from __future__ import annotations
 
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -17,14 +17,10 @@ from pathlib import Path
 
 import pytest
 import typer
+from docs_commands import ALL_COMMANDS, DOCS_COMMANDS, PAGES, TIERS, blocks, commit_all, new_repo, staged, tier
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
-
-
-def _blocks(text: str, langs: tuple[str, ...] = ("bash", "sh", "")) -> list[str]:
-    return [m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M) if m.group(1) in langs]
 
 
 def _anchors(text: str) -> set[str]:
@@ -58,27 +54,6 @@ def test_every_link_leads_somewhere(page):
             assert anchor in _anchors(dest.read_text()), f"{page.name}: {target}"
 
 
-def _commands(text: str) -> list[list[str]]:
-    out = []
-    for block in _blocks(text):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        for line in joined.splitlines():
-            line = line.split(" #")[0].strip()
-            if line.startswith("$ "):
-                line = line[2:]
-            for part in re.split(r"\s*(?:&&|;|\|\||\|)\s*", line):
-                part = part.strip().rstrip("&").strip()
-                if part.startswith("kvreplay "):
-                    words = shlex.split(part)
-                    if "--" in words:  # kvreplay record -- CMD: CMD is someone else's
-                        words = words[:words.index("--") + 1]
-                    out.append(words[1:])
-    return out
-
-
-ALL_COMMANDS = [(page.name, c) for page in PAGES for c in _commands(page.read_text())]
-
-
 def test_the_pages_name_commands_at_all():
     assert len(ALL_COMMANDS) > 25
     assert {c[0] for _, c in ALL_COMMANDS} >= {"replay", "record", "synth", "matrix", "bisect", "minimize", "ci"}
@@ -103,7 +78,7 @@ def test_every_written_command_parses(where, words):
 def _tour() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## A tour"):]
-    block = _blocks(section)[0]
+    block = blocks(section)[0]
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
@@ -154,47 +129,64 @@ def test_slow_tests_are_marked_in_one_place():
             assert marker not in path.read_text(), f"{path.name}: slow tests are named in conftest.py only"
 
 
-OUTSIDE = ("sglang", "git:", "--ray", "s3://", "http://", "--repo", "cuda", "traces/live/")  # the last: record's
+def test_every_docs_command_has_a_tier_that_runs_it():
+    for page, words in DOCS_COMMANDS:
+        assert words[0] != "serve", f"{page}: kvreplay serve runs only in the README's tour test"
+        assert tier(words) in TIERS
+        if tier(words) == "live":  # the live tier runs that page's block as one script
+            assert page == "recording.md", (page, words)
+    assert {tier(w) for _, w in DOCS_COMMANDS} == set(TIERS)
 
 
-def _needs_outside(words: list[str]) -> str | None:
-    """Why a written command cannot run in a test here (a server, a GPU, sglang, a
-    repository of the reader's), or None."""
-    if words[0] in ("record", "drive", "serve"):
-        return f"kvreplay {words[0]} runs against a server or a program of the reader's"
-    hit = next((w for w in words for o in OUTSIDE if o in w), None)
-    return f"needs {hit}" if hit else None
+# A pool of the reader's, as bisect.md's --repo bisect names it: good at v1.4, broken on main.
+MYPOOL_GOOD = "from kvreplay.pools.swa import SWAPool as Pool\n"
+MYPOOL_BAD = "from kvreplay.pools.variants import StaleTailSWAPool as Pool\n"
 
 
-def test_the_docs_commands_that_need_nothing_outside_run(tmp_path):
-    """Every command the docs pages write that needs nothing outside this repository
-    (no server, GPU, sglang install or release, git repository, Ray, object store) runs
-    as written, from a copy of the repository's corpus, and exits 0 or 1; the others
-    are only parsed (test_every_written_command_parses) and run by the sglang tier's
-    and the GPU script's own tests."""
+def _stage_mypool(home: Path) -> None:
+    repo = home / "src" / "mypool"
+    new_repo(repo)
+    (repo / "mypkg").mkdir()
+    (repo / "mypkg" / "__init__.py").write_text("")
+    (repo / "mypkg" / "pool.py").write_text(MYPOOL_GOOD)
+    commit_all(repo, "a good pool", tag="v1.4")
+    for i in range(3):
+        (repo / "NOTES").write_text(f"change {i}\n")
+        commit_all(repo, f"change {i}")
+    (repo / "mypkg" / "pool.py").write_text(MYPOOL_BAD)
+    commit_all(repo, "the tail stays mapped")
+    (repo / "NOTES").write_text("last\n")
+    commit_all(repo, "after it")
+
+
+def test_the_docs_commands_of_this_tier_run(tmp_path):
+    """Every command the docs pages write that needs no sglang and no server runs as
+    written, from a copy of the repository's corpus, and exits 0 or 1: a git repository
+    of the reader's (~/src/mypool) is made under a home of the test's. The sglang and
+    live tiers run the others (tests/docs_commands.py)."""
     import shutil
 
     work = tmp_path / "repo"
     work.mkdir()
     shutil.copytree(ROOT / "traces", work / "traces")  # corpus add writes to the manifest
     (work / "workloads").symlink_to(ROOT / "workloads")
-    outside = tmp_path / "tmp"
+    outside, home = tmp_path / "tmp", tmp_path / "home"
     outside.mkdir()
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "KVREPLAY_DB": str(tmp_path / "docs.db"), "TMPDIR": str(outside)}
+    _stage_mypool(home)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(home),
+           "KVREPLAY_DB": str(tmp_path / "docs.db"), "TMPDIR": str(outside),
+           "KVREPLAY_CACHE": str(tmp_path / "cache")}
     for made in (work / "t.parquet", outside / "t.parquet"):  # the trace the pages call t.parquet
         subprocess.run(["kvreplay", "synth", "disagg-mtp", "--requests", "300", "-o", str(made)], env=env,
                        check=True, capture_output=True)
-    ran, skipped = [], []
-    for page, words in ALL_COMMANDS:
-        if page == "README.md":
-            continue  # the tour runs in test_the_readme_tour_runs_in_order
-        why = _needs_outside(words)
-        if why:
-            skipped.append((page, words[0], why))
+    ran = []
+    for page, words in DOCS_COMMANDS:
+        if tier(words) != "here":
             continue
-        argv = [w.replace("/tmp/", f"{outside}/") for w in words]
-        r = subprocess.run(["kvreplay", *argv], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        r = subprocess.run(["kvreplay", *staged(words, outside, home)], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=900)
         assert r.returncode in (0, 1), (page, " ".join(words), r.stderr[-2000:])
-        ran.append((page, words[0]))
-    assert len(ran) >= 6, (ran, skipped)
+        ran.append((page, words[0], r))
+    assert len(ran) >= 7, [(p, w) for p, w, _ in ran]
+    (repo_bisect,) = [r for p, w, r in ran if w == "bisect" and "--repo" in r.args]
+    assert "the tail stays mapped" in repo_bisect.stdout + repo_bisect.stderr

@@ -1,0 +1,86 @@
+"""The docs pages' commands that need sglang, run as written in the integration tier
+(scripts/sglang-tier.sh, marker ``sglang``): replays on sglang releases, the release
+matrix, the bisect over releases, and a ``git:`` build of a sglang checkout.
+
+What is staged, and why: releases before 0.5.22 run their kernels in Triton's
+interpreter, so one release replays the 37,830-call production trace in about three
+minutes on CPU, and the corpus on 24 releases would take hours. The corpus the
+commands name (``traces``) is therefore staged with two of the corpus' small traces, the
+169-call seed reproducer under the production trace's name: it shows the seed bug on
+0.5.12 and its fix in 0.5.12.post1, as the pages say. The sglang checkout
+(``~/src/sglang``) is a git repository of the installed sglang's Python sources, tagged
+v0.5.23, in sglang's layout (``python/sglang``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from docs_commands import DOCS_COMMANDS, commit_all, new_repo, staged, tier
+
+sglang = pytest.importorskip("sglang", reason="sglang not installed")
+
+pytestmark = pytest.mark.sglang
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ("sglang-0.5.12-swa-tail-prealloc.parquet", "sglang-0.5.23-swa-page0.parquet")
+
+
+def _stage_corpus(traces: Path) -> None:
+    import json
+
+    traces.mkdir()
+    manifest = json.loads((ROOT / "traces" / "manifest.json").read_text())
+    kept = [e for e in manifest["traces"] if e["file"] in SMALL]
+    for name in SMALL:
+        shutil.copy(ROOT / "traces" / name, traces / name)
+    # The production trace's name, the seed reproducer's calls.
+    shutil.copy(ROOT / "traces" / SMALL[0], traces / "disagg-mtp-2000.parquet")
+    (traces / "manifest.json").write_text(json.dumps({**manifest, "traces": kept}, indent=1))
+
+
+def _stage_sglang_checkout(home: Path) -> None:
+    repo = home / "src" / "sglang"
+    new_repo(repo)
+    src = Path(sglang.__file__).parent
+    # What a checkout holds: sources and data, no bytecode and no built extensions.
+    shutil.copytree(src, repo / "python" / "sglang", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+    commit_all(repo, "sglang 0.5.23's Python sources", tag="v0.5.23")
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    base = tmp_path_factory.mktemp("docs")
+    work, outside, home = base / "repo", base / "tmp", base / "home"
+    work.mkdir()
+    outside.mkdir()
+    _stage_corpus(work / "traces")
+    _stage_sglang_checkout(home)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(home),
+           "KVREPLAY_DB": str(base / "docs.db"), "TMPDIR": str(outside),
+           # Releases are big: keep them where CI keeps them.
+           "KVREPLAY_CACHE": os.environ.get("KVREPLAY_RELEASE_CACHE", os.path.expanduser("~/.cache/kvreplay"))}
+    subprocess.run(["kvreplay", "synth", "disagg-mtp", "--requests", "100", "-o", str(work / "t.parquet")],
+                   env=env, check=True, capture_output=True)
+    return work, outside, home, env
+
+
+SGLANG_COMMANDS = [(page, words) for page, words in DOCS_COMMANDS if tier(words) == "sglang"]
+
+
+@pytest.mark.parametrize("page, words", SGLANG_COMMANDS, ids=[f"{p}:{' '.join(w)[:50]}" for p, w in SGLANG_COMMANDS])
+def test_the_docs_sglang_command_runs_as_written(stage, page, words):
+    work, outside, home, env = stage
+    r = subprocess.run(["kvreplay", *staged(words, outside, home)], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=1500)
+    said = r.stdout + r.stderr
+    assert r.returncode in (0, 1), (page, " ".join(words), said[-3000:])
+    if words[0] == "replay" and "sglang==0.5.12" in words:
+        assert r.returncode == 1 and "tail-prealloc-nontail-mapped" in said  # "exit 1: the seed bug"
+    if words[0] == "bisect" and "--fixed" in words:
+        assert "0.5.12.post1" in r.stdout  # "names 0.5.12.post1"
+    if words[0] == "matrix":
+        assert "crashed" not in r.stdout.split("runs in")[-1] or " 0 crashed" in r.stdout, said[-3000:]
