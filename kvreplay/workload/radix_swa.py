@@ -154,10 +154,14 @@ class RadixSWAServer(ServerModel):
         self.batch_done()
 
     def _block_keys(self, lv: Live, start: int, end: int) -> list[int]:
-        """Tree keys of the request's blocks start..end-1: its prompt's shared blocks,
-        then keys of its own that nobody else matches."""
-        shared = lv.req.blocks[start:min(end, self._prompt_blocks(lv.req))]
-        return list(shared) + [-((lv.req.rid + 1) << 24) - i for i in range(start + len(shared), end)]
+        """Tree keys of the request's blocks start..end-1, by content: a block wholly
+        inside the prompt is its hash block; a later one holds output tokens, which
+        follow from the whole prompt (greedy decoding), so two requests with the same
+        prompt share them too, as sglang's tree (keyed by token ids) sees it."""
+        req = lv.req
+        whole = min(len(req.blocks), req.input_len // self.B)
+        prompt = hash((req.blocks, req.input_len)) & 0xFFFFFFFF
+        return [req.blocks[i] if i < whole else -((prompt << 20) + i) - 1 for i in range(start, end)]
 
     def slide_windows(self) -> None:
         pool = self.pool
