@@ -201,6 +201,7 @@ def test_the_recording_page_block_runs_as_written(tmp_path):
     work.mkdir()
     for shared in ("scripts", "workloads"):
         (work / shared).symlink_to(ROOT / shared)
+    (work / "traces").mkdir()  # the reader's checkout has it; record makes only the directory it is given
     port = str(_port())
     body = ["set -u"]
     for i, line in enumerate(lines):
