@@ -144,6 +144,7 @@ def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
             page.wait_for_selector("#chart[data-drawn='1']", timeout=30_000)
             assert page.locator("tr.run").count() == 2
             page.screenshot(path=str(shots / "dashboard-history.png"), full_page=True)
+            assert_toolbar_covers_nothing(page)
             # back to every run, pick A and B -> compare
             page.goto(f"{url}/")
             page.check(f"tr.run[data-run='{clean.run_id}'] input[name=a]")
@@ -153,7 +154,27 @@ def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
             data = json.loads(page.inner_text("#kvreplay-data"))
             assert [r["run_id"] for r in data["runs"]] == [clean.run_id, buggy.run_id]
             page.screenshot(path=str(shots / "dashboard-compare.png"), full_page=True)
+            assert_toolbar_covers_nothing(page)
             assert errors == []
+
+
+def _overlaps(a: dict, b: dict) -> bool:
+    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
+        a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+
+def assert_toolbar_covers_nothing(page) -> None:
+    """With the pointer on the chart (the toolbar shows), the toolbar's box meets no
+    legend entry and no axis label: it once sat on both on the compare and history pages."""
+    page.hover("#chart .plot-container")
+    bar = page.locator("#chart .modebar")
+    if not bar.count() or not bar.first.is_visible():
+        return
+    box = bar.first.bounding_box()
+    covered = [t for t in page.locator("#chart .legend .traces text, #chart .xtick text, #chart .ytick text, "
+                                       "#chart .g-xtitle text, #chart .g-ytitle text").all()
+               if (r := t.bounding_box()) and _overlaps(box, r)]
+    assert not covered, [t.text_content() for t in covered]
 
 
 def _drawn_without_errors(b, url: str, shots: Path, name: str):

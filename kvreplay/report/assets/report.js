@@ -210,7 +210,8 @@
       height: hasRows ? 460 + 22 * rows.length : 440,
       margin: { l: 70, r: 20, t: 40, b: 50 },
       hovermode: "closest",
-      legend: { orientation: "h", x: 0, xanchor: "left", y: 1.0, yanchor: "bottom" },
+      // Below the chart: above it, a legend of many runs ran under the toolbar at the top right.
+      legend: { orientation: "h", x: 0, xanchor: "left", y: -0.12, yanchor: "top" },
       xaxis: { title: { text: "call" }, zeroline: false, anchor: hasRows ? "y2" : "y", ...(zoomTo ? { range: [0, zoomTo] } : {}) },
       yaxis: { title: { text: "tokens in use (size - available)" }, domain: hasRows ? [Math.min(0.55, 0.12 + 0.05 * rows.length), 1] : [0, 1], rangemode: "tozero" },
       shapes, annotations,
