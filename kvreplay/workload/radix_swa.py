@@ -222,6 +222,7 @@ class RadixSWAServer(ServerModel):
         else:
             blocks = list(lv.req.blocks[len(lv.nodes):self._prompt_blocks(lv.req)])
         duplicates: list[list[int]] = []  # [start, end, owner]: runs of blocks the tree already holds
+        revive: list[list[tuple[Node, torch.Tensor]]] = []  # runs of tombstoned blocks this request revives
         for b in blocks:
             seg = lv.row[pos:pos + self.B]
             live = [pos + j * self.ps >= lv.evicted for j in range(pages)]
@@ -230,7 +231,12 @@ class RadixSWAServer(ServerModel):
                 existing = Node(b, node, seg, live, last_used=self.stats.steps, owner=lv.req.rid)
                 node.children[b] = existing
             elif all(live) and not all(existing.swa_live) and existing.lock == 0:
-                (self.recover_swa if self.sglang_scheduler else self.adopt_swa)(existing, seg, pos)
+                if not self.sglang_scheduler:
+                    self.adopt_swa(existing, seg, pos)
+                elif revive and revive[-1][-1][0] is node and node.owner == existing.owner:
+                    revive[-1].append((existing, seg))  # the same tree node as the block before
+                else:
+                    revive.append([(existing, seg)])
             elif not self.sglang_scheduler:
                 self.release_range(lv.row, pos, pos + self.B, lv.evicted)
             elif duplicates and duplicates[-1][1] == pos and duplicates[-1][2] == existing.owner:
@@ -240,6 +246,8 @@ class RadixSWAServer(ServerModel):
             existing.last_used = self.stats.steps
             node = existing
             pos += self.B
+        for run in revive:
+            self.recover_swa(run)
         for start, end, _ in duplicates:
             self.free_duplicate(lv, start, end)
         self.release_range(lv.row, pos, lv.committed, lv.evicted)
@@ -253,18 +261,23 @@ class RadixSWAServer(ServerModel):
         if end > mid:
             self.pool.free_segment(lv.row[mid:end], start_pos=0)
 
-    def recover_swa(self, node: Node, seg: torch.Tensor, pos: int) -> None:
-        """sglang's revival of a tombstoned span: the node takes the request's slots
-        there (their SWA is live) and its old ones go back full-side; over the span
-        still live the request's slots are the duplicates."""
-        pool = self.pool
-        dead = next((j for j, alive in enumerate(node.swa_live) if alive), len(node.swa_live)) * self.ps
-        pool.free_full_segment(node.full[:dead], start_pos=0)
-        if dead < self.B:
-            pool.free_segment(seg[dead:], start_pos=0)
-        node.full = torch.cat((seg[:dead], node.full[dead:]))
-        node.swa_live = [True] * len(node.swa_live)
-        self.stats.extra["revivals"] = self.stats.extra.get("revivals", 0) + 1
+    def recover_swa(self, run: list[tuple[Node, torch.Tensor]]) -> None:
+        """sglang's revival of a tombstoned node: the node takes the request's slots
+        where its SWA is gone and its old ones there go back full-side, in one call for
+        the node (a run of blocks one request inserted); over the span still live the
+        request's slots are the duplicates."""
+        pool, old, dup = self.pool, [], []
+        for node, seg in run:
+            dead = next((j for j, alive in enumerate(node.swa_live) if alive), len(node.swa_live)) * self.ps
+            old.append(node.full[:dead])
+            if dead < self.B:
+                dup.append(seg[dead:])
+            node.full = torch.cat((seg[:dead], node.full[dead:]))
+            node.swa_live = [True] * len(node.swa_live)
+            self.stats.extra["revivals"] = self.stats.extra.get("revivals", 0) + 1
+        pool.free_full_segment(torch.cat(old), start_pos=0)
+        for d in dup:
+            pool.free_segment(d, start_pos=0)
 
     def adopt_swa(self, node: Node, seg: torch.Tensor, pos: int) -> None:
         """Revive a tombstoned node with the duplicate's live SWA KV."""
