@@ -130,8 +130,7 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
     specs = expand_all([b.strip() for b in builds if b.strip()])
     if not specs:
         raise BadInput("--builds names no build")
-    for s in specs:
-        BuildSpec.parse(s)
+    parsed = {s: BuildSpec.parse(s) for s in specs}  # bad specs fail here, before any replay
     listed = matrix_traces(list(traces))
     paths = [p for p, _, _ in listed]
     # What a Ray node is handed for each trace: its URI when remote (the node fetches
@@ -151,7 +150,7 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
         todo: dict[str, list[str]] = {}
         for spec in specs:
             for trace, (_, digest) in infos.items():
-                run = reusable_run(st, digest, BuildSpec.parse(spec), mode) if use_cache else None
+                run = reusable_run(st, digest, parsed[spec], mode) if use_cache else None
                 if run is not None:
                     cell = Cell.of_run(run_to_dict(get_run(st, run.id), details=True), cached=True)
                     cell.trace = trace
@@ -173,7 +172,7 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
             trace = given.get(trace, str(Path(trace).resolve()))
             info, _ = infos[trace]
             report.build = spec
-            run_id = record_run(st, report, info, build_version=BuildSpec.parse(spec).resolved(code_id=code_id))
+            run_id = record_run(st, report, info, build_version=parsed[spec].resolved(code_id=code_id))
             cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
             cell.trace = trace
             _add(result, cell, on_cell)

@@ -283,7 +283,7 @@
     return parts;
   }
 
-  function showFinding(detail, runs, contexts, ri, group, key, call) {
+  function showFinding(detail, runs, ri, group, key, call) {
     const run = runs[ri];
     detail.replaceChildren();
     const label = group === "violation" ? key : "divergence " + key;
@@ -359,7 +359,7 @@
       metas.append(box);
     }
     const detail = el("div", { id: "detail", class: "detail" }, el("p", { class: "muted" }, "Click a finding (a mark on the chart or a row above) to see its call, its arguments and the calls around it."));
-    const pick = (ri, g, k, c) => showFinding(detail, runs, data.contexts, ri, g, k, c);
+    const pick = (ri, g, k, c) => showFinding(detail, runs, ri, g, k, c);
     const firsts = firstsTable(runs, pick);
     const chart = el("div", { id: "chart", class: "chart" });
     const legendNote = el("p", { class: "muted", id: "chart-note" });
