@@ -70,23 +70,3 @@ def staged(words: list[str], tmp: Path, home: Path) -> list[str]:
         w = re.sub(r"(^|(?<=git:))~/", f"{home}/", w)
         out.append(w)
     return out
-
-
-def git(repo: Path, *args: str) -> None:
-    import subprocess
-
-    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
-
-
-def new_repo(repo: Path) -> None:
-    repo.mkdir(parents=True)
-    git(repo, "init", "-q", "-b", "main")
-    git(repo, "config", "user.email", "docs@example.com")
-    git(repo, "config", "user.name", "docs")
-
-
-def commit_all(repo: Path, message: str, tag: str | None = None) -> None:
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", message)
-    if tag:
-        git(repo, "tag", tag)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from git_repos import commit_all, git, new_repo
 
 from kvreplay.bisect import bisect, build_candidates, git_candidates
 
@@ -33,29 +34,17 @@ class Pool(SWAPool):
 POOL_BUGGY = POOL_GOOD.replace("return super()._mapping_to_clear(free_index)", "return free_index  # cheaper")
 
 
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _commit(repo: Path, message: str) -> str:
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", message)
-    return _git(repo, "rev-parse", "HEAD")
-
-
 @pytest.fixture(scope="module")
 def history(tmp_path_factory):
     """31 commits: a good root, one that breaks the import (mended by the next), one
     that introduces the bug, and plain edits around them."""
     repo = tmp_path_factory.mktemp("pools")
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "config", "user.email", "dev@example.com")
-    _git(repo, "config", "user.name", "Pool Dev")
+    new_repo(repo, "Pool Dev", "dev@example.com")
     pkg = repo / "mypkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "pool.py").write_text(POOL_GOOD)
-    commits = {"good": _commit(repo, "pool: first version")}
+    commits = {"good": commit_all(repo, "pool: first version")}
     source = POOL_GOOD
     for i in range(1, N_COMMITS + 1):
         if i == CULPRIT_AT:
@@ -66,7 +55,7 @@ def history(tmp_path_factory):
         (pkg / "notes.txt").write_text(f"edit {i}\n")
         broken = "import no_such_dependency_kvreplay\n" if i == BROKEN_AT else ""
         (pkg / "pool.py").write_text(broken + source)
-        commits[i] = _commit(repo, message)
+        commits[i] = commit_all(repo, message)
     return repo, commits
 
 
@@ -174,7 +163,7 @@ def test_git_bisect_run_with_kvreplay_replay(history, trace, tmp_path):
     subprocess.run(["git", "clone", "-q", str(repo), str(work)], check=True)
     kvreplay = Path(sys.executable).with_name("kvreplay")
     env = dict(os.environ, PATH=f"{kvreplay.parent}{os.pathsep}{os.environ['PATH']}")
-    _git(work, "bisect", "start", "main", commits["good"])
+    git(work, "bisect", "start", "main", commits["good"])
     out = subprocess.run(["git", "-C", str(work), "bisect", "run", "kvreplay", "replay", str(trace), "--build",
                           "git:.@HEAD:mypkg.pool:Pool", "--no-store", "--device", "cpu", "--git-bisect"],
                          capture_output=True, text=True, env=env, timeout=600)

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs_commands import DOCS_COMMANDS, commit_all, new_repo, staged, tier
+from docs_commands import DOCS_COMMANDS, staged, tier
+from git_repos import commit_all, new_repo
 
 sglang = pytest.importorskip("sglang", reason="sglang not installed")
 

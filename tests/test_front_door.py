@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from docs_commands import ALL_COMMANDS, DOCS_COMMANDS, PAGES, TIERS, blocks, commit_all, new_repo, staged, tier
+from docs_commands import ALL_COMMANDS, DOCS_COMMANDS, PAGES, TIERS, blocks, staged, tier
+from git_repos import commit_all, new_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")

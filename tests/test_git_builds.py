@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from git_repos import commit_all, new_repo
 
 from kvreplay.replay.dispatch import replay
 
@@ -22,22 +23,14 @@ HANG = "import time\nfrom kvreplay.pools.swa import SWAPool\n\n\nclass Pool(SWAP
        "    def alloc_extend(self, *a, **k):\n        time.sleep(600)\n"
 
 
-def _git(repo, *args):
-    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("poolrepo")
-    _git(repo, "init", "-q", "-b", "main")
-    _git(repo, "config", "user.email", "t@example.com")
-    _git(repo, "config", "user.name", "t")
+    new_repo(repo, "t", "t@example.com")
     for tag, body in (("good", GOOD), ("buggy", BUGGY), ("broken", BROKEN), ("crash", CRASH), ("hang", HANG),
                       ("late-crash", LATE_CRASH)):
         (repo / "mypool.py").write_text(body)
-        _git(repo, "add", "mypool.py")
-        _git(repo, "commit", "-q", "-m", tag)
-        _git(repo, "tag", tag)
+        commit_all(repo, tag, tag=tag)
     return repo
 
 
