@@ -6,12 +6,12 @@ sglang servers."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from conftest import run_in_process as run
+from servers import free_port
 
 
 class _Generate(BaseHTTPRequestHandler):
@@ -33,16 +33,8 @@ class _Generate(BaseHTTPRequestHandler):
         pass
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_wait_sends_once_a_late_server_answers(capsys):
-    port = _free_port()
+    port = free_port()
     servers: list[ThreadingHTTPServer] = []
 
     def start_later():
@@ -63,7 +55,7 @@ def test_wait_sends_once_a_late_server_answers(capsys):
 
 
 def test_without_wait_a_server_not_up_is_one_line_that_names_the_option(capsys):
-    port = _free_port()
+    port = free_port()
     r = run(capsys, "drive", f"http://127.0.0.1:{port}", "-n", "1")
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
@@ -71,7 +63,7 @@ def test_without_wait_a_server_not_up_is_one_line_that_names_the_option(capsys):
 
 
 def test_wait_gives_up_after_its_time_with_one_line(capsys):
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     r = run(capsys, "drive", f"http://127.0.0.1:{port}", "--wait", "2", "-n", "1")
     assert time.monotonic() - t0 >= 2

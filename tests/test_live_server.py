@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from servers import pids
+from servers import free_port, pids
 
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
@@ -48,20 +47,12 @@ def models(tmp_path_factory):
     return {"llama": _tiny(base / "llama"), "swa": _tiny(base / "swa", swa=128)}
 
 
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 class Server:
     """``kvreplay record --out DIR -- python -m sglang.launch_server ...`` in its own
     process group; ``stop(sig)`` signals kvreplay record as a terminal would."""
 
     def __init__(self, model: Path, out: Path, page_size: int, *extra: str, small: bool = True) -> None:
-        self.port = _port()
+        self.port = free_port()
         self.out = out
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(out.parent / f"server-{self.port}.log", "wb")  # noqa: SIM115 - kept for the test's life
@@ -202,7 +193,7 @@ def test_the_recording_page_block_runs_as_written(tmp_path):
     for shared in ("scripts", "workloads"):
         (work / shared).symlink_to(ROOT / shared)
     (work / "traces").mkdir()  # the reader's checkout has it; record makes only the directory it is given
-    port = str(_port())
+    port = str(free_port())
     body = ["set -u"]
     for i, line in enumerate(lines):
         line = line.replace("/tmp/", f"{tmp_path}/").replace("30000", port)
