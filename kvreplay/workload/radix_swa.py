@@ -221,8 +221,8 @@ class RadixSWAServer(ServerModel):
             blocks = self._block_keys(lv, len(lv.nodes), lv.committed // self.B)
         else:
             blocks = list(lv.req.blocks[len(lv.nodes):self._prompt_blocks(lv.req)])
-        duplicates: list[list[int]] = []  # [start, end, owner]: runs of blocks the tree already holds
-        revive: list[list[tuple[Node, torch.Tensor]]] = []  # runs of tombstoned blocks this request revives
+        duplicates: list[tuple[int, Node]] = []  # (position, node): blocks the tree already holds
+        revive: list[tuple[int, Node]] = []  # tombstoned blocks this request revives
         for b in blocks:
             seg = lv.row[pos:pos + self.B]
             live = [pos + j * self.ps >= lv.evicted for j in range(pages)]
@@ -231,26 +231,33 @@ class RadixSWAServer(ServerModel):
                 existing = Node(b, node, seg, live, last_used=self.stats.steps, owner=lv.req.rid)
                 node.children[b] = existing
             elif all(live) and not all(existing.swa_live) and existing.lock == 0:
-                if not self.sglang_scheduler:
-                    self.adopt_swa(existing, seg, pos)
-                elif revive and revive[-1][-1][0] is node and node.owner == existing.owner:
-                    revive[-1].append((existing, seg))  # the same tree node as the block before
+                if self.sglang_scheduler:
+                    revive.append((pos, existing))
                 else:
-                    revive.append([(existing, seg)])
+                    self.adopt_swa(existing, seg, pos)
             elif not self.sglang_scheduler:
                 self.release_range(lv.row, pos, pos + self.B, lv.evicted)
-            elif duplicates and duplicates[-1][1] == pos and duplicates[-1][2] == existing.owner:
-                duplicates[-1][1] += self.B
             else:
-                duplicates.append([pos, pos + self.B, existing.owner])
+                duplicates.append((pos, existing))
             existing.last_used = self.stats.steps
             node = existing
             pos += self.B
-        for run in revive:
-            self.recover_swa(run)
-        for start, end, _ in duplicates:
-            self.free_duplicate(lv, start, end)
+        for run in self._node_runs(revive):
+            self.recover_swa([(n, lv.row[p:p + self.B]) for p, n in run])
+        for run in self._node_runs(duplicates):
+            self.free_duplicate(lv, run[0][0], run[-1][0] + self.B)
         self.release_range(lv.row, pos, lv.committed, lv.evicted)
+
+    def _node_runs(self, blocks: list[tuple[int, Node]]) -> list[list[tuple[int, Node]]]:
+        """Consecutive blocks that one request inserted: one node of sglang's tree,
+        which it frees (or revives) in one call."""
+        runs: list[list[tuple[int, Node]]] = []
+        for pos, n in blocks:
+            if runs and runs[-1][-1][0] + self.B == pos and runs[-1][-1][1].owner == n.owner:
+                runs[-1].append((pos, n))
+            else:
+                runs.append([(pos, n)])
+        return runs
 
     def free_duplicate(self, lv: Live, start: int, end: int) -> None:
         """sglang's tree frees a finished sequence's overlap with a node in one call per
