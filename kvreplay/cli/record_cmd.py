@@ -136,12 +136,12 @@ def drive(
                          output_scale=output_scale)
     cfg = DriveConfig(url=url, api=api, model=model, concurrency=concurrency, time_scale=time_scale, vocab=vocab,
                       block_tokens=block_tokens, max_output=max_output, seed=seed, wait_s=wait)
-    told = [0.0]
+    next_say = [0.0]
 
     def waiting(seconds: float) -> None:
-        # Said every 15 s, so a log (no terminal) shows the wait too.
-        if seconds - told[0] >= 15 or not told[0]:
-            told[0] = max(seconds, 1e-9)
+        # Said at once, then every 15 s, so a log (no terminal) shows the wait too.
+        if seconds >= next_say[0]:
+            next_say[0] = seconds + 15
             say(f"waiting for {url} to answer ({seconds:.0f} s of {wait:.0f})", to_err=True)
 
     with progress(f"drive {url}", "requests") as cb:
