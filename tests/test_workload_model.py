@@ -32,7 +32,7 @@ def live_and_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["alloc_extend", "alloc_decode", "free_segments", "free_group_begin",
-                                    "free_swa_segment", "free_segment"])
+                                    "free_swa_segment", "free_segment", "free_full_segment"])
 def test_the_main_methods_are_within_ten_percent_of_the_live_server(live_and_model, method):
     live, model = live_and_model
     assert model[method] == pytest.approx(live[method], rel=0.10), (method, live[method], model[method])

@@ -12,7 +12,9 @@ With ``sglang_scheduler`` the tree behaves as sglang 0.5.23's unified radix cach
 does (measured against a live hybrid-SWA server with ``kvreplay profile``): a
 prompt is the tree's once it is prefilled, so the tree frees its out-of-window SWA
 once, and the request slides only its own decoded tokens, from the end of its
-cached prompt; a finished sequence that duplicates a node frees the duplicate per
+cached prompt and a token behind (the overlap scheduler); a request ends holding
+input + output - 1 tokens (the last one's KV is never written), an empty tail still
+freed; a finished sequence that duplicates a node frees the duplicate per
 overlapping node (``free_full_segment`` below the request's SWA cursor,
 ``free_segment`` above it); and a tombstoned node revives by taking the request's
 slots and freeing its old ones full-side."""
@@ -148,10 +150,15 @@ class RadixSWAServer(ServerModel):
             for n in chain:
                 n.last_used = self.stats.steps
             self.stats.prefix_hit_tokens += p
-            self.running.append(Live(req, row, committed=fill, target=req.input_len + req.output_len,
+            # sglang never writes the KV of a request's last token: the step that samples it ends the request.
+            target = req.input_len + req.output_len - (1 if self.sglang_scheduler else 0)
+            self.running.append(Live(req, row, committed=fill, target=target,
                                      evicted=p, prefix_len=p, nodes=chain,
                                      protected=floor_page(fill, ps) if self.sglang_scheduler else p))
-        self.batch_done()
+        if self.sglang_scheduler:
+            self.finish()  # the prefill's results: requests whose one token it sampled end here
+        else:
+            self.batch_done()
 
     def _block_keys(self, lv: Live, start: int, end: int) -> list[int]:
         """Tree keys of the request's blocks start..end-1, by content: a block wholly
@@ -177,7 +184,11 @@ class RadixSWAServer(ServerModel):
                     pool.free_swa_segment(lv.row[lv.evicted:end], start_pos=lv.evicted)
                     lv.evicted = end
                 lv.tree_slid = True
-            # The request's own cursor starts at the end of its cached prompt.
+            # The request's own cursor starts at the end of its cached prompt. Under the
+            # overlap scheduler the previous step's token is not in the request yet when
+            # this step slides, so sglang measures the window from one token earlier.
+            if self.sglang_scheduler:
+                threshold -= 1
             if self.eviction_interval and threshold < max(lv.evicted, lv.protected) + self.eviction_interval:
                 continue
             new = floor_page(max(threshold, lv.evicted), self.ps)
@@ -246,6 +257,9 @@ class RadixSWAServer(ServerModel):
             self.recover_swa([(n, lv.row[p:p + self.B]) for p, n in run])
         for run in self._node_runs(duplicates):
             self.free_duplicate(lv, run[0][0], run[-1][0] + self.B)
+        if self.sglang_scheduler and pos >= lv.committed:
+            # sglang frees the part past the tree's whole pages even when it is empty.
+            self.pool.free_segments([(lv.row[pos:pos], pos)])
         self.release_range(lv.row, pos, lv.committed, lv.evicted)
 
     def _node_runs(self, blocks: list[tuple[int, Node]]) -> list[list[tuple[int, Node]]]:
