@@ -1,4 +1,5 @@
-"""The allocator vocabulary: the one place that knows sglang's KV pool API.
+"""The allocator vocabulary: the one place that knows the KV-pool APIs kvreplay speaks,
+sglang's allocators and vLLM's KV-cache manager.
 
 Which methods exist and what kind of call each is, which attributes hold the
 sub-allocators, which pool families there are and how they are constructed, and
@@ -35,8 +36,26 @@ RECORDED_METHODS: tuple[str, ...] = (
     "set_full_to_swa_mapping", "clear_full_to_swa_mapping",
     "available_size", "full_available_size", "swa_available_size",
 )
-API_METHODS = frozenset(RECORDED_METHODS)  # for membership tests (a trace's names are checked against it)
-assert API_METHODS == ALLOCS | FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS | COUNTER_METHODS
+assert frozenset(RECORDED_METHODS) == ALLOCS | FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS | COUNTER_METHODS
+
+# -- vLLM's KV-cache manager: the "vllm" family ------------------------------------------
+# vLLM's scheduler calls its KVCacheManager with Request objects and gets blocks back;
+# kvreplay records those calls in a wire form (builds/vllm.py): a request as its id, the
+# counts the manager reads of it and the block hashes it has not sent before; blocks by
+# id. The BlockPool calls the manager makes are nested rows with target "blocks".
+# ``free_request`` is the manager's ``free(request)``: the name keeps it apart from
+# sglang's ``free(free_index)``.
+VLLM_MANAGER_METHODS: tuple[str, ...] = (
+    "get_computed_blocks", "allocate_slots", "free_request", "pop_blocks_for_free", "cache_blocks",
+    "remove_skipped_blocks", "evict_blocks", "reset_prefix_cache", "new_step_starts",
+)
+# The BlockPool calls that change its state (allocation, release, reference counts).
+VLLM_BLOCK_METHODS: tuple[str, ...] = ("get_new_blocks", "free_blocks", "touch")
+VLLM_METHODS: tuple[str, ...] = (*VLLM_MANAGER_METHODS, *VLLM_BLOCK_METHODS, "available_size")
+# What a manager's own method is called where the wire renames it.
+VLLM_MANAGER_NAMES = {"free_request": "free"}
+
+API_METHODS = frozenset(RECORDED_METHODS) | frozenset(VLLM_METHODS)  # a trace's names are checked against it
 
 # Calls whose result is always None: a None from them is not an out-of-memory answer.
 VOID_METHODS = FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS
@@ -57,7 +76,8 @@ def method_kind(method: str) -> str:
 
 # -- sub-allocators ---------------------------------------------------------------------
 # (name in traces and reports, attribute on the SWA allocator)
-SUB_POOLS: tuple[tuple[str, str], ...] = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"))
+SUB_POOLS: tuple[tuple[str, str], ...] = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"),
+                                          ("blocks", "wire_blocks"))
 # Counter columns of a trace, and the reads that fill them, in the same order.
 COUNTERS = ("available", "full_available", "swa_available")
 COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
@@ -73,11 +93,32 @@ FAMILY_ARGS: dict[str, tuple[str, ...]] = {
     "token": ("size", "dtype", "device", "kvcache", "need_sort"),
     "paged": ("size", "page_size", "dtype", "device", "kvcache", "need_sort"),
     "swa": ("size", "size_swa", "page_size", "dtype", "device", "kvcache", "need_sort"),
+    # vLLM: the block pool's size, the manager's block and hash sizes, what it admits.
+    "vllm": ("num_blocks", "block_size", "hash_block_size", "max_model_len", "max_in_flight_tokens",
+             "enable_caching", "watermark", "attention"),
 }
+# The whole-number constructor arguments of each family (checked against MAX_POOL_SLOTS)
+# and those of them that must be at least 1.
+FAMILY_SIZES: dict[str, tuple[str, ...]] = {
+    "token": ("size",), "paged": ("size", "page_size"), "swa": ("size", "page_size", "size_swa"),
+    "vllm": ("num_blocks", "block_size", "hash_block_size", "max_model_len", "max_in_flight_tokens"),
+}
+FAMILY_UNITS: dict[str, tuple[str, ...]] = {
+    "token": (), "paged": ("page_size",), "swa": ("page_size",), "vllm": ("block_size", "hash_block_size"),
+}
+# The attention kinds a vLLM manager is replayed with (its one KV-cache group's spec).
+VLLM_ATTENTION = ("full",)
+
+
+def methods_of(family: str) -> tuple[str, ...]:
+    """The methods a recorder wraps and a replay may call on a pool of ``family``."""
+    return VLLM_METHODS if family == "vllm" else RECORDED_METHODS
 
 
 def family_of_pool(pool: Any) -> str:
     """A live pool's family, from the state it keeps."""
+    if hasattr(pool, "wire_blocks"):
+        return "vllm"
     if hasattr(pool, "full_to_swa_index_mapping"):
         return "swa"
     if getattr(pool, "page_size", 1) > 1 or hasattr(pool, "num_pages"):
@@ -88,6 +129,8 @@ def family_of_pool(pool: Any) -> str:
 def ctor_args_of_pool(pool: Any) -> dict[str, Any]:
     """The constructor arguments of a live pool, as a trace records them."""
     family = family_of_pool(pool)
+    if family == "vllm":
+        return dict(pool.ctor_args)
     args: dict[str, Any] = {
         "size": int(getattr(pool, "size_full", pool.size) if family == "swa" else pool.size),
         "dtype": str(getattr(pool, "dtype", "torch.int64")),
@@ -105,4 +148,6 @@ def sub_pool_sizes(family: str, ctor_args: dict[str, Any]) -> dict[str, int]:
     """Token capacity per sub-pool, as reports name them (full/swa, or pool)."""
     if family == "swa":
         return {"full": int(ctor_args["size"]), "swa": int(ctor_args["size_swa"])}
+    if family == "vllm":
+        return {"blocks": int(ctor_args["num_blocks"])}
     return {"pool": int(ctor_args["size"])}

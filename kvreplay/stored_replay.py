@@ -103,10 +103,10 @@ def replay_and_store(trace: str | Path, build: str | BuildSpec, *, db: str | Non
         if parallel is not None:
             report, version = parallel
     if report is None and spec.in_process:
-        from kvreplay.replay.replayer import Replayer  # imports torch: only in-process builds need it
+        from kvreplay.replay.dispatch import make_replayer  # imports torch: only in-process builds need it
 
         options.pop("timeout_s", None)
-        replayer = Replayer(trace, spec, reader=reader, checked=True, **options)
+        replayer = make_replayer(trace, spec, reader=reader, checked=True, **options)
         report = replayer.run(progress=progress)
         version = spec.resolved(pool=replayer.pool)
     replayed = StoredReplay(report, None, version, reader)

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from kvreplay.builds import sglang as sglang_adapter
+from kvreplay.builds import vllm as vllm_adapter
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable, FamilyMismatch, UnknownBuild
 from kvreplay.pool_api import FAMILY_ARGS
+from kvreplay.pools.block_pool import BlockManager
 from kvreplay.pools.paged import PagedPool
 from kvreplay.pools.registry import BUILTINS
 from kvreplay.pools.swa import SWAPool
@@ -33,6 +35,8 @@ class Build:
     def construct(self, ctor: dict[str, Any], device: str | torch.device = "cpu") -> Any:
         family = self.family or family_of_class(self.cls)
         kwargs = {name: ctor.get(name) for name in FAMILY_ARGS[family]}
+        if "device" not in kwargs:  # a block pool (vLLM's family) keeps no tensors: the device is the caller's
+            return self.cls(**kwargs)
         kwargs["device"] = device
         kwargs["dtype"] = _dtype(kwargs.get("dtype"))
         kwargs["need_sort"] = bool(kwargs.get("need_sort"))
@@ -62,6 +66,8 @@ def resolve(spec: str | BuildSpec, family: str | None = None, recorded_class: st
         if family is None:
             raise UnknownBuild("--build sglang needs a trace (or scenario) to choose the pool family")
         return resolve(sglang_adapter.spec_for(family, recorded_class))
+    if s.kind == "vllm":
+        return Build(s.text, "vllm", vllm_adapter.InstalledManager)
     if s.kind == "git":
         raise UnknownBuild(f"{s}: git: builds replay in a worker process (kvreplay replay); this command "
                            "takes in-process builds only (builtin:, py:, sglang)")
@@ -81,7 +87,8 @@ def resolve(spec: str | BuildSpec, family: str | None = None, recorded_class: st
 def family_of_class(cls: type) -> str:
     """A class's pool family: from a builtin pool it derives from, else from its name
     (sglang's classes say SWA or Paged in theirs)."""
-    for base, family in ((SWAPool, "swa"), (PagedPool, "paged"), (TokenPool, "token")):
+    for base, family in ((SWAPool, "swa"), (PagedPool, "paged"), (TokenPool, "token"), (BlockManager, "vllm"),
+                         (vllm_adapter.ManagerWire, "vllm")):
         if issubclass(cls, base):
             return family
     name = " ".join(c.__name__ for c in cls.__mro__).lower()

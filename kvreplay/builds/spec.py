@@ -3,6 +3,7 @@
 ``builtin:NAME[@VARIANT]``  a reference pool or bug variant of this kvreplay
 ``py:MODULE:CLASS``        any importable allocator class, in this process
 ``sglang``                 the installed sglang's allocator of the trace's family
+``vllm``                   the installed vLLM's KV-cache manager (the vllm family)
 ``sglang==VERSION``         that sglang release's allocator, fetched once, in a worker process
 ``git:REPO@REV[:MODULE:CLASS]``  pool code at a revision, in a worker process
 
@@ -24,14 +25,14 @@ from kvreplay.errors import UnknownBuild, did_you_mean
 from kvreplay.pools.registry import BUILTINS
 from kvreplay.version import __version__
 
-KINDS = ("builtin", "py", "sglang", "release", "git")
+KINDS = ("builtin", "py", "sglang", "vllm", "release", "git")
 _HEX = frozenset(string.hexdigits.lower())
 
 
 @dataclass(frozen=True)
 class BuildSpec:
     text: str
-    kind: str  # builtin | py | sglang | release | git
+    kind: str  # builtin | py | sglang | vllm | release | git
     name: str = ""  # builtin: NAME[@VARIANT]
     cls: str = ""  # py: and git: MODULE:CLASS ("" for git: the tree's sglang allocator)
     repo: Path | None = None  # git:
@@ -41,8 +42,8 @@ class BuildSpec:
     @classmethod
     def parse(cls, text: str) -> BuildSpec:
         """The spec, or UnknownBuild naming what exists (and the closest match)."""
-        if text == "sglang":
-            return cls(text, "sglang")
+        if text in ("sglang", "vllm"):
+            return cls(text, text)
         if text.startswith("sglang=="):
             version = text.removeprefix("sglang==")
             if ".." in version:
@@ -69,8 +70,8 @@ class BuildSpec:
             if target and ":" not in target:
                 raise UnknownBuild(f"bad build spec {text!r}: the class must be MODULE:CLASS")
             return cls(text, "git", cls=target, repo=Path(repo).expanduser(), rev=rev)
-        hint = did_you_mean(text, [f"builtin:{n}" for n in BUILTINS] + ["sglang"])
-        raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, sglang, "
+        hint = did_you_mean(text, [f"builtin:{n}" for n in BUILTINS] + ["sglang", "vllm"])
+        raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, sglang, vllm, "
                            "sglang==VERSION or git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
 
     @property
@@ -99,10 +100,10 @@ class BuildSpec:
             return f"sglang {code_id}"
         if self.kind == "git":
             return f"git {code_id}"
-        if pool is not None:
-            top = type(pool).__module__.split(".")[0]
+        if pool is not None:  # a wire over an engine's object names the engine
+            top = getattr(pool, "engine", None) or type(pool).__module__.split(".")[0]
         else:
-            top = {"builtin": "kvreplay", "sglang": "sglang"}.get(self.kind, "")
+            top = {"builtin": "kvreplay", "sglang": "sglang", "vllm": "vllm"}.get(self.kind, "")
         if top == "kvreplay":
             return f"kvreplay {__version__}"
         if not top:

@@ -1,7 +1,7 @@
 """The checker's vocabulary: every invariant and rule it can report, in one table,
 and the Violation record a finding becomes.
 
-An invariant is one of the six properties of a correct pool; a rule is one way of
+An invariant is one of the seven properties of a correct pool; a rule is one way of
 breaking it. ``severity`` says what a finding means for a server: ``corrupts`` (two
 owners for one slot, or a slot lost: the crash to come), ``leaks`` (capacity lost,
 no corruption) or ``misreports`` (counters or results wrong, state intact)."""
@@ -32,6 +32,8 @@ INVARIANTS: dict[str, str] = {
     "none-unchanged": "4 a call that returned None changed nothing",
     "swa-mapping": "5 SWA mapping: injective over live full slots, peers live, released pages unmapped, sentinel -1",
     "quiescence": "6 quiescence: at the end everything allocated is accounted for",
+    "block-pool": "7 block pool (vLLM): reference counts equal the block tables that list a block, free exactly "
+                  "when unreferenced, the free queue's links agree with its count, cached hashes match their blocks",
 }
 
 # invariant/rule | severity | what happened (docs/invariants.md explains each at length)
@@ -56,6 +58,14 @@ swa-mapping/orphan-swa-slot | leaks | a live SWA slot is mapped from no live ful
 swa-mapping/sentinel-changed | corrupts | the mapping's trailing -1 was overwritten
 quiescence/leaked-page | leaks | at the end, a page is neither held nor free
 quiescence/orphan-swa-slot | leaks | at the end, a live SWA slot is mapped from nothing
+quiescence/held-block | leaks | at the end, with no request left, a block is still referenced
+block-pool/negative-ref-count | corrupts | a block's reference count went below zero (freed once too often)
+block-pool/ref-count-not-owners | corrupts | a block's reference count is not the number of block tables listing it
+block-pool/free-queue-mismatch | corrupts | a block with no references is not in the free queue, or a referenced one is
+block-pool/handout-while-held | corrupts | get_new_blocks handed out a block a request still holds
+block-pool/free-queue-links | corrupts | the free queue's links hold a block twice, disagree, or disagree with its count
+block-pool/null-block-free | corrupts | the null block (block 0, a placeholder) is in the free queue
+block-pool/stale-cached-hash | corrupts | a cached hash maps to a block that carries another hash
 """
 
 

@@ -43,7 +43,9 @@ BUILTINS: dict[str, BuiltinBuild] = {
                      "#38519: free_swa_segment frees SWA page 0 for unmapped pages"),
         BuiltinBuild("swa@deferred-lookup", "swa", _V + "DeferredLookupSWAPool",
                      "#36081: grouped free_swa reads the mapping at free_group_end"),
+        BuiltinBuild("vllm", "vllm", "kvreplay.pools.block_pool:BlockManager",
+                     "vLLM v1 KV-cache manager: one full-attention group, prefix caching, as vllm 0.32"),
     ]
 }
 # The correct pool of each family: what a trace of that family replays clean on.
-DEFAULT_FOR_FAMILY = {"token": "builtin:token", "paged": "builtin:paged", "swa": "builtin:swa"}
+DEFAULT_FOR_FAMILY = {"token": "builtin:token", "paged": "builtin:paged", "swa": "builtin:swa", "vllm": "builtin:vllm"}

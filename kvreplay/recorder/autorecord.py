@@ -10,7 +10,8 @@ and SWA sub-allocators as nested rows) is recorded to its own trace in DIR, name
 ``kvreplay-<pid>[-<rank>]-<n>.parquet``.
 
 Targets: ``KVREPLAY_RECORD_CLASSES`` (comma-separated ``MODULE:CLASS``), by default
-sglang's token, paged and SWA allocators. A target module imported later is patched
+sglang's token, paged and SWA allocators and vLLM's KV-cache manager (recorded through
+its wire, builds/vllm.py). A target module imported later is patched
 when it is imported (an import hook); one already imported is patched at once.
 
 With ``KVREPLAY_FLIGHT=N`` each allocator gets a flight recorder instead, keeping
@@ -37,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvreplay.builds.sglang import CLASSES as SGLANG_CLASSES
+from kvreplay.builds.engines import RECORD_CLASSES, recordable
 from kvreplay.recorder.switches import (
     CHECKPOINT_ENV,
     CLASSES_ENV,
@@ -49,9 +50,7 @@ from kvreplay.recorder.switches import (
 
 log = logging.getLogger("kvreplay.autorecord")
 
-# sglang's allocators wherever a release keeps them (0.5.1 to 0.5.23: builds/sglang.py
-# knows the layouts); the paths a release lacks are never imported, so cost nothing.
-DEFAULT_CLASSES = tuple(path for family in ("token", "paged", "swa") for path in SGLANG_CLASSES[family])
+DEFAULT_CLASSES = RECORD_CLASSES  # sglang's allocators and vLLM's KV-cache manager (builds/engines.py)
 
 _state = threading.local()
 _counter = itertools.count()
@@ -182,6 +181,7 @@ def _start_recording(pool: Any) -> None:
         _out.mkdir(parents=True, exist_ok=True)
         rank = _rank()
         extra = {"autorecord": {"argv": sys.argv[:8]}}
+        pool = recordable(pool)
         flight = int(os.environ.get(FLIGHT_ENV, "0") or 0)
         every = int(os.environ.get(COUNTERS_ENV, "1") or 1)
         if flight > 0:

@@ -32,10 +32,10 @@ import torch
 from kvreplay.pool_api import (
     COUNTER_METHODS,
     COUNTER_READS,
-    RECORDED_METHODS,
     SUB_POOLS,
     ctor_args_of_pool,
     family_of_pool,
+    methods_of,
 )
 from kvreplay.recorder.capture import Engine, default_backend
 from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ
@@ -56,13 +56,17 @@ _open: weakref.WeakSet[Recording] = weakref.WeakSet()
 
 
 def pool_class_name(pool: Any) -> str:
+    # A wire over an engine's object (builds/vllm.py) names the engine's class.
+    recorded = getattr(pool, "recorded_class", None)
+    if isinstance(recorded, str):
+        return recorded
     cls = type(pool)
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def _source_version(pool: Any) -> dict[str, str]:
     out = {"kvreplay": __version__, "torch": str(torch.__version__)}  # not TorchVersion: plain str pickles
-    top = type(pool).__module__.split(".")[0]
+    top = pool_class_name(pool).split(".")[0].split(":")[0]
     mod = __import__(top)
     ver = getattr(mod, "__version__", None)
     if ver and top != "kvreplay":
@@ -122,6 +126,7 @@ class Recording:
                               self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
                               raised=self._raised, counters_every=counters_every)
         self._patched: list[tuple[Any, str]] = []
+        self._methods = methods_of(self.meta.family)
         # Checkpoints need a writer (the flight recorder keeps its own snapshots).
         self._checkpoints = _Checkpointer(self, checkpoint_every) if checkpoint_every > 0 and path else None
         self._patch(pool, "root")
@@ -152,7 +157,7 @@ class Recording:
         return tuple(getattr(pool, n, None) for n in COUNTER_READS)
 
     def _patch(self, obj: Any, target: str) -> None:
-        for name in RECORDED_METHODS:
+        for name in self._methods:
             if target != "root" and name in COUNTER_METHODS:
                 continue  # a sub-pool's counters are already in the parent row's counters
             fn = getattr(obj, name, None)

@@ -6,9 +6,22 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.builds.spec import BuildSpec
+from kvreplay.replay.blocks import BlockReplayer
 from kvreplay.replay.replayer import Replayer
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker
+from kvreplay.trace.reader import TraceReader
+
+# The replayer of each pool family whose calls are not sglang's allocator API.
+_REPLAYERS: dict[str, type] = {"vllm": BlockReplayer}
+
+
+def make_replayer(trace: str | Path, build: str | BuildSpec, *, reader: TraceReader | None = None,
+                  **options: Any) -> Any:
+    """The replayer for the trace's family (its ``run`` gives a ReplayReport)."""
+    reader = reader or TraceReader(trace)
+    cls = _REPLAYERS.get(reader.meta.family, Replayer)
+    return cls(trace, build, reader=reader, **options)
 
 
 def replay(trace: str | Path, build: str | BuildSpec, **options: Any) -> ReplayReport:
@@ -20,4 +33,4 @@ def replay(trace: str | Path, build: str | BuildSpec, **options: Any) -> ReplayR
     if not spec.in_process:
         return replay_in_worker(trace, spec.text, **options)[0]
     options.pop("timeout_s", None)
-    return Replayer(trace, spec, **options).run(progress=progress)
+    return make_replayer(trace, spec, **options).run(progress=progress)

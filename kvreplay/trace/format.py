@@ -16,12 +16,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvreplay.pool_api import FAMILY_ARGS
+from kvreplay.pool_api import FAMILY_ARGS, FAMILY_SIZES, FAMILY_UNITS, VLLM_ATTENTION
 
 SCHEMA_VERSION = 1
 META_PREFIX = "kvreplay."
 # The pools a row can target: the allocator itself, its sub-allocators, and the recorder (gap rows).
-TARGETS = frozenset({"root", "full", "swa", "recorder"})
+TARGETS = frozenset({"root", "full", "swa", "blocks", "recorder"})
 
 # -- bounds on what a trace can make kvreplay allocate --------------------------------------
 # Every reader checks these before it allocates (trace/reader.py, trace/snapshot.py): a
@@ -214,17 +214,28 @@ def _schema_version(text: str) -> int:
 def check_ctor_args(family: str, args: dict[str, Any]) -> None:
     """The constructor arguments a trace records, as its family needs them: sizes
     whole numbers in range, need_sort a bool, dtype a torch dtype name."""
-    for name in ("size", *(("page_size",) if family != "token" else ()), *(("size_swa",) if family == "swa" else ())):
+    for name in FAMILY_SIZES[family]:
         v = args.get(name)
         if type(v) is not int or not 0 <= v <= MAX_POOL_SLOTS:
             raise ValueError(f"constructor argument {name} must be a whole number in 0..{MAX_POOL_SLOTS}, not {v!r}")
-    if family != "token" and args["page_size"] < 1:
-        raise ValueError("constructor argument page_size must be at least 1")
+    for name in FAMILY_UNITS[family]:
+        if args[name] < 1:
+            raise ValueError(f"constructor argument {name} must be at least 1")
     if "need_sort" in args and type(args["need_sort"]) is not bool:
         raise ValueError(f"constructor argument need_sort must be true or false, not {args['need_sort']!r}")
     if "dtype" in args and args["dtype"] not in POOL_DTYPES:
         raise ValueError(f"constructor argument dtype must be a torch dtype name (torch.bfloat16, torch.int64, ...), "
                          f"not {str(args['dtype'])[:80]!r}")
+    if family == "vllm":
+        if type(args.get("enable_caching")) is not bool:
+            raise ValueError(f"constructor argument enable_caching must be true or false, not "
+                             f"{str(args.get('enable_caching'))[:40]!r}")
+        w = args.get("watermark")
+        if type(w) not in (int, float) or not 0 <= w <= 1:
+            raise ValueError(f"constructor argument watermark must be a number in 0..1, not {str(w)[:40]!r}")
+        if args.get("attention") not in VLLM_ATTENTION:
+            raise ValueError(f"constructor argument attention must be one of {', '.join(VLLM_ATTENTION)}, not "
+                             f"{str(args.get('attention'))[:40]!r}")
 
 
 @dataclass(slots=True)

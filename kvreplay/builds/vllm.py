@@ -1,0 +1,325 @@
+"""vLLM's KV-cache manager as a pool family: the wire its calls are recorded in, and
+the installed vLLM's manager as a build.
+
+vLLM's scheduler hands its ``KVCacheManager`` Request objects and gets
+``KVCacheBlocks`` back; neither fits a trace row. A ``ManagerWire`` stands between
+them. Each manager call becomes a call of the same name on the wire (``free`` is
+``free_request``) whose arguments are plain values: the request as its id, the counts
+the manager reads of it and the block hashes the wire has not sent for it before;
+blocks as ids, per KV-cache group. Its result is block ids. The BlockPool calls the
+manager makes (get_new_blocks, free_blocks, touch) go through a ``BlockWire`` the
+same way, so a recording shows them as nested rows.
+
+Recording attaches a wire to a live manager (``attach``): the manager's methods are
+replaced on the instance by shims that call the wire, which the recorder has patched,
+and the wire calls the original with the caller's own objects. A replay builds a
+fresh manager behind a wire (``InstalledManager``) and rebuilds each request from
+what the rows carry. The builtin family (``pools/block_pool.py``) speaks the same wire
+with no vLLM at all. Everything here imports vLLM lazily."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvreplay.errors import BuildUnloadable
+from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES
+from kvreplay.pools.block_wire import EMPTY, HASH_ARGS, REQUEST_ARGS, RequestBook, groups_in, groups_out, hashes_out
+
+MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
+CLASSES: dict[str, tuple[str, ...]] = {"vllm": (MANAGER_CLASS,)}
+
+# -- the wire -------------------------------------------------------------------------------
+class BlockWire:
+    """The block pool's state-changing calls in wire form (blocks by id)."""
+
+    def __init__(self, owner: ManagerWire) -> None:
+        self._owner = owner
+        # (method, block ids) of each call in order while a replay listens: the blocks
+        # get_new_blocks handed out, or those a free or touch named
+        self.log: list[tuple[str, Any]] | None = None
+
+    def get_new_blocks(self, num_blocks: int) -> tuple[int, ...]:
+        out = self._owner._pass("get_new_blocks", num_blocks)
+        return tuple(b.block_id for b in out)
+
+    def free_blocks(self, block_ids: tuple[int, ...]) -> None:
+        self._owner._pass("free_blocks", block_ids)
+
+    def touch(self, block_ids: tuple[int, ...]) -> None:
+        self._owner._pass("touch", block_ids)
+
+
+class ManagerWire:
+    """A KVCacheManager (and its BlockPool) spoken to in wire form.
+
+    ``manager`` is vLLM's (or anything with its methods and a ``block_pool``). With
+    ``live`` the wire serves a running engine: the caller's objects reach the
+    original methods; otherwise requests are stand-ins rebuilt from the arguments."""
+
+    engine = "vllm"
+
+    def __init__(self, manager: Any, ctor_args: dict[str, Any], *, live: bool = False,
+                 status: Callable[[str], Any] = str) -> None:
+        self.manager = manager
+        self.pool = manager.block_pool
+        self.ctor_args = ctor_args
+        self.recorded_class = f"{type(manager).__module__}:{type(manager).__qualname__}"
+        self.live = live
+        self.wire_blocks = BlockWire(self)
+        self._sent: dict[str, int] = {}  # live: block hashes already on the wire, per request
+        self._book = RequestBook(status)  # replay: requests by id
+        self._real: Any = None  # live: the call in progress (original, bound arguments)
+        self._block_real: dict[str, Callable[..., Any]] = {}
+        self._block_args: Any = None
+        self._originals = {name: getattr(manager, VLLM_MANAGER_NAMES.get(name, name)) for name in VLLM_MANAGER_METHODS
+                           if callable(getattr(manager, VLLM_MANAGER_NAMES.get(name, name), None))}
+        # Methods handed a Request (the others take plain values, a request id among them).
+        self._takes_request = {name for name, fn in self._originals.items()
+                               if "request" in inspect.signature(fn).parameters}
+        for name in VLLM_BLOCK_METHODS:
+            original = getattr(self.pool, name)
+            self._block_real[name] = original
+            setattr(self.pool, name, self._block_shim(name, original))
+        for name in VLLM_MANAGER_METHODS:
+            setattr(self, name, self._wire_method(name))
+
+    # the counter a trace row carries: free blocks
+    def available_size(self) -> int:
+        return int(self.pool.get_num_free_blocks())
+
+    # -- what the checker reads -----------------------------------------------------------
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The request's block table, every KV-cache group's, as the manager keeps it."""
+        managers = self.manager.coordinator.single_type_managers
+        return [b.block_id for m in managers for b in m.req_to_blocks.get(request_id, ())]
+
+    def cached_blocks(self) -> Iterable[tuple[Any, list[int]]]:
+        """(hash key, block ids) of every entry in the prefix cache."""
+        for key, v in self.pool.cached_block_hash_to_block._cache.items():
+            yield key, ([v.block_id] if hasattr(v, "block_id") else list(v))
+
+    # -- block pool ---------------------------------------------------------------------
+    def _block_shim(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        wire = self.wire_blocks
+
+        def shim(arg: Any) -> Any:
+            if name == "get_new_blocks":
+                self._block_args = None
+                return self._logged(name, getattr(wire, name)(int(arg)))
+            blocks = list(arg) if not isinstance(arg, list) else arg
+            self._block_args = blocks
+            ids = tuple(b.block_id for b in blocks)
+            getattr(wire, name)(ids)
+            if wire.log is not None:  # a free or touch shows as the blocks it named
+                wire.log.append((name, ids))
+            return None
+
+        shim.__wrapped__ = original  # type: ignore[attr-defined]
+        return shim
+
+    def _logged(self, name: str, result: Any) -> Any:
+        out = self._block_result
+        if self.wire_blocks.log is not None:
+            self.wire_blocks.log.append((name, tuple(b.block_id for b in out)))
+        return out
+
+    def _pass(self, name: str, arg: Any) -> Any:
+        """A BlockWire call reaching the real block pool."""
+        original = self._block_real[name]
+        if name == "get_new_blocks":
+            self._block_result = original(arg)
+            return self._block_result
+        blocks = self._block_args
+        if blocks is None or tuple(b.block_id for b in blocks) != tuple(arg):
+            blocks = [self.pool.blocks[i] for i in arg]  # a replayed top-level block call
+        self._block_args = None
+        original(blocks)
+        return None
+
+    # -- manager ------------------------------------------------------------------------
+    def _wire_method(self, name: str) -> Callable[..., Any]:
+        def method(**wire: Any) -> Any:
+            return self._call(name, wire)
+
+        method.__name__ = name
+        return method
+
+    def _call(self, name: str, wire: dict[str, Any]) -> Any:
+        original = self._originals.get(name)
+        if original is None:
+            raise AttributeError(f"this manager has no {VLLM_MANAGER_NAMES.get(name, name)}")
+        if self._real is not None:
+            fn, bound = self._real
+            self._real = None
+            result = fn(*bound.args, **bound.kwargs)
+            self._live_result = result
+        else:
+            result = original(**self._arguments(name, wire))
+        if name == "free_request":
+            self._sent.pop(wire.get("request_id"), None)
+            self._book.forget(wire.get("request_id"))
+        return result_out(name, result, self.manager)
+
+    def _arguments(self, name: str, wire: dict[str, Any]) -> dict[str, Any]:
+        """The real call's arguments from a replayed row's."""
+        if name in self._takes_request:
+            args = {k: v for k, v in wire.items() if k not in REQUEST_ARGS and k not in HASH_ARGS}
+            args["request"] = self._book.request(wire)
+        else:
+            args = dict(wire)
+        if args.get("new_computed_blocks") is not None:
+            args["new_computed_blocks"] = self._blocks(args["new_computed_blocks"])
+        if "block_ids" in args:
+            args["block_ids"] = set(args["block_ids"])
+        if "skip_zeroing_group_ids" in args:
+            args["skip_zeroing_group_ids"] = tuple(args["skip_zeroing_group_ids"])
+        return args
+
+    def _blocks(self, wire: Sequence[int]) -> Any:
+        groups = groups_in(wire)
+        if groups is None:
+            return self.manager.empty_kv_cache_blocks
+        return self.make_blocks([[self.pool.blocks[i] for i in g] for g in groups])
+
+    def make_blocks(self, groups: list[list[Any]]) -> Any:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        return KVCacheBlocks(tuple(groups))
+
+    # -- live ---------------------------------------------------------------------------
+    def shim(self, name: str) -> Callable[..., Any]:
+        """What replaces the manager's own method: the wire call, recorded, with the
+        caller's objects passed through."""
+        original = self._originals[name]
+        sig = inspect.signature(original)
+        wire_call = getattr  # looked up per call: the recorder patches the wire after this
+
+        def live(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            wire = self._wire_args(bound.arguments)
+            self._real = (original, bound)
+            self._live_result = None
+            try:
+                wire_call(self, name)(**wire)
+            finally:
+                self._real = None
+            return self._live_result
+
+        live.__wrapped__ = original  # type: ignore[attr-defined]
+        return live
+
+    def _wire_args(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in arguments.items():
+            if key == "request":
+                out.update(self._request_out(value))
+            elif key == "new_computed_blocks":
+                out[key] = None if value is None else blocks_out(value, self.manager)
+            elif key == "block_ids":
+                out[key] = tuple(sorted(value))
+            elif isinstance(value, (tuple, list)) and all(type(x) is int for x in value):
+                out[key] = tuple(value)
+            else:
+                out[key] = value
+        return out
+
+    def _request_out(self, req: Any) -> dict[str, Any]:
+        out = {key: getattr(req, attr, None) for key, attr in REQUEST_ARGS.items()}
+        status = out["request_status"]
+        out["request_status"] = getattr(status, "name", None if status is None else str(status))
+        rid = req.request_id
+        sent = self._sent.get(rid, 0)
+        hashes = list(getattr(req, "block_hashes", ()) or ())
+        if len(hashes) < sent:  # the request's hashes were rebuilt: send them all again
+            sent = 0
+        t, n = hashes_out(hashes[sent:])
+        out.update(request_hashes=t, request_hashes_from=sent, request_hash_len=n)
+        self._sent[rid] = len(hashes)
+        return out
+
+
+def blocks_out(blocks: Any, manager: Any) -> tuple[int, ...]:
+    """KVCacheBlocks (or per-group lists) in wire form."""
+    if blocks is getattr(manager, "empty_kv_cache_blocks", None):
+        return EMPTY
+    return groups_out(getattr(blocks, "blocks", blocks))
+
+
+def result_out(name: str, result: Any, manager: Any) -> Any:
+    """A manager call's result in wire form."""
+    if name == "get_computed_blocks":
+        blocks, hit, boundary = result
+        return (int(hit), int(boundary), *blocks_out(blocks, manager))
+    if name == "allocate_slots":
+        return None if result is None else blocks_out(result, manager)
+    if name == "pop_blocks_for_free":
+        return tuple(b.block_id for b in result)
+    if isinstance(result, bool) or result is None:
+        return result
+    return None
+
+
+def attach(manager: Any) -> ManagerWire:
+    """Put a wire in front of a live vLLM manager; the recorder records the wire."""
+    wire = ManagerWire(manager, ctor_args_of(manager), live=True)
+    for name in wire._originals:
+        setattr(manager, VLLM_MANAGER_NAMES.get(name, name), wire.shim(name))
+    return wire
+
+
+def is_manager(obj: Any) -> bool:
+    cls = type(obj)
+    return f"{cls.__module__}:{cls.__qualname__}" == MANAGER_CLASS
+
+
+def ctor_args_of(manager: Any) -> dict[str, Any]:
+    """A live manager's constructor arguments, as the family records them."""
+    config = manager.kv_cache_config
+    specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+    kinds = {type(s).__name__ for s in specs}
+    coordinator = manager.coordinator
+    return {
+        "num_blocks": int(manager.block_pool.num_gpu_blocks),
+        "block_size": int(specs[0].block_size) if specs else 0,
+        "hash_block_size": int(manager.block_pool.hash_block_size),
+        "max_model_len": int(manager.max_model_len),
+        # only sliding-window and chunked-local admission read it; full attention does not keep it
+        "max_in_flight_tokens": int(getattr(coordinator, "max_in_flight_tokens", 0) or manager.max_model_len),
+        "enable_caching": bool(manager.enable_caching),
+        # the manager keeps int(watermark * num_blocks); half a block more gives that back exactly
+        "watermark": (manager.watermark_blocks + 0.5) / config.num_blocks if manager.watermark_blocks else 0.0,
+        "attention": "full" if kinds == {"FullAttentionSpec"} else ",".join(sorted(kinds)),
+    }
+
+
+class InstalledManager(ManagerWire):
+    """``--build vllm``: the installed vLLM's manager, built from a trace's arguments
+    with one full-attention KV-cache group and no KV tensors (replay needs none)."""
+
+    def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
+                 max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
+        try:
+            import torch
+            from vllm.v1.core.kv_cache_manager import KVCacheManager
+            from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+            from vllm.v1.request import RequestStatus
+        except Exception as exc:  # any import-time failure: this vLLM cannot be a build
+            raise BuildUnloadable(f"vLLM's KV-cache manager could not be imported: {type(exc).__name__}: "
+                                  f"{exc}") from None
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        manager = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
+                                 hash_block_size=hash_block_size, max_in_flight_tokens=max_in_flight_tokens,
+                                 enable_caching=enable_caching, watermark=watermark)
+        args = dict(num_blocks=num_blocks, block_size=block_size, hash_block_size=hash_block_size,
+                    max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
+                    enable_caching=enable_caching, watermark=watermark, attention=attention)
+        super().__init__(manager, args, status=lambda name: RequestStatus[name] if name else None)
+
+
+def blocks_of(ids: Iterable[int], pool: Any) -> list[Any]:
+    return [pool.blocks[i] for i in ids]

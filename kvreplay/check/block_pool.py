@@ -1,0 +1,146 @@
+"""Invariants of a block pool (vLLM's KV-cache manager family), checked at the call
+that breaks them.
+
+A block pool hands out blocks by reference count: a block is free (in the free queue,
+an eviction candidate if it carries a hash) exactly when no request holds it. The
+checker reads the pool and the manager's block tables through the wire
+(``state_view``) and keeps its own count of owners per block, so a block listed twice
+in one free, or freed while a request still lists it, is caught at that call.
+
+Per call it looks at the blocks the call named (its nested block-pool calls) and the
+block table of the request it served; the whole pool (free-queue links, every cached
+hash) every ``full_check_every`` calls and at the end."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from kvreplay.check.rules import RULES, Violation, ViolationLog
+
+
+class BlockPoolChecker:
+    def __init__(self, wire: Any, *, full_check_every: int = 1000, keep: int = 20) -> None:
+        self.wire = wire
+        self.pool = wire.pool
+        self.full_check_every = full_check_every
+        self.log = ViolationLog(keep=keep)
+        self.owners: Counter[int] = Counter()  # block id -> block tables (and pending frees) that list it
+        self.tables: dict[str, list[int]] = {}  # request id -> its block table, as last seen
+        self.popped: Counter[int] = Counter()  # blocks popped for a free that has not happened yet
+        self.calls = 0
+        self.in_group = False  # the recorder's checkpoints ask; a block pool has no free groups
+
+    # -- reporting --------------------------------------------------------------------------
+    def _flag(self, call: int, method: str, rule_id: str, blocks: list[int], message: str) -> None:
+        rule = RULES[rule_id]  # a rule not in the table is a bug here: KeyError
+        self.log.add(Violation(call, method, rule.invariant, rule.rule, "blocks", sorted(blocks)[:64], message, call))
+
+    # -- per call -------------------------------------------------------------------------------
+    def after(self, call: int, method: str, args: dict[str, Any], result: Any,
+              nested: list[tuple[str, Any]]) -> None:
+        """Check what call ``call`` did: ``nested`` are its block-pool calls in order,
+        each (method, the block ids it handed out or named)."""
+        self.calls += 1
+        named: set[int] = set()
+        for m, ids in nested:
+            ids = list(ids or ())
+            named.update(ids)
+            if m == "get_new_blocks":
+                held = [b for b in ids if self.owners[b] > 0]
+                if held:
+                    self._flag(call, method, "block-pool/handout-while-held", held,
+                               f"get_new_blocks handed out block(s) a request still holds: {held[:8]}")
+        rid = args.get("request_id")
+        if method == "pop_blocks_for_free" and result:
+            self.popped.update(result)
+            self.owners.update(result)
+        if method == "free_blocks" and args.get("block_ids"):  # a free the scheduler made itself
+            for b in args["block_ids"]:
+                if self.popped[b] > 0:
+                    self.popped[b] -= 1
+                    self.owners[b] -= 1
+        if isinstance(rid, str):
+            named.update(self._retable(rid))
+        for b in sorted(named):
+            self._check_block(call, method, b)
+        if self.full_check_every and self.calls % self.full_check_every == 0:
+            self.full_check(call, method)
+
+    def _retable(self, rid: str) -> set[int]:
+        """Take the request's block table from the manager; the blocks whose count changed."""
+        now = [b for b in self.wire.held_blocks(rid) if b != self._null_id()]
+        before = self.tables.get(rid, [])
+        if now == before:
+            return set()
+        self.owners.subtract(before)
+        self.owners.update(now)
+        if now:
+            self.tables[rid] = now
+        else:
+            self.tables.pop(rid, None)
+        return set(before) | set(now)
+
+    def _null_id(self) -> int:
+        null = getattr(self.pool, "null_block", None)
+        return null.block_id if null is not None else -1
+
+    def _check_block(self, call: int, method: str, b: int) -> None:
+        if b == self._null_id() or not 0 <= b < len(self.pool.blocks):
+            return
+        block = self.pool.blocks[b]
+        ref = block.ref_cnt
+        owners = self.owners[b]
+        if ref < 0:
+            self._flag(call, method, "block-pool/negative-ref-count", [b],
+                       f"block {b} has reference count {ref}")
+        elif ref != owners:
+            self._flag(call, method, "block-pool/ref-count-not-owners", [b],
+                       f"block {b} has reference count {ref}, but {owners} block table(s) list it")
+        queued = block.prev_free_block is not None or block.next_free_block is not None
+        if (ref == 0) != queued and ref >= 0:
+            self._flag(call, method, "block-pool/free-queue-mismatch", [b],
+                       f"block {b} has reference count {ref} and is {'' if queued else 'not '}in the free queue")
+
+    # -- the whole pool ---------------------------------------------------------------------------
+    def full_check(self, call: int, method: str) -> None:
+        q = self.pool.free_block_queue
+        seen: set[int] = set()
+        node = q.fake_free_list_head.next_free_block
+        steps = 0
+        limit = len(self.pool.blocks) + 1
+        while node is not None and node is not q.fake_free_list_tail and steps < limit:
+            if node.block_id in seen:
+                self._flag(call, method, "block-pool/free-queue-links", [node.block_id],
+                           f"block {node.block_id} is in the free queue twice")
+                break
+            seen.add(node.block_id)
+            if node.next_free_block is not None and node.next_free_block.prev_free_block is not node:
+                self._flag(call, method, "block-pool/free-queue-links", [node.block_id],
+                           f"the free queue's links around block {node.block_id} do not agree")
+                break
+            node = node.next_free_block
+            steps += 1
+        if len(seen) != q.num_free_blocks:
+            self._flag(call, method, "block-pool/free-queue-links", sorted(seen)[:8],
+                       f"the free queue links {len(seen)} blocks but counts {q.num_free_blocks}")
+        null = self._null_id()
+        if null in seen:
+            self._flag(call, method, "block-pool/null-block-free", [null], "the null block is in the free queue")
+        for b in range(len(self.pool.blocks)):
+            if b != null:
+                self._check_block(call, method, b)
+        for key, blocks in self.wire.cached_blocks():
+            for b in blocks:
+                if self.pool.blocks[b].block_hash != key:
+                    self._flag(call, method, "block-pool/stale-cached-hash", [b],
+                               f"a cached hash maps to block {b}, which carries another hash")
+
+    def finish(self, call: int) -> dict[str, int]:
+        """At the end: the whole pool, and with no request left, no block held."""
+        self.full_check(call, "end")
+        held = [b for b, blk in enumerate(self.pool.blocks) if b != self._null_id() and blk.ref_cnt > 0]
+        if held and not self.tables and not +self.popped:
+            self._flag(call, "end", "quiescence/held-block", held,
+                       f"{len(held)} block(s) are still referenced with no request holding them")
+        return {"blocks": len(held)} if held else {}

@@ -1,0 +1,169 @@
+"""Replay a trace of vLLM's KV-cache manager (the ``vllm`` family) against a build.
+
+The build is a wire (builds/vllm.py): the installed vLLM's manager, or kvreplay's own
+(pools/block_pool.py). Each recorded top-level row is issued on it as recorded (a
+manager call, or a block-pool call the scheduler made itself); strict mode compares
+the result, the free-block count after the call and the block-pool calls made inside
+it with the recording; the checker (check/block_pool.py) looks at the blocks each call
+named. The report is the one every replay makes (replay/report.py), so the store,
+reports and exit codes treat both families alike."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvreplay.builds.resolve import load_build, resolve_device
+from kvreplay.builds.spec import BuildSpec
+from kvreplay.check.block_pool import BlockPoolChecker
+from kvreplay.errors import BadInput, one_of
+from kvreplay.pool_api import VLLM_BLOCK_METHODS
+from kvreplay.replay.compare import json_value, same
+from kvreplay.replay.divergence import Divergence
+from kvreplay.replay.replayer import compose_report, few_collections
+from kvreplay.replay.report import MODES, ReplayReport
+from kvreplay.replay.timeline import Timeline
+from kvreplay.trace.format import GAP_TARGET, Opaque, TopCall
+from kvreplay.trace.reader import TraceReader
+
+
+class BlockReplayer:
+    """One replay of one block-pool trace against one build; ``run`` drives it."""
+
+    def __init__(self, trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
+                 full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
+                 keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
+                 checked: bool = False, **_: Any) -> None:
+        self.mode = one_of("mode", mode, MODES)
+        if self.mode != "strict":
+            raise BadInput("vLLM traces replay in strict mode only (remap is not built for block ids yet)")
+        self.reader = reader or TraceReader(trace)
+        if not checked:
+            self.reader.check_calls()
+        self.meta = self.reader.meta
+        if self.reader.gaps():
+            raise BadInput(f"{self.reader.path.name} has gaps where the recorder lost calls; a vLLM trace "
+                           "replays only whole")
+        self.build_spec = str(build)
+        self.device = resolve_device(device)
+        self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
+        self.checker = BlockPoolChecker(self.pool, full_check_every=full_check_every, keep=keep) if check else None
+        self.stop_at_first = stop_at_first
+        self.keep = keep
+        self.divergences: list[Divergence] = []
+        self.div_counts: Counter[str] = Counter()
+        self.calls = 0
+        self.unsupported: str | None = None
+        self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_rows)
+        if self.checker is not None:
+            tl = self.timeline
+            self.checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
+
+    def _diverge(self, call: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
+        self.div_counts[kind] += 1
+        self.timeline.mark("divergence", kind, call)
+        if self.div_counts[kind] <= self.keep:
+            self.divergences.append(Divergence(call, method, kind, json_value(expected), json_value(actual), message))
+
+    def _method(self, tc: TopCall) -> Callable[..., Any] | None:
+        c = tc.call
+        owner = self.pool.wire_blocks if c.target == "blocks" else self.pool
+        if c.target == "blocks" and c.method not in VLLM_BLOCK_METHODS:
+            return None
+        return getattr(owner, c.method, None)
+
+    def step(self, tc: TopCall) -> None:
+        c, n = tc.call, tc.number
+        self.calls += 1
+        fn = self._method(tc)
+        opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)]
+        if fn is None or opaque:
+            why = (f"build {self.build_spec} has no method {c.method}" if fn is None else
+                   f"argument(s) {', '.join(opaque)} of {c.method} were not recorded losslessly")
+            self._diverge(n, c.method, "unsupported", c.method, None, why)
+            if c.method != "available_size" and self.unsupported is None:
+                self.unsupported = f"{why} (call #{n})"
+            return
+        log: list[tuple[str, Any]] = []
+        self.pool.wire_blocks.log = log
+        raised: BaseException | None = None
+        result: Any = None
+        try:
+            result = fn(**c.args)
+        except Exception as exc:  # the build's answer: compared with the recording's
+            raised = exc
+        finally:
+            self.pool.wire_blocks.log = None
+        avail = self.pool.available_size()
+        if c.counters.get("available") is not None:
+            self.timeline.see(n, {"blocks": avail})
+        self._compare(tc, result, raised, avail, log)
+        if self.checker is not None and raised is None:
+            if c.target == "blocks":  # the scheduler's own block-pool call
+                log = [(c.method, result if c.method == "get_new_blocks" else c.args.get("block_ids"))]
+            self.checker.after(n, c.method, c.args, result, log)
+
+    def _compare(self, tc: TopCall, result: Any, raised: BaseException | None, avail: int,
+                 log: list[tuple[str, Any]]) -> None:
+        c, n = tc.call, tc.number
+        got_exc = type(raised).__name__ if raised is not None else None
+        if got_exc != c.exc_type:
+            self._diverge(n, c.method, "exception", c.exc_type, got_exc,
+                          f"recorded {c.exc_type or 'a return'}, build gave {got_exc or 'a return'}"
+                          + (f": {raised}" if raised is not None else ""))
+            return
+        if raised is not None:
+            return
+        if not same(_plain(c.result), _plain(result)):
+            self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
+            return
+        want = c.counters.get("available")
+        if want is not None and want != avail:
+            self._diverge(n, c.method, "counter", [want], [avail], "free blocks after the call differ")
+        if c.target == "blocks":
+            return
+        rec = [(x.method, _plain(x.result if x.method == "get_new_blocks" else x.args.get("block_ids")))
+               for x in tc.nested]
+        got = [(m, _plain(r)) for m, r in log]
+        if rec != got:
+            first = next((i for i, (a, b) in enumerate(zip(rec, got, strict=False)) if a != b), min(len(rec), len(got)))
+            self._diverge(n, c.method, "nested", [f"blocks.{m} -> {r}" for m, r in rec[first:first + 3]],
+                          [f"blocks.{m} -> {r}" for m, r in got[first:first + 3]],
+                          "the build's block-pool calls differ from the recording")
+
+    def found_something(self) -> bool:
+        return bool(self.divergences) or bool(self.checker and self.checker.log.total)
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> ReplayReport:
+        t0, c0 = time.perf_counter(), time.process_time()
+        total, rows, last, stopped = self.reader.num_rows, 0, 0, False
+        with few_collections():
+            for tc in self.reader.top_calls(device="cpu", nested_args=True):
+                rows += 1 + len(tc.nested)
+                if tc.call.target == GAP_TARGET:
+                    continue
+                self.step(tc)
+                last = tc.number
+                if progress is not None and self.calls % 512 == 0:
+                    progress(rows, total)
+                if self.unsupported is not None or (self.stop_at_first and self.found_something()):
+                    stopped = True
+                    break
+            held = self.checker.finish(last) if self.checker and not stopped else {}
+        if progress is not None:
+            progress(total, total)
+        report = compose_report(
+            trace=self.reader.source, build=self.build_spec, mode=self.mode, device=self.device,
+            calls=self.calls, wall=time.perf_counter() - t0, log=self.checker.log if self.checker else None,
+            divergences=self.divergences, div_counts=dict(self.div_counts), capacity_call=None, held=held,
+            stopped=stopped, translated={}, unsupported=self.unsupported, timeline=self.timeline.to_dict())
+        report.cpu_s = time.process_time() - c0
+        return report
+
+
+def _plain(v: Any) -> Any:
+    """Block ids compare as tuples whichever sequence carried them."""
+    return tuple(v) if isinstance(v, list) else v
