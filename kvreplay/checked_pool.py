@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvreplay.builds.resolve import load_build
+from kvreplay.check.block_pool import BlockPoolChecker
 from kvreplay.check.checked_call import checked_call, method_of
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
@@ -48,7 +49,7 @@ class CheckedPool:
         if method in COUNTER_METHODS:
             return fn(**args)
         result, raised, _ = checked_call(self.view, self.checker, self.calls, method, args, fn)
-        self._assert_clean()
+        _assert_clean(self)
         if raised is not None:  # checked first, then re-raised: the state it left may be the finding
             raise raised
         return result
@@ -56,15 +57,61 @@ class CheckedPool:
     def finish(self) -> dict[str, int]:
         """The end-of-trace checks; returns what is still held per sub-pool."""
         held = self.checker.finish(self.calls)
-        self._assert_clean()
+        _assert_clean(self)
         return held
 
-    def _assert_clean(self) -> None:
-        kept = self.checker.log.kept
-        new, self._reported = kept[self._reported:], len(kept)
-        for v in new:
-            if self.invariant is None or self.invariant in (v.invariant, f"{v.invariant}/{v.rule}"):
-                raise AssertionError(f"{self.build}: {describe_violation(v, long=True)}")
+
+class CheckedManager:
+    """The same for a vLLM-family build (a KV-cache manager on the family's wire):
+
+        m = CheckedManager("builtin:vllm", ctor={...})
+        m.allocate_slots(request_id="a", ..., num_new_tokens=64)
+        m.free_request(request_id="a")   # AssertionError here if the free breaks a rule
+        m.finish()
+
+    The whole pool is checked after every call."""
+
+    def __init__(self, build: str, *, ctor: dict[str, Any], invariant: str | None = None) -> None:
+        self.build = build
+        self.pool = load_build(build, "vllm", ctor, "cpu")
+        self.checker = BlockPoolChecker(self.pool, full_check_every=1, keep=1 << 30)
+        self.invariant = invariant
+        self.calls = 0
+        self._reported = 0
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda **args: self.call(method, **args)
+
+    def call(self, method: str, **args: Any) -> Any:
+        """One manager call (wire arguments, as a trace records them), checked."""
+        self.calls += 1
+        fn = getattr(self.pool, method, None)
+        if fn is None:
+            raise AttributeError(f"{self.build} has no method {method}")
+        log: list[tuple[str, Any]] = []
+        self.pool.wire_blocks.log = log
+        try:
+            result = fn(**args)
+        finally:
+            self.pool.wire_blocks.log = None
+        self.checker.after(self.calls, method, args, result, log)
+        _assert_clean(self)
+        return result
+
+    def finish(self) -> dict[str, int]:
+        held = self.checker.finish(self.calls)
+        _assert_clean(self)
+        return held
 
 
-__all__ = ["CheckedPool"]
+def _assert_clean(checked: Any) -> None:
+    kept = checked.checker.log.kept
+    new, checked._reported = kept[checked._reported:], len(kept)
+    for v in new:
+        if checked.invariant is None or checked.invariant in (v.invariant, f"{v.invariant}/{v.rule}"):
+            raise AssertionError(f"{checked.build}: {describe_violation(v, long=True)}")
+
+
+__all__ = ["CheckedManager", "CheckedPool"]

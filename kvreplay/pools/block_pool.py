@@ -188,6 +188,7 @@ class BlockManager:
     """vLLM's KV-cache manager for one full-attention group, on the family's wire."""
 
     engine = "kvreplay"
+    pool_class: type[BlockPool] = BlockPool  # a bug variant may break the pool
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
@@ -198,7 +199,7 @@ class BlockManager:
         self.ctor_args = dict(num_blocks=num_blocks, block_size=block_size, hash_block_size=hash_block_size,
                               max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
                               enable_caching=enable_caching, watermark=watermark, attention=attention)
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = self.pool_class(num_blocks, enable_caching)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching

@@ -1,0 +1,84 @@
+"""vLLM-family managers that each break one block-pool rule by one overridden method:
+the subjects of tests/test_block_rules.py, loaded as py:block_breakers:CLASS."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvreplay.pools.block_pool import Block, BlockManager, BlockPool
+
+
+class DoubleFreeManager(BlockManager):
+    def _free(self, **wire: Any) -> None:
+        ids = [b.block_id for b in reversed(self._pop(wire["request_id"]))]
+        self.wire_blocks.free_blocks(ids + ids[:1])  # the tail block listed twice
+
+
+class _DoubleTouchPool(BlockPool):
+    def touch(self, blocks: Sequence[Block]) -> None:
+        super().touch(blocks)
+        for b in blocks:
+            b.ref_cnt += 1  # a prefix hit counted twice
+
+
+class DoubleTouchManager(BlockManager):
+    pool_class = _DoubleTouchPool
+
+
+class _UnqueuedFreePool(BlockPool):
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        for b in ordered:
+            b.ref_cnt -= 1  # released, never queued
+
+
+class UnqueuedFreeManager(BlockManager):
+    pool_class = _UnqueuedFreePool
+
+
+class _StickyPool(BlockPool):
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        out = super().get_new_blocks(num_blocks)
+        held = next((b for b in self.blocks[1:] if b.ref_cnt > 1 or (b.ref_cnt == 1 and b not in out)), None)
+        return out if held is None else [held, *out[1:]]  # hands out a block someone holds
+
+
+class StickyManager(BlockManager):
+    pool_class = _StickyPool
+
+
+class _MiscountingPool(BlockPool):
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        super().free_blocks(ordered)
+        self.free_block_queue.num_free_blocks += 1  # the count runs ahead of the links
+
+
+class MiscountingManager(BlockManager):
+    pool_class = _MiscountingPool
+
+
+class NullFreeingManager(BlockManager):
+    def _free(self, **wire: Any) -> None:
+        super()._free(**wire)
+        self.pool.free_block_queue.append_n([self.pool.null_block])  # the placeholder becomes free
+
+
+class _ForgetfulPool(BlockPool):
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        out = self.free_block_queue.popleft_n(num_blocks) if num_blocks <= self.get_num_free_blocks() else []
+        if len(out) < num_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        for b in out:
+            b.block_hash = None  # reused, but the cache still maps its old hash to it
+            b.ref_cnt += 1
+        return out
+
+
+class ForgetfulManager(BlockManager):
+    pool_class = _ForgetfulPool
+
+
+class LeakyManager(BlockManager):
+    def _free(self, **wire: Any) -> None:
+        ids = [b.block_id for b in reversed(self._pop(wire["request_id"]))]
+        self.wire_blocks.free_blocks(ids[1:])  # the tail block is never released

@@ -1,0 +1,116 @@
+"""A test per block-pool rule (vLLM's family): the fewest manager calls that trip it on
+a manager breaking that rule by one method (tests/block_breakers.py), run through
+CheckedManager, which fails at the call that breaks it; the same calls are clean on
+builtin:vllm; and with the rule's check removed the case no longer trips."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvreplay.check.block_pool import BlockPoolChecker
+from kvreplay.checked_pool import CheckedManager
+from kvreplay.pools.block_wire import hashes_out
+
+CTOR = dict(num_blocks=8, block_size=4, hash_block_size=4, max_model_len=64, max_in_flight_tokens=64,
+            enable_caching=True, watermark=0.0, attention="full")
+
+
+def _request(rid: str, tokens: int, blocks: tuple[int, ...], computed: int = 0, hashes_from: int = 0) -> dict:
+    t, n = hashes_out([bytes([b]) * 32 for b in blocks[hashes_from:]])
+    return dict(request_id=rid, request_num_tokens=tokens, request_num_prompt_tokens=tokens,
+                request_num_computed_tokens=computed, request_num_in_flight_tokens=0, request_num_preemptions=0,
+                request_skip_reading_prefix_cache=False, request_shared_prefix_boundary=0,
+                request_status="WAITING", request_hashes=t, request_hashes_from=hashes_from, request_hash_len=n)
+
+
+def admit(m: CheckedManager, rid: str, tokens: int = 10, blocks: tuple[int, ...] = (1, 2)) -> None:
+    """A new request: its prefix lookup, then its prompt's slots (as vLLM's scheduler does)."""
+    hit = m.get_computed_blocks(**_request(rid, tokens, blocks))
+    m.allocate_slots(**_request(rid, tokens, blocks, hashes_from=len(blocks)), num_new_tokens=tokens - hit[0],
+                     num_new_computed_tokens=hit[0], new_computed_blocks=hit[2:])
+
+
+def one(m: CheckedManager) -> None:
+    admit(m, "a")
+
+
+def one_and_free(m: CheckedManager) -> None:
+    admit(m, "a")
+    m.free_request(request_id="a")
+
+
+def two(m: CheckedManager) -> None:
+    admit(m, "a")
+    admit(m, "b", blocks=(3, 4))
+
+
+def shared_prefix(m: CheckedManager) -> None:
+    admit(m, "a")
+    admit(m, "b")  # its first block is a's
+
+
+def then_finish(steps):
+    def run(m: CheckedManager) -> None:
+        steps(m)
+        m.finish()
+    return run
+
+
+B = "py:block_breakers:"
+# rule id -> (build, calls)
+CASES = {
+    "block-pool/negative-ref-count": (B + "DoubleFreeManager", one_and_free),
+    "block-pool/ref-count-not-owners": (B + "DoubleTouchManager", shared_prefix),
+    "block-pool/free-queue-mismatch": (B + "UnqueuedFreeManager", one_and_free),
+    "block-pool/handout-while-held": (B + "StickyManager", two),
+    "block-pool/free-queue-links": (B + "MiscountingManager", one_and_free),
+    "block-pool/null-block-free": (B + "NullFreeingManager", one_and_free),
+    "block-pool/stale-cached-hash": (B + "ForgetfulManager", then_finish(lambda m: (one_and_free(m), admit(
+        m, "b", blocks=(5, 6)), admit(m, "c", blocks=(7, 8))))),
+    "quiescence/held-block": (B + "LeakyManager", then_finish(one_and_free)),
+}
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_the_rule_fires_at_the_call_that_breaks_it(rule_id):
+    build, calls = CASES[rule_id]
+    with pytest.raises(AssertionError) as err:
+        calls(CheckedManager(build, ctor=CTOR, invariant=rule_id))
+    assert re.search(rf"\b{re.escape(rule_id)}\b", str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_the_correct_manager_does_not_fire_it(rule_id):
+    _build, calls = CASES[rule_id]
+    m = CheckedManager("builtin:vllm", ctor=CTOR)
+    calls(m)
+    m.finish()
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_without_the_rules_check_its_case_fails(rule_id, monkeypatch):
+    flag = BlockPoolChecker._flag
+
+    def without(self, call, method, rid, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if rid != rule_id:
+            flag(self, call, method, rid, *args, **kwargs)
+
+    monkeypatch.setattr(BlockPoolChecker, "_flag", without)
+    build, calls = CASES[rule_id]
+    calls(CheckedManager(build, ctor=CTOR, invariant=rule_id))
+
+
+def test_a_prefix_hit_shares_blocks_and_the_hit_is_whole_blocks_short_of_the_last_token():
+    m = CheckedManager("builtin:vllm", ctor=CTOR)
+    admit(m, "a", tokens=9, blocks=(1, 2))
+    hit = m.get_computed_blocks(**_request("b", 9, (1, 2)))
+    a = m.pool.held_blocks("a")
+    assert hit[:2] == (8, 0) and hit[2:] == (1, 2, *a[:2])  # a's two full blocks, in one group
+    m.allocate_slots(**_request("b", 9, (1, 2), hashes_from=2), num_new_tokens=1, num_new_computed_tokens=8,
+                     new_computed_blocks=hit[2:])
+    assert [m.pool.pool.blocks[i].ref_cnt for i in a] == [2, 2, 1]
+    m.free_request(request_id="a")
+    m.free_request(request_id="b")
+    assert m.finish() == {}
