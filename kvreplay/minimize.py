@@ -29,7 +29,7 @@ import torch
 
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
-from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, method_kind
+from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, SLOT_FAMILIES, method_kind
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
 from kvreplay.replay.replayer import Replayer, start_point
@@ -168,6 +168,9 @@ class Subject:
         self.reader = TraceReader(trace)
         self.reader.check_calls()  # once, not per candidate: candidates replay with checked=True
         self.meta = self.reader.meta
+        if self.meta.family not in SLOT_FAMILIES:
+            raise BadInput(f"{self.reader.path.name} is a {self.meta.family} trace: minimize shrinks traces of "
+                           f"token slots ({', '.join(SLOT_FAMILIES)}) only, so far")
         self.start = start_point(self.reader, after_gap=False)
         self.calls: list[TopCall] = []  # decoded up to the failure by first_failure
         self.deps: Dependencies | None = None

@@ -78,6 +78,8 @@ def method_kind(method: str) -> str:
 # (name in traces and reports, attribute on the SWA allocator)
 SUB_POOLS: tuple[tuple[str, str], ...] = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"),
                                           ("blocks", "wire_blocks"))
+# The counter column that holds each sub-pool's available count.
+SUB_POOL_COUNTER = {"full": "full_available", "swa": "swa_available", "pool": "available", "blocks": "available"}
 # Counter columns of a trace, and the reads that fill them, in the same order.
 COUNTERS = ("available", "full_available", "swa_available")
 COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
@@ -106,6 +108,9 @@ FAMILY_SIZES: dict[str, tuple[str, ...]] = {
 FAMILY_UNITS: dict[str, tuple[str, ...]] = {
     "token": (), "paged": ("page_size",), "swa": ("page_size",), "vllm": ("block_size", "hash_block_size"),
 }
+# The families whose calls name token slots (sglang's allocator API); the commands that
+# reason about slots (minimize, remap) take these only.
+SLOT_FAMILIES = ("token", "paged", "swa")
 # The attention kinds a vLLM manager is replayed with (its one KV-cache group's spec).
 VLLM_ATTENTION = ("full",)
 

@@ -23,7 +23,7 @@ from kvreplay.errors import BadInput, one_of
 from kvreplay.pool_api import VLLM_BLOCK_METHODS
 from kvreplay.replay.compare import json_value, same
 from kvreplay.replay.divergence import Divergence
-from kvreplay.replay.replayer import compose_report, few_collections
+from kvreplay.replay.replayer import UNSUPPORTED, compose_report, few_collections
 from kvreplay.replay.report import MODES, ReplayReport
 from kvreplay.replay.timeline import Timeline
 from kvreplay.trace.format import GAP_TARGET, Opaque, TopCall
@@ -75,7 +75,8 @@ class BlockReplayer:
             return None
         return getattr(owner, c.method, None)
 
-    def step(self, tc: TopCall) -> None:
+    def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
+        """Issue one recorded call; returns what the build returned or raised."""
         c, n = tc.call, tc.number
         self.calls += 1
         fn = self._method(tc)
@@ -86,7 +87,7 @@ class BlockReplayer:
             self._diverge(n, c.method, "unsupported", c.method, None, why)
             if c.method != "available_size" and self.unsupported is None:
                 self.unsupported = f"{why} (call #{n})"
-            return
+            return None, UNSUPPORTED
         log: list[tuple[str, Any]] = []
         self.pool.wire_blocks.log = log
         raised: BaseException | None = None
@@ -105,6 +106,7 @@ class BlockReplayer:
             if c.target == "blocks":  # the scheduler's own block-pool call
                 log = [(c.method, result if c.method == "get_new_blocks" else c.args.get("block_ids"))]
             self.checker.after(n, c.method, c.args, result, log)
+        return result, raised
 
     def _compare(self, tc: TopCall, result: Any, raised: BaseException | None, avail: int,
                  log: list[tuple[str, Any]]) -> None:

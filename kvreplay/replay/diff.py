@@ -12,7 +12,7 @@ from typing import Any
 
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND
 from kvreplay.replay.compare import json_value, outcome_difference
-from kvreplay.replay.replayer import Replayer
+from kvreplay.replay.dispatch import make_replayer
 from kvreplay.replay.timeline import MAX_MARKS
 
 
@@ -63,8 +63,8 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
     strict: results must be equal; remap: only None-ness, lengths and exceptions
     (each build's indices are translated from the recording separately).
     ``progress(rows done, rows in the trace)`` is called now and then."""
-    a = Replayer(trace, base, mode=mode, device=device, check=False)
-    b = Replayer(trace, candidate, mode=mode, device=device, check=False, reader=a.reader, checked=True)
+    a = make_replayer(trace, base, mode=mode, device=device, check=False)
+    b = make_replayer(trace, candidate, mode=mode, device=device, check=False, reader=a.reader, checked=True)
     recent: deque[CallSummary] = deque(maxlen=context)
     per_method: Counter[str] = Counter()
     first: CallSummary | None = None

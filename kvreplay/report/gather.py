@@ -12,14 +12,13 @@ import numpy as np
 import pyarrow.compute as pc
 
 from kvreplay.errors import KvreplayError
-from kvreplay.pool_api import COUNTER_METHODS, sub_pool_sizes
+from kvreplay.pool_api import COUNTER_METHODS, SUB_POOL_COUNTER, sub_pool_sizes
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET
 from kvreplay.trace.reader import TraceReader
 
 CONTEXT = 3  # calls shown on each side of a finding's call
 SHOWN_VALUES = 6  # values of an index tensor shown before eliding the rest
-_COUNTER = {"full": "full_available", "swa": "swa_available", "pool": "available"}
 
 
 class TraceGone(Exception):
@@ -43,7 +42,7 @@ def recorded_occupancy(reader: TraceReader, stride: int | None = None) -> dict[s
     recorded, inside free groups)."""
     sizes = sizes_of(reader)
     stride = stride or stride_for(reader.num_rows)
-    cols = ["depth", "target"] + [_COUNTER[s] for s in sizes]
+    cols = ["depth", "target"] + [SUB_POOL_COUNTER[s] for s in sizes]
     buckets: list[np.ndarray] = []
     used: dict[str, list[np.ndarray]] = {s: [] for s in sizes}
     calls = 0
