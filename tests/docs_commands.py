@@ -10,7 +10,9 @@ shell would expand it.
   the installed sglang, its releases or a sglang checkout; the corpus they name is
   staged small there (the whole corpus on 24 releases takes hours on CPU);
 - ``live`` (the live tier, tests/test_live_server.py): a real server, recorded and
-  driven; that page's command block runs as one script.
+  driven; that page's command block runs as one script;
+- ``vllm`` (the vLLM tier, tests/test_vllm_live.py): the vLLM page's commands, whose
+  block runs as one script against a real vLLM server.
 
 The README's tour runs in order in tests/test_front_door.py."""
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-TIERS = ("here", "sglang", "live")
+TIERS = ("here", "sglang", "live", "vllm")
 
 
 def blocks(text: str, langs: tuple[str, ...] = ("bash", "sh", "")) -> list[str]:
@@ -51,10 +53,13 @@ def commands(text: str) -> list[list[str]]:
 
 ALL_COMMANDS = [(page.name, c) for page in PAGES for c in commands(page.read_text())]
 DOCS_COMMANDS = [(page, words) for page, words in ALL_COMMANDS if page != "README.md"]
+VLLM_PAGE = "vllm.md"
 
 
-def tier(words: list[str]) -> str:
+def tier(words: list[str], page: str = "") -> str:
     """Which tier runs a written command (see the module's docstring)."""
+    if page == VLLM_PAGE:
+        return "vllm"
     if words[0] in ("record", "drive") or any("traces/live/" in w for w in words):
         return "live"
     if any("sglang" in w for w in words):

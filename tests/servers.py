@@ -164,3 +164,41 @@ def pids(where: str, *parts: bytes) -> list[int]:
             if all(p in text for p in parts):
                 out.append(int(d))
     return out
+
+
+def run_page_block(block: str, tmp: Path, work: Path, port_written: str, timeout: float) -> dict[str, tuple[int, str]]:
+    """A docs page's shell block run line by line in one shell, as a reader runs it, in
+    ``work`` (with the repository's scripts/ and workloads/ linked in): ``/tmp/`` becomes
+    ``tmp``, the written port a free one, a line ending in ``&`` runs in the background.
+    Returns each line's (exit status, the end of what it printed)."""
+    import signal
+
+    lines = [line.split("  #")[0].strip() for line in block.replace("\\\n", "").splitlines() if line.strip()]
+    for shared in ("scripts", "workloads"):
+        if not (work / shared).exists():
+            (work / shared).symlink_to(ROOT / shared)
+    port = str(free_port())
+    body = ["set -u"]
+    for i, line in enumerate(lines):
+        line = line.replace("/tmp/", f"{tmp}/").replace(port_written, port)
+        if line.endswith("&"):
+            body.append(f"{line[:-1]} > {tmp}/step{i}.out 2>&1 &")
+            body.append(f"echo 0 > {tmp}/step{i}.rc")
+        else:
+            body.append(f"{line} > {tmp}/step{i}.out 2>&1; echo \"$?\" > {tmp}/step{i}.rc")
+    (tmp / "block.sh").write_text("\n".join(body) + "\n")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "KVREPLAY_DB": str(tmp / "k.db")}
+    proc = subprocess.Popen(["bash", str(tmp / "block.sh")], cwd=work, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = {}
+    for i, line in enumerate(lines):
+        rc = tmp / f"step{i}.rc"
+        said = tmp / f"step{i}.out"
+        out[line] = (int(rc.read_text()) if rc.exists() else -1,
+                     said.read_text(errors="replace")[-1500:] if said.exists() else "")
+    return out

@@ -69,7 +69,7 @@ def stage(tmp_path_factory):
     return work, outside, home, env
 
 
-SGLANG_COMMANDS = [(page, words) for page, words in DOCS_COMMANDS if tier(words) == "sglang"]
+SGLANG_COMMANDS = [(page, words) for page, words in DOCS_COMMANDS if tier(words, page) == "sglang"]
 
 
 @pytest.mark.parametrize("page, words", SGLANG_COMMANDS, ids=[f"{p}:{' '.join(w)[:50]}" for p, w in SGLANG_COMMANDS])

@@ -133,10 +133,10 @@ def test_slow_tests_are_marked_in_one_place():
 def test_every_docs_command_has_a_tier_that_runs_it():
     for page, words in DOCS_COMMANDS:
         assert words[0] != "serve", f"{page}: kvreplay serve runs only in the README's tour test"
-        assert tier(words) in TIERS
-        if tier(words) == "live":  # the live tier runs that page's block as one script
+        assert tier(words, page) in TIERS
+        if tier(words, page) == "live":  # the live tier runs that page's block as one script
             assert page == "recording.md", (page, words)
-    assert {tier(w) for _, w in DOCS_COMMANDS} == set(TIERS)
+    assert {tier(w, p) for p, w in DOCS_COMMANDS} == set(TIERS)
 
 
 # A pool of the reader's, as bisect.md's --repo bisect names it: good at v1.4, broken on main.
@@ -182,7 +182,7 @@ def test_the_docs_commands_of_this_tier_run(tmp_path):
                        check=True, capture_output=True)
     ran = []
     for page, words in DOCS_COMMANDS:
-        if tier(words) != "here":
+        if tier(words, page) != "here":
             continue
         r = subprocess.run(["kvreplay", *staged(words, outside, home)], cwd=work, env=env, capture_output=True,
                            text=True, timeout=900)

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from servers import free_port, pids
+from servers import free_port, pids, run_page_block
 
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
@@ -187,37 +187,14 @@ def test_the_recording_page_block_runs_as_written(tmp_path):
 
     text = (ROOT / "docs" / "recording.md").read_text()
     (block,) = [b for b in blocks(text) if "kvreplay record --out traces/live" in b]
-    lines = [line.split("  #")[0].strip() for line in block.replace("\\\n", "").splitlines() if line.strip()]
     work = tmp_path / "work"
     work.mkdir()
-    for shared in ("scripts", "workloads"):
-        (work / shared).symlink_to(ROOT / shared)
     (work / "traces").mkdir()  # the reader's checkout has it; record makes only the directory it is given
-    port = str(free_port())
-    body = ["set -u"]
-    for i, line in enumerate(lines):
-        line = line.replace("/tmp/", f"{tmp_path}/").replace("30000", port)
-        if line.endswith("&"):
-            body.append(f"{line[:-1]} > {tmp_path}/step{i}.out 2>&1 &")
-            body.append(f"echo 0 > {tmp_path}/step{i}.rc")
-        else:
-            body.append(f"{line} > {tmp_path}/step{i}.out 2>&1; echo \"$?\" > {tmp_path}/step{i}.rc")
-    (tmp_path / "block.sh").write_text("\n".join(body) + "\n")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "KVREPLAY_DB": str(tmp_path / "k.db")}
-    proc = subprocess.Popen(["bash", str(tmp_path / "block.sh")], cwd=work, env=env, start_new_session=True)
-    try:
-        proc.wait(timeout=START_S + 900)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    said = {line: (tmp_path / f"step{i}.out").read_text(errors="replace")[-1500:] for i, line in enumerate(lines)
-            if (tmp_path / f"step{i}.out").exists()}
-    rcs = [int((tmp_path / f"step{i}.rc").read_text()) for i in range(len(lines))]
-    for line, rc in zip(lines, rcs, strict=True):
+    ran = run_page_block(block, tmp_path, work, "30000", START_S + 900)
+    for line, (rc, said) in ran.items():
         if not line.startswith("kill"):  # wait $! passes on the server's own exit status
-            assert rc == 0, (line, rc, said.get(line))
+            assert rc == 0, (line, rc, said)
     (trace,) = _traces(work / "traces" / "live")
     assert TraceReader(trace).meta.family == "paged"
-    replays = [out for line, out in said.items() if line.startswith("kvreplay replay")]
+    replays = [said for line, (_, said) in ran.items() if line.startswith("kvreplay replay")]
     assert len(replays) == 2 and all("clean" in out for out in replays), replays

