@@ -56,9 +56,12 @@ VLLM_METHODS: tuple[str, ...] = (*VLLM_MANAGER_METHODS, *VLLM_BLOCK_METHODS, "av
 VLLM_MANAGER_NAMES = {"free_request": "free"}
 
 API_METHODS = frozenset(RECORDED_METHODS) | frozenset(VLLM_METHODS)  # a trace's names are checked against it
+# vLLM calls that return nothing: a None from them is not a refusal for room.
+VLLM_VOID_METHODS = frozenset({"free_request", "cache_blocks", "remove_skipped_blocks", "evict_blocks",
+                               "new_step_starts", "free_blocks", "touch"})
 
 # Calls whose result is always None: a None from them is not an out-of-memory answer.
-VOID_METHODS = FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS
+VOID_METHODS = FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS | VLLM_VOID_METHODS
 
 
 def method_kind(method: str) -> str:

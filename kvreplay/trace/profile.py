@@ -94,6 +94,8 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
     prefix = seqs = 0
     extended = 0
     used: list[float] = []
+    request_ids: set[str] = set()  # vLLM's family names its requests
+    step_allocs = 0
     for c in reader.calls(top_level_only=True):
         m = c.method
         if m in COUNTER_METHODS:
@@ -138,11 +140,30 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
             n = c.args.get("need_size")
             if n is not None:
                 extend.append(int(n))
+        elif m == "new_step_starts":  # vLLM: a scheduler step; its running requests' allocations
+            if step_allocs:
+                decode.append(step_allocs)
+            step_allocs = 0
+        elif m == "allocate_slots":
+            rid, n, hit = c.args.get("request_id"), c.args.get("num_new_tokens"), c.args.get("num_new_computed_tokens")
+            if isinstance(rid, str):
+                request_ids.add(rid)
+            if c.args.get("request_status") == "RUNNING":
+                step_allocs += 1
+            elif isinstance(n, int) and isinstance(hit, int):  # an admission: the prompt past its cached prefix
+                extend.append(n)
+                prefix += hit
+                seqs += hit + n
     step = max(1, len(used) // OCCUPANCY_POINTS)
     notes = []
+    if step_allocs:
+        decode.append(step_allocs)
     if requests is None and extended:
         requests = extended
         notes.append("requests counted from alloc_extend (one prefix_lens entry each)")
+    elif requests is None and request_ids:
+        requests = len(request_ids)
+        notes.append("requests counted by id (vLLM's allocate_slots)")
     return TraceProfile(
         path=str(path), family=meta.family, requests=requests, calls=sum(methods.values()) + reads,
         counter_reads=reads, calls_by_method=dict(methods), extend_tokens=_quantiles(extend),

@@ -20,6 +20,7 @@ from kvreplay.workload.disagg_mtp import DisaggMTPServer
 from kvreplay.workload.radix_swa import RadixSWAServer
 from kvreplay.workload.requests import load_requests
 from kvreplay.workload.server import SynthStats
+from kvreplay.workload.vllm_prefix import VllmPrefixServer
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ SCENARIOS: dict[str, Scenario] = {
                  "disaggregated decode with MTP speculation on an SWA pool (need_sort on)"),
         Scenario("radix-swa", "swa", "builtin:swa", False,
                  "prefix cache over an SWA pool: hits, leaf eviction, SWA tombstones"),
+        Scenario("vllm-prefix", "vllm", "builtin:vllm", False,
+                 "vLLM's scheduler on its KV-cache manager: prefix caching, chunked prefill, preemption "
+                 "(--block-tokens is the block size, --full-size the pool's tokens)"),
     ]
 }
 
@@ -83,11 +87,14 @@ def validate(cfg: SynthConfig) -> Scenario:
     if cfg.scenario not in SCENARIOS:
         one_of("scenario", cfg.scenario, SCENARIOS)
     sc = SCENARIOS[cfg.scenario]
-    if cfg.page_size < 2:
+    if sc.family == "vllm":
+        if cfg.block_tokens < 1 or cfg.full_size < 2 * cfg.block_tokens:
+            raise BadInput("--full-size must hold at least two blocks of --block-tokens (block 0 is the null block)")
+    elif cfg.page_size < 2:
         raise BadInput("--page-size must be at least 2 (the paged and SWA pools page in step)")
-    if cfg.full_size < cfg.page_size or cfg.swa_size < cfg.page_size:
+    elif cfg.full_size < cfg.page_size or cfg.swa_size < cfg.page_size:
         raise BadInput("pool sizes must hold at least one page")
-    if cfg.block_tokens % cfg.page_size:
+    elif cfg.block_tokens % cfg.page_size:
         raise BadInput(f"--block-tokens {cfg.block_tokens} must be a multiple of --page-size {cfg.page_size}")
     for name in ("window", "k", "max_running"):
         if getattr(cfg, name) < 1:
@@ -106,9 +113,18 @@ def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
     family = build.family or builds.family_of_class(build.cls)
     if family != sc.family:
         raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {family} pool")
-    ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
-            "need_sort": sc.need_sort, "dtype": "torch.int64"}
-    return build.construct(ctor, device=cfg.device), spec
+    if family == "vllm":  # a block pool of full_size tokens, prefix caching on
+        ctor: dict[str, Any] = {"num_blocks": cfg.full_size // cfg.block_tokens, "block_size": cfg.block_tokens,
+                                "hash_block_size": cfg.block_tokens, "max_model_len": cfg.full_size,
+                                "max_in_flight_tokens": cfg.full_size, "enable_caching": True, "watermark": 0.0,
+                                "attention": "full"}
+    else:
+        ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
+                "need_sort": sc.need_sort, "dtype": "torch.int64"}
+    try:
+        return build.construct(ctor, device=cfg.device), spec
+    except (ValueError, TypeError) as exc:
+        raise BadInput(f"{spec} cannot be built for scenario {sc.name}: {exc}") from None
 
 
 def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
@@ -121,6 +137,9 @@ def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
                               "progress": progress, "sglang_scheduler": cfg.sglang_scheduler}
     if sc.name == "decode":
         server: Any = DecodeServer(pool, reqs, **common)
+    elif sc.name == "vllm-prefix":
+        server = VllmPrefixServer(pool, reqs, block_size=cfg.block_tokens, max_running=cfg.max_running,
+                                  speedup=cfg.speedup, progress=progress)
     elif sc.name == "disagg-mtp":
         server = DisaggMTPServer(pool, reqs, window=cfg.window, k=cfg.k, **common)
     else:
