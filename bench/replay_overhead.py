@@ -2,6 +2,7 @@
 one run: prints the ratio and calls/s (target: strict ratio <= 1.3, decoding >= 5x the checked calls/s).
 
     python bench/replay_overhead.py [TRACE] [--build builtin:swa] [--repeat 3]
+    python bench/replay_overhead.py --vllm          # a production-size vLLM trace on builtin:vllm
 
 Times are CPU times (time.process_time), the CLI's as it reports them (cpu_s).
 
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kvreplay.replay.replayer import Replayer
+from kvreplay.pool_api import SLOT_FAMILIES
+from kvreplay.replay.dispatch import make_replayer
 from kvreplay.trace.format import CHECKPOINT_METHOD
 from kvreplay.trace.reader import TraceReader
 
@@ -43,16 +45,18 @@ DEFAULT = ROOT / "traces" / "disagg-mtp-2000.parquet"
 
 
 def bare(trace: Path, build: str, calls: list) -> float:
-    pool = Replayer(trace, build, mode="remap", check=False).pool
+    pool = make_replayer(trace, build, check=False).pool
     calls = [tc for tc in calls if tc.call.method != CHECKPOINT_METHOD]  # markers, not pool calls
+    # a vLLM trace's top-level block-pool rows go to the block pool's wire
+    targets = [pool.wire_blocks if tc.call.target == "blocks" else pool for tc in calls]
     t0 = clock()
-    for tc in calls:
-        getattr(pool, tc.call.method)(**tc.call.args)
+    for tc, target in zip(calls, targets, strict=True):
+        getattr(target, tc.call.method)(**tc.call.args)
     return clock() - t0
 
 
 def checked(trace: Path, build: str, calls: list, mode: str, check: bool = True) -> tuple[float, str]:
-    r = Replayer(trace, build, mode=mode, check=check)
+    r = make_replayer(trace, build, mode=mode, check=check)
     t0 = clock()
     report = r.run(calls=calls)
     return clock() - t0, report.status
@@ -61,20 +65,32 @@ def checked(trace: Path, build: str, calls: list, mode: str, check: bool = True)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", nargs="?", type=Path, default=DEFAULT)
-    ap.add_argument("--build", default="builtin:swa")
+    ap.add_argument("--build", default=None, help="default: builtin:swa, builtin:vllm for a vLLM trace")
+    ap.add_argument("--vllm", action="store_true", help="synthesize a production-size vLLM trace (synth "
+                    "vllm-prefix, 3,000 Mooncake requests) and replay it on builtin:vllm")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cli", action="store_true", help="also time `kvreplay replay TRACE --no-store` against "
                     "the bench's decoding + checked strict replay (target <= 1.1x, plus start-up)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     trace = a.trace
-    if not trace.exists():
+    if a.vllm:
+        trace = Path(tempfile.mkdtemp()) / "vllm.parquet"
+        subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth", "vllm-prefix", "--requests", "3000",
+                        "--workload", str(ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"),
+                        "--length-scale", "0.03", "--output-scale", "0.5", "--block-tokens", "32",
+                        "--full-size", "262144", "--max-running", "128", "--speedup", "1000000",
+                        "-o", str(trace)], check=True)
+    elif not trace.exists():
         trace = Path(tempfile.mkdtemp()) / "t.parquet"
         subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth", "disagg-mtp", "--requests", "2000",
                         "-o", str(trace)], check=True)
     # Both sides collect garbage at the pace a replay sets for itself (few_collections).
     gc.set_threshold(20_000, *gc.get_threshold()[1:])
     reader = TraceReader(trace)
+    family = reader.meta.family
+    a.build = a.build or ("builtin:swa" if family in SLOT_FAMILIES else f"builtin:{family}")
+    modes = ("strict", "remap") if family in SLOT_FAMILIES else ("strict",)  # block ids have no remap yet
     for _tc in reader.top_calls():  # warm-up: the first pass also pays one-time set-up (page cache, imports)
         pass
     calls = list(reader.top_calls())
@@ -88,7 +104,7 @@ def main() -> None:
             pass
         times["decode"].append(clock() - t0)
         times["bare"].append(bare(trace, a.build, calls))
-        for mode in ("strict", "remap"):
+        for mode in modes:
             t, status[mode] = checked(trace, a.build, calls, mode)
             times[mode].append(t)
         times["strict-unchecked"].append(checked(trace, a.build, calls, "strict", check=False)[0])
@@ -101,7 +117,7 @@ def main() -> None:
     decode_s = med["decode"]
     print(f"trace {trace.name}: {n} top-level calls, decoded in {decode_s:.2f} s ({n / decode_s:,.0f} calls/s)")
     print(f"bare build calls        {med['bare']:.3f} s  {n / med['bare']:>9,.0f} calls/s")
-    for mode in ("strict", "remap"):
+    for mode in modes:
         # The ratio of each interleaved pair, then their median: a slow spell of this
         # shared machine slows both sides of one pair, not one side of the median.
         ratio = statistics.median(m / b for m, b in zip(times[mode], times["bare"], strict=True))

@@ -167,3 +167,17 @@ def test_the_vllm_page_block_runs_as_written(tmp_path):
     assert TraceReader(trace).meta.family == "vllm"
     replays = [said for line, (_, said) in ran.items() if line.startswith("kvreplay replay")]
     assert len(replays) == 2 and all("clean" in out for out in replays), replays
+
+
+def test_what_the_builtin_manager_does_the_installed_vllm_does_too(tmp_path):
+    """A trace kvreplay's own manager wrote (synth vllm-prefix: prefix hits, chunked
+    prefill, preemption in a pool too small for the load) replays strict on the real
+    vLLM: every block id, free count and block-pool call the same."""
+    from kvreplay.workload.synth import SynthConfig, synthesize
+
+    out = tmp_path / "model.parquet"
+    res = synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=400, workload=MOONCAKE, length_scale=0.03,
+                                 output_scale=0.5, block_tokens=16, full_size=8192, max_running=32, speedup=1e9))
+    assert res.retractions > 0  # the small pool preempted requests
+    r = replay(out, "vllm", mode="strict", device="cpu")
+    assert r.status == "clean", (r.first_divergence, r.first_violation)

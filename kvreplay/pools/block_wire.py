@@ -20,25 +20,28 @@ EMPTY = (-1,)
 
 
 # -- values -------------------------------------------------------------------------------
-def hashes_out(hashes: Sequence[bytes]) -> tuple[Any, int]:
-    """Block hashes as an int64 tensor [n, words] (big-endian 8-byte words) and their length."""
-    import torch
-
+def hashes_out(hashes: Sequence[bytes]) -> tuple[tuple[int, ...], int]:
+    """Block hashes as one flat tuple of int64 words (big-endian, 8 bytes each, the last
+    one zero-padded) and the hashes' length in bytes."""
     if not hashes:
-        return torch.empty((0, 0), dtype=torch.int64), 0
+        return (), 0
     n = len(hashes[0])
     if any(len(h) != n for h in hashes):
         raise ValueError("block hashes of different lengths")
     words = (n + 7) // 8
-    flat = [int.from_bytes(h[i * 8:(i + 1) * 8].ljust(8, b"\0"), "big", signed=True)
-            for h in hashes for i in range(words)]
-    return torch.tensor(flat, dtype=torch.int64).reshape(len(hashes), words), n
+    return tuple(int.from_bytes(h[i * 8:(i + 1) * 8].ljust(8, b"\0"), "big", signed=True)
+                 for h in hashes for i in range(words)), n
 
 
-def hashes_in(t: Any, length: int) -> list[bytes]:
-    """The inverse of ``hashes_out``."""
-    rows = t.tolist() if hasattr(t, "tolist") else list(t)
-    return [b"".join(int(w).to_bytes(8, "big", signed=True) for w in row)[:length] for row in rows]
+def hashes_in(flat: Sequence[int], length: int) -> list[bytes]:
+    """The inverse of ``hashes_out``; ValueError when the words do not make whole hashes."""
+    if hasattr(flat, "reshape"):  # an int64 tensor [n, words], as the first vLLM traces hold them
+        flat = flat.reshape(-1).tolist()
+    words = (length + 7) // 8
+    if length < 1 or len(flat) % words:
+        raise ValueError(f"{len(flat)} words are not whole {length}-byte block hashes")
+    return [b"".join(int(w).to_bytes(8, "big", signed=True) for w in flat[i:i + words])[:length]
+            for i in range(0, len(flat), words)]
 
 
 def groups_out(groups: Sequence[Sequence[Any]]) -> tuple[int, ...]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.builds.spec import BuildSpec
@@ -56,6 +58,7 @@ class BlockReplayer:
         self.divergences: list[Divergence] = []
         self.div_counts: Counter[str] = Counter()
         self.calls = 0
+        self._methods: dict[tuple[str, str], Callable[..., Any]] = {}
         self.unsupported: str | None = None
         self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_rows)
         if self.checker is not None:
@@ -73,14 +76,17 @@ class BlockReplayer:
         owner = self.pool.wire_blocks if c.target == "blocks" else self.pool
         if c.target == "blocks" and c.method not in VLLM_BLOCK_METHODS:
             return None
-        return getattr(owner, c.method, None)
+        fn = getattr(owner, c.method, None)
+        if fn is not None:
+            self._methods[(c.target, c.method)] = fn
+        return fn
 
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
         """Issue one recorded call; returns what the build returned or raised."""
         c, n = tc.call, tc.number
         self.calls += 1
-        fn = self._method(tc)
-        opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)]
+        fn = self._methods.get((c.target, c.method)) or self._method(tc)
+        opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
         if fn is None or opaque:
             why = (f"build {self.build_spec} has no method {c.method}" if fn is None else
                    f"argument(s) {', '.join(opaque)} of {c.method} were not recorded losslessly")
@@ -98,8 +104,9 @@ class BlockReplayer:
             raised = exc
         finally:
             self.pool.wire_blocks.log = None
-        avail = self.pool.available_size()
-        if c.counters.get("available") is not None:
+        want = c.counters.get("available")
+        avail = self.pool.available_size() if want is not None else None
+        if want is not None:
             self.timeline.see(n, {"blocks": avail})
         self._compare(tc, result, raised, avail, log)
         if self.checker is not None and raised is None:
@@ -108,7 +115,7 @@ class BlockReplayer:
             self.checker.after(n, c.method, c.args, result, log)
         return result, raised
 
-    def _compare(self, tc: TopCall, result: Any, raised: BaseException | None, avail: int,
+    def _compare(self, tc: TopCall, result: Any, raised: BaseException | None, avail: int | None,
                  log: list[tuple[str, Any]]) -> None:
         c, n = tc.call, tc.number
         got_exc = type(raised).__name__ if raised is not None else None
@@ -119,13 +126,15 @@ class BlockReplayer:
             return
         if raised is not None:
             return
-        if not same(_plain(c.result), _plain(result)):
+        recorded = c.result
+        if not (recorded == result if type(recorded) is type(result) and type(result) is not torch.Tensor
+                else same(_plain(recorded), _plain(result))):
             self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
             return
         want = c.counters.get("available")
         if want is not None and want != avail:
             self._diverge(n, c.method, "counter", [want], [avail], "free blocks after the call differ")
-        if c.target == "blocks":
+        if c.target == "blocks" or not (tc.nested or log):
             return
         rec = [(x.method, _plain(x.result if x.method == "get_new_blocks" else x.args.get("block_ids")))
                for x in tc.nested]
@@ -139,11 +148,15 @@ class BlockReplayer:
     def found_something(self) -> bool:
         return bool(self.divergences) or bool(self.checker and self.checker.log.total)
 
-    def run(self, progress: Callable[[int, int], None] | None = None) -> ReplayReport:
+    def run(self, progress: Callable[[int, int], None] | None = None,
+            calls: Iterable[TopCall] | None = None) -> ReplayReport:
+        """Replay every call (or ``calls``, already decoded with their nested rows' arguments)."""
         t0, c0 = time.perf_counter(), time.process_time()
         total, rows, last, stopped = self.reader.num_rows, 0, 0, False
+        if calls is None:
+            calls = self.reader.top_calls(device="cpu", nested_args=True)
         with few_collections():
-            for tc in self.reader.top_calls(device="cpu", nested_args=True):
+            for tc in calls:
                 rows += 1 + len(tc.nested)
                 if tc.call.target == GAP_TARGET:
                     continue

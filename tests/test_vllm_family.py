@@ -1,0 +1,126 @@
+"""The vllm family without vLLM: kvreplay's own manager (builtin:vllm) driven by the
+workload model (``synth vllm-prefix``), replayed, checked, set beside the live vLLM
+server's trace in the corpus, and refused in one line where a command or a build does
+not speak the family."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.profile import profile
+from kvreplay.workload.synth import SynthConfig, synthesize
+
+ROOT = Path(__file__).resolve().parents[1]
+LIVE = ROOT / "traces" / "live-vllm-0.32.0-prefix-mooncake300.parquet"
+MOONCAKE = ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def model_trace(tmp_path_factory):
+    """synth vllm-prefix on the live trace's requests and pool (1,024 blocks of 32), 16 running."""
+    out = tmp_path_factory.mktemp("vllm") / "model.parquet"
+    synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=300, workload=MOONCAKE, length_scale=0.03,
+                           output_scale=0.5, block_tokens=32, full_size=32768, max_running=16, speedup=1e9))
+    return out
+
+
+def kvreplay(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *args], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def test_the_model_replays_strict_clean_on_the_builtin_manager(model_trace):
+    r = replay(model_trace, "builtin:vllm", mode="strict", device="cpu")
+    assert r.status == "clean" and r.calls_replayed > 30_000, (r.first_divergence, r.first_violation)
+
+
+def test_the_live_server_trace_replays_strict_clean_on_the_builtin_manager():
+    r = replay(LIVE, "builtin:vllm", mode="strict", device="cpu")
+    assert r.status == "clean" and r.calls_replayed == 31_075, (r.first_divergence, r.first_violation)
+
+
+@pytest.mark.parametrize("method", ["allocate_slots", "get_computed_blocks", "free_request", "new_step_starts"])
+def test_the_model_makes_the_live_servers_calls_per_request_within_ten_percent(model_trace, method):
+    live, model = profile(LIVE).per_request(), profile(model_trace).per_request()
+    assert model[method] == pytest.approx(live[method], rel=0.10), (method, live[method], model[method])
+
+
+def test_the_model_shares_prefixes_as_the_live_server_does(model_trace):
+    live, model = profile(LIVE), profile(model_trace)
+    assert live.prefix_hit and model.prefix_hit == pytest.approx(live.prefix_hit, rel=0.10)
+    assert model.decode_batch["mean"] == pytest.approx(live.decode_batch["mean"], rel=0.10)
+
+
+def test_a_double_free_is_named_at_the_free_and_a_changed_free_order_at_its_call(model_trace, tmp_path):
+    r = replay(model_trace, "py:block_breakers:DoubleFreeManager", mode="strict", device="cpu")
+    first = r.first_violation
+    assert r.status == "violation" and (first.invariant, first.rule) == ("block-pool", "negative-ref-count")
+    assert first.method == "free_request"
+    (tmp_path / "forward.py").write_text(
+        "from kvreplay.pools.block_pool import BlockManager\n"
+        "class Forward(BlockManager):\n"
+        "    def _free(self, **wire):\n"
+        "        blocks = self._pop(wire['request_id'])\n"
+        "        self.wire_blocks.free_blocks([b.block_id for b in blocks])  # not the tail first\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        r = replay(model_trace, "py:forward:Forward", mode="strict", device="cpu")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert r.status == "divergence" and r.first_divergence.kind == "nested"
+    assert r.first_divergence.method == "free_request"
+
+
+def _with_ctor(src: Path, dst: Path, **changes: object) -> Path:
+    table = pq.read_table(src)
+    md = dict(table.schema.metadata)
+    ctor = json.loads(md[b"kvreplay.ctor_args"])
+    ctor.update(changes)
+    md[b"kvreplay.ctor_args"] = json.dumps(ctor).encode()
+    pq.write_table(table.replace_schema_metadata(md), dst)
+    return dst
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"attention": "sliding_window"}, "attention must be one of full"),
+    ({"num_blocks": -1}, "num_blocks must be a whole number"),
+    ({"enable_caching": "yes"}, "enable_caching must be true or false"),
+    ({"watermark": 7}, "watermark must be a number in 0..1"),
+])
+def test_damaged_constructor_arguments_are_one_line_errors(tmp_path, changes, said):
+    bad = _with_ctor(LIVE, tmp_path / "bad.parquet", **changes)
+    out = kvreplay("replay", str(bad), "--build", "builtin:vllm", "--no-store")
+    assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_path):
+    table = pq.read_table(LIVE).slice(0, 40)
+    rows = table.to_pylist()
+    for r in rows:
+        for a in r["args"]:
+            if a["name"] == "request_hash_len" and a["i"]:
+                a["i"] = 7000  # 875 words per hash: the recorded words are no whole hash
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), bad)
+    out = kvreplay("replay", str(bad), "--build", "builtin:vllm", "--no-store", "--json")
+    assert out.returncode == 1, out.stderr
+    assert json.loads(out.stdout)["divergence_counts"].get("exception")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["replay", str(LIVE), "--build", "builtin:swa"], "records a vllm pool but builtin:swa is a swa pool"),
+    (["replay", str(LIVE), "--build", "builtin:vllm", "--mode", "remap"], "strict mode only"),
+    (["minimize", str(LIVE), "-b", "builtin:vllm", "-o", "small.parquet"], "is a vllm trace"),
+])
+def test_what_does_not_speak_the_family_says_so_in_one_line(args, said, tmp_path):
+    out = kvreplay(*args, *(["--no-store"] if args[0] == "replay" else []), cwd=tmp_path)
+    assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
