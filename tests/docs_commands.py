@@ -11,8 +11,8 @@ shell would expand it.
   staged small there (the whole corpus on 24 releases takes hours on CPU);
 - ``live`` (the live tier, tests/test_live_server.py): a real server, recorded and
   driven; that page's command block runs as one script;
-- ``vllm`` (the vLLM tier, tests/test_vllm_live.py): the vLLM page's commands, whose
-  block runs as one script against a real vLLM server.
+- ``vllm`` (the vLLM tier, tests/test_vllm_live.py): the vLLM page's commands that need
+  a real vLLM (its server, its manager as a build); their block runs as one script.
 
 The README's tour runs in order in tests/test_front_door.py."""
 
@@ -58,8 +58,9 @@ VLLM_PAGE = "vllm.md"
 
 def tier(words: list[str], page: str = "") -> str:
     """Which tier runs a written command (see the module's docstring)."""
-    if page == VLLM_PAGE:
-        return "vllm"
+    if page == VLLM_PAGE and (words[0] in ("record", "drive") or any("vllm-traces" in w or w == "vllm"
+                                                                     for w in words)):
+        return "vllm"  # a real vLLM server, or the installed vLLM as a build
     if words[0] in ("record", "drive") or any("traces/live/" in w for w in words):
         return "live"
     if any("sglang" in w for w in words):

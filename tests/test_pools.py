@@ -181,12 +181,16 @@ def test_swa_alloc_extend_maps_every_token_and_sentinel_stays():
     assert p.alloc_extend(t(0), t(0), t(40), t(40), t(-1), 40) is None
 
 
+VLLM_CTOR = {"num_blocks": 16, "block_size": 4, "hash_block_size": 4, "max_model_len": 64, "max_in_flight_tokens": 64,
+             "enable_caching": True, "watermark": 0.0, "attention": "full"}
+
+
 def test_every_builtin_constructs_from_recorded_ctor_args_on_cpu():
     for name, b in BUILTINS.items():
-        pool = resolve(f"builtin:{name}").construct(
-            {"size": 64, "size_swa": 32, "page_size": 4 if b.family != "token" else 1, "need_sort": True,
-             "dtype": "torch.int64"}
-        )
+        ctor = VLLM_CTOR if b.family == "vllm" else {
+            "size": 64, "size_swa": 32, "page_size": 4 if b.family != "token" else 1, "need_sort": True,
+            "dtype": "torch.int64"}
+        pool = resolve(f"builtin:{name}").construct(ctor)
         assert pool.available_size() > 0
 
 

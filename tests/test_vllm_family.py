@@ -32,6 +32,11 @@ def model_trace(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def profiles(model_trace):
+    return profile(LIVE), profile(model_trace)
+
+
 def kvreplay(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *args], capture_output=True, text=True,
                           cwd=cwd)
@@ -48,19 +53,22 @@ def test_the_live_server_trace_replays_strict_clean_on_the_builtin_manager():
 
 
 @pytest.mark.parametrize("method", ["allocate_slots", "get_computed_blocks", "free_request", "new_step_starts"])
-def test_the_model_makes_the_live_servers_calls_per_request_within_ten_percent(model_trace, method):
-    live, model = profile(LIVE).per_request(), profile(model_trace).per_request()
+def test_the_model_makes_the_live_servers_calls_per_request_within_ten_percent(profiles, method):
+    live, model = (p.per_request() for p in profiles)
     assert model[method] == pytest.approx(live[method], rel=0.10), (method, live[method], model[method])
 
 
-def test_the_model_shares_prefixes_as_the_live_server_does(model_trace):
-    live, model = profile(LIVE), profile(model_trace)
+def test_the_model_shares_prefixes_as_the_live_server_does(profiles):
+    live, model = profiles
     assert live.prefix_hit and model.prefix_hit == pytest.approx(live.prefix_hit, rel=0.10)
     assert model.decode_batch["mean"] == pytest.approx(live.decode_batch["mean"], rel=0.10)
 
 
-def test_a_double_free_is_named_at_the_free_and_a_changed_free_order_at_its_call(model_trace, tmp_path):
-    r = replay(model_trace, "py:block_breakers:DoubleFreeManager", mode="strict", device="cpu")
+def test_a_double_free_is_named_at_the_free_and_a_changed_free_order_at_its_call(tmp_path):
+    small = tmp_path / "small.parquet"
+    synthesize(SynthConfig(scenario="vllm-prefix", out=small, requests=40, workload=MOONCAKE, length_scale=0.03,
+                           output_scale=0.2, block_tokens=32, full_size=32768, max_running=16, speedup=1e9))
+    r = replay(small, "py:block_breakers:DoubleFreeManager", mode="strict", device="cpu")
     first = r.first_violation
     assert r.status == "violation" and (first.invariant, first.rule) == ("block-pool", "negative-ref-count")
     assert first.method == "free_request"
@@ -72,7 +80,7 @@ def test_a_double_free_is_named_at_the_free_and_a_changed_free_order_at_its_call
         "        self.wire_blocks.free_blocks([b.block_id for b in blocks])  # not the tail first\n")
     sys.path.insert(0, str(tmp_path))
     try:
-        r = replay(model_trace, "py:forward:Forward", mode="strict", device="cpu")
+        r = replay(small, "py:forward:Forward", mode="strict", device="cpu")
     finally:
         sys.path.remove(str(tmp_path))
     assert r.status == "divergence" and r.first_divergence.kind == "nested"
