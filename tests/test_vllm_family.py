@@ -98,7 +98,7 @@ def _with_ctor(src: Path, dst: Path, **changes: object) -> Path:
 
 
 @pytest.mark.parametrize("changes, said", [
-    ({"attention": "sliding_window"}, "attention must be one of full"),
+    ({"attention": ["full"]}, "attention must name the manager's attention kinds"),
     ({"num_blocks": -1}, "num_blocks must be a whole number"),
     ({"enable_caching": "yes"}, "enable_caching must be true or false"),
     ({"watermark": 7}, "watermark must be a number in 0..1"),
@@ -107,6 +107,29 @@ def test_damaged_constructor_arguments_are_one_line_errors(tmp_path, changes, sa
     bad = _with_ctor(LIVE, tmp_path / "bad.parquet", **changes)
     out = kvreplay("replay", str(bad), "--build", "builtin:vllm", "--no-store")
     assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_hybrid_managers_trace_reads_and_says_which_builds_cannot_take_it(tmp_path):
+    hybrid = _with_ctor(LIVE, tmp_path / "hybrid.parquet", attention="FullAttentionSpec,SlidingWindowSpec")
+    assert kvreplay("inspect", str(hybrid)).returncode == 0
+    out = kvreplay("replay", str(hybrid), "--build", "builtin:vllm", "--no-store")
+    assert out.returncode == 125 and "full attention only" in out.stderr, out.stderr
+
+
+def test_block_ids_outside_the_pool_are_a_divergence_not_another_block(tmp_path):
+    table = pq.read_table(LIVE)
+    rows = table.to_pylist()
+    hit = next(i for i, r in enumerate(rows) if any(
+        a["name"] == "new_computed_blocks" and a["data"] and a["data"][0] == 1 and len(a["data"]) > 2
+        for a in r["args"]))
+    rows = rows[:hit + 1]
+    for a in rows[hit]["args"]:
+        if a["name"] == "new_computed_blocks":
+            a["data"] = [1, 1, -1]  # block -1: Python would take the pool's last block
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), bad)
+    out = kvreplay("replay", str(bad), "--build", "builtin:vllm", "--no-store", "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["divergence_counts"].get("exception"), out.stdout
 
 
 def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_path):

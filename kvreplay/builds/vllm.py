@@ -24,8 +24,17 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvreplay.errors import BuildUnloadable
-from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES
-from kvreplay.pools.block_wire import EMPTY, HASH_ARGS, REQUEST_ARGS, RequestBook, groups_in, groups_out, hashes_out
+from kvreplay.pool_api import VLLM_ATTENTION, VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES
+from kvreplay.pools.block_wire import (
+    EMPTY,
+    HASH_ARGS,
+    REQUEST_ARGS,
+    RequestBook,
+    blocks_by_id,
+    groups_in,
+    groups_out,
+    hashes_out,
+)
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 CLASSES: dict[str, tuple[str, ...]] = {"vllm": (MANAGER_CLASS,)}
@@ -133,7 +142,7 @@ class ManagerWire:
             return self._block_result
         blocks = self._block_args
         if blocks is None or tuple(b.block_id for b in blocks) != tuple(arg):
-            blocks = [self.pool.blocks[i] for i in arg]  # a replayed top-level block call
+            blocks = blocks_by_id(self.pool, arg)  # a replayed top-level block call
         self._block_args = None
         original(blocks)
         return None
@@ -172,7 +181,7 @@ class ManagerWire:
         if args.get("new_computed_blocks") is not None:
             args["new_computed_blocks"] = self._blocks(args["new_computed_blocks"])
         if "block_ids" in args:
-            args["block_ids"] = set(args["block_ids"])
+            args["block_ids"] = {b.block_id for b in blocks_by_id(self.pool, args["block_ids"])}
         if "skip_zeroing_group_ids" in args:
             args["skip_zeroing_group_ids"] = tuple(args["skip_zeroing_group_ids"])
         return args
@@ -181,7 +190,7 @@ class ManagerWire:
         groups = groups_in(wire)
         if groups is None:
             return self.manager.empty_kv_cache_blocks
-        return self.make_blocks([[self.pool.blocks[i] for i in g] for g in groups])
+        return self.make_blocks([blocks_by_id(self.pool, g) for g in groups])
 
     def make_blocks(self, groups: list[list[Any]]) -> Any:
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -301,6 +310,8 @@ class InstalledManager(ManagerWire):
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
+        if attention not in VLLM_ATTENTION:
+            raise ValueError(f"--build vllm builds full-attention managers only; the trace's had {attention}")
         try:
             import torch
             from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -319,7 +330,3 @@ class InstalledManager(ManagerWire):
                     max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
                     enable_caching=enable_caching, watermark=watermark, attention=attention)
         super().__init__(manager, args, status=lambda name: RequestStatus[name] if name else None)
-
-
-def blocks_of(ids: Iterable[int], pool: Any) -> list[Any]:
-    return [pool.blocks[i] for i in ids]

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvreplay.pool_api import VLLM_MANAGER_NAMES
-from kvreplay.pools.block_wire import EMPTY, RequestBook, StandIn, groups_in, groups_out
+from kvreplay.pools.block_wire import EMPTY, RequestBook, StandIn, blocks_by_id, groups_in, groups_out
 
 
 class Block:
@@ -172,11 +172,11 @@ class _BlockWire:
         return self._logged("get_new_blocks", tuple(b.block_id for b in self.pool.get_new_blocks(num_blocks)))  # type: ignore[no-any-return]
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
-        self.pool.free_blocks([self.pool.blocks[i] for i in block_ids])
+        self.pool.free_blocks(blocks_by_id(self.pool, block_ids))
         self._logged("free_blocks", tuple(block_ids))
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        self.pool.touch([self.pool.blocks[i] for i in block_ids])
+        self.pool.touch(blocks_by_id(self.pool, block_ids))
         self._logged("touch", tuple(block_ids))
 
 
@@ -235,7 +235,7 @@ class BlockManager:
             return None
         if len(groups) != 1:
             raise ValueError("the builtin vLLM manager has one KV-cache group")
-        return [self.pool.blocks[i] for i in groups[0]]
+        return blocks_by_id(self.pool, groups[0])
 
     # -- the manager's calls -------------------------------------------------------------------
     def get_computed_blocks(self, **wire: Any) -> tuple[int, ...]:
@@ -346,8 +346,8 @@ class BlockManager:
         """Full attention skips no tokens: nothing leaves the window."""
 
     def evict_blocks(self, *, block_ids: Sequence[int]) -> None:
-        for i in block_ids:
-            self.pool._evict(self.pool.blocks[i])
+        for block in blocks_by_id(self.pool, block_ids):
+            self.pool._evict(block)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -77,6 +77,17 @@ class StandIn:
         self.status: Any = None
 
 
+def blocks_by_id(pool: Any, ids: Sequence[int]) -> list[Any]:
+    """The pool's blocks with these ids; ValueError for an id the pool does not have
+    (a damaged or hostile trace: a negative id would otherwise name a block from the end)."""
+    blocks = pool.blocks
+    n = len(blocks)
+    for i in ids:
+        if type(i) is not int or not 0 <= i < n:
+            raise ValueError(f"block id {str(i)[:20]} is not a block of this pool (0..{n - 1})")
+    return [blocks[i] for i in ids]
+
+
 class RequestBook:
     """Requests by id, as a replay rebuilds them from the rows: each call updates the
     counts and appends the hashes the row carries."""
