@@ -140,6 +140,16 @@ SLOW_CASES = {
     "test_replay_overhead_prints_both_modes_clean",
     "test_every_process_records_its_allocator_and_the_exit_code_passes_through",
     "test_without_its_snapshot_the_attached_trace_would_not_replay",
+    # the vllm family: the corpus' live trace replays in .ci/run's kvreplay ci step; one damaged
+    # constructor argument stays in the fast tier
+    "test_the_live_server_trace_replays_strict_clean_on_the_builtin_manager",
+    "test_a_hybrid_managers_trace_reads_and_says_which_builds_cannot_take_it",
+    "test_damaged_constructor_arguments_are_one_line_errors[changes1-num_blocks must be a whole number]",
+    "test_damaged_constructor_arguments_are_one_line_errors[changes2-enable_caching must be true or false]",
+    "test_damaged_constructor_arguments_are_one_line_errors[changes3-watermark must be a number in 0..1]",
+    "test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash",
+    "test_what_does_not_speak_the_family_says_so_in_one_line[args1-strict mode only]",
+    "test_what_does_not_speak_the_family_says_so_in_one_line[args2-is a vllm trace]",
 }
 
 

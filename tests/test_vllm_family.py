@@ -117,7 +117,10 @@ def test_a_hybrid_managers_trace_reads_and_says_which_builds_cannot_take_it(tmp_
 
 
 def test_block_ids_outside_the_pool_are_a_divergence_not_another_block(tmp_path):
-    table = pq.read_table(LIVE)
+    small = tmp_path / "small.parquet"  # the seeded stream: shared prefixes from the start
+    synthesize(SynthConfig(scenario="vllm-prefix", out=small, requests=40, block_tokens=16, full_size=16384,
+                           max_running=16))
+    table = pq.read_table(small)
     rows = table.to_pylist()
     hit = next(i for i, r in enumerate(rows) if any(
         a["name"] == "new_computed_blocks" and a["data"] and a["data"][0] == 1 and len(a["data"]) > 2
