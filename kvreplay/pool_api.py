@@ -81,8 +81,13 @@ def method_kind(method: str) -> str:
 # (name in traces and reports, attribute on the SWA allocator)
 SUB_POOLS: tuple[tuple[str, str], ...] = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"),
                                           ("blocks", "wire_blocks"))
-# The counter column that holds each sub-pool's available count.
+# The counter column that holds each sub-pool's available count, and what it counts.
 SUB_POOL_COUNTER = {"full": "full_available", "swa": "swa_available", "pool": "available", "blocks": "available"}
+
+
+def unit_of(sub_pool: str) -> str:
+    """What a sub-pool's sizes and counts are in: token slots, or vLLM's blocks."""
+    return "blocks" if sub_pool == "blocks" else "slots"
 # Counter columns of a trace, and the reads that fill them, in the same order.
 COUNTERS = ("available", "full_available", "swa_available")
 COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")

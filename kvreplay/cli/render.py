@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvreplay.cli.base import out, say
+from kvreplay.pool_api import unit_of
 from kvreplay.replay.report import describe, firsts_by_rule
 
 STATUS_STYLE = {"clean": "green", "violation": "red", "divergence": "yellow"}
@@ -47,7 +48,8 @@ def render_report(r: Any) -> None:
         say("replayed through API translations (the build lacks these methods): "
             + ", ".join(f"{m} x{n}" for m, n in r.translated.items()))
     if any(r.held_at_end.values()):
-        say("still held by the caller at the end: " + ", ".join(f"{k} {v} slots" for k, v in r.held_at_end.items()))
+        say("still held by the caller at the end: " + ", ".join(f"{k} {v} {unit_of(k)}"
+                                                                for k, v in r.held_at_end.items()))
 
 
 def _capacity_line(call: int | None, after: int | None) -> None:

@@ -12,6 +12,7 @@ from rich.table import Table
 from kvreplay.cli import base
 from kvreplay.cli.base import JSON_HELP, URI_HELP, app, emit_json, out, progress, say
 from kvreplay.cli.render import row
+from kvreplay.pool_api import unit_of
 
 
 @app.command()
@@ -108,7 +109,8 @@ def inspect(
     say(f"calls     {s.calls} calls, {s.nested_rows} nested sub-allocator rows; {s.exceptions} raised, "
         f"{s.none_results} out-of-memory (None)")
     say(f"span      {s.time_span_s:.3f} s")
-    say("peak use  " + ", ".join(f"{k} {v} tokens" for k, v in s.peak_used.items()))
+    say("peak use  " + ", ".join(f"{k} {v} {'blocks' if unit_of(k) == 'blocks' else 'tokens'}"
+                                 for k, v in s.peak_used.items()))
     bpi = f"{s.bytes_per_index:.2f}" if s.bytes_per_index is not None else "-"
     say(f"size      {s.file_bytes} bytes, {s.recorded_indices} recorded indices, {bpi} bytes/index")
     t = Table("method", "calls")

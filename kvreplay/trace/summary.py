@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvreplay.pool_api import VOID_METHODS, sub_pool_sizes
+from kvreplay.pool_api import SUB_POOL_COUNTER, VOID_METHODS, sub_pool_sizes
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD
 from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace, local_path
 from kvreplay.trace.reader import TraceReader
@@ -50,7 +50,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     t_min: int | None = None
     t_max: int | None = None
     min_avail: dict[str, int] = {}
-    counter_col = {"full": "full_available", "swa": "swa_available", "pool": "available"}
+    counter_col = SUB_POOL_COUNTER
     for batch in reader.iter_batches(columns=_COLUMNS):
         rows += batch.num_rows
         is_top = pc.equal(batch["depth"], 0)
