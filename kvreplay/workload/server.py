@@ -59,25 +59,61 @@ def floor_page(n: int, ps: int) -> int:
     return n // ps * ps
 
 
-class ServerModel:
-    """Drives ``pool`` with ``requests``; subclasses implement ``step``."""
+class SteppedModel:
+    """A scheduler model's clock: requests arrive at their trace times (divided by
+    ``speedup``) and the model steps until every one is done. Subclasses say what an
+    arrival is (``arrive``) and what a step does (``step``)."""
 
-    def __init__(self, pool: Any, requests: list[Request], *, seed: int, max_running: int,
-                 speedup: float = 1.0, progress: Callable[[int, int], None] | None = None,
-                 sglang_scheduler: bool = False) -> None:
-        self.pool = pool
-        self.ps = int(pool.page_size)
-        self.device = pool.device
-        self.rng = random.Random(seed ^ 0x5EED)
+    def __init__(self, requests: list[Request], *, max_running: int, speedup: float,
+                 progress: Callable[[int, int], None] | None) -> None:
         self.pending = deque(sorted(requests, key=lambda r: (r.arrival_ms, r.rid)))
-        self.waiting: deque[tuple[Request, int]] = deque()  # (request, tokens already generated)
-        self.running: list[Live] = []
+        self.waiting: deque[Any] = deque()
+        self.running: list[Any] = []
         self.max_running = max_running
         self.speedup = speedup
         self.total = len(requests)
         self.stats = SynthStats()
         self.clock_ms = 0.0
         self._progress = progress
+
+    def arrive(self, req: Request) -> None:
+        self.waiting.append((req, 0))  # (request, tokens already generated)
+
+    def run(self) -> SynthStats:
+        while self.pending or self.waiting or self.running:
+            self.clock_ms += STEP_MS
+            while self.pending and self.pending[0].arrival_ms / self.speedup <= self.clock_ms:
+                self.arrive(self.pending.popleft())
+            if not self.running and not self.waiting and self.pending:
+                self.clock_ms = self.pending[0].arrival_ms / self.speedup
+                continue
+            self.step()
+            self.stats.steps += 1
+            if self._progress:
+                self._progress(self.stats.requests_done, self.total)
+            if self.stats.steps > 200 * self.total + 10_000:
+                raise RuntimeError("workload model made no progress (pool too small for one request?)")
+        self.finish_run()
+        return self.stats
+
+    def step(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def finish_run(self) -> None:
+        """What the server does once the queue is empty."""
+
+
+class ServerModel(SteppedModel):
+    """Drives ``pool`` with ``requests``; subclasses implement ``step``."""
+
+    def __init__(self, pool: Any, requests: list[Request], *, seed: int, max_running: int,
+                 speedup: float = 1.0, progress: Callable[[int, int], None] | None = None,
+                 sglang_scheduler: bool = False) -> None:
+        super().__init__(requests, max_running=max_running, speedup=speedup, progress=progress)
+        self.pool = pool
+        self.ps = int(pool.page_size)
+        self.device = pool.device
+        self.rng = random.Random(seed ^ 0x5EED)
         # As sglang 0.5.23's scheduler (measured against live servers, kvreplay profile):
         # every batch's results are processed inside a free group, empty or not, and
         # the server keeps its cache at the end instead of draining it. Off by default,
@@ -92,27 +128,9 @@ class ServerModel:
     def cpu(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64)
 
-    # -- loop ----------------------------------------------------------------
-    def run(self) -> SynthStats:
-        while self.pending or self.waiting or self.running:
-            self.clock_ms += STEP_MS
-            while self.pending and self.pending[0].arrival_ms / self.speedup <= self.clock_ms:
-                self.waiting.append((self.pending.popleft(), 0))
-            if not self.running and not self.waiting and self.pending:
-                self.clock_ms = self.pending[0].arrival_ms / self.speedup
-                continue
-            self.step()
-            self.stats.steps += 1
-            if self._progress:
-                self._progress(self.stats.requests_done, self.total)
-            if self.stats.steps > 200 * self.total + 10_000:
-                raise RuntimeError("workload model made no progress (pool too small for one request?)")
+    def finish_run(self) -> None:
         if not self.sglang_scheduler:
             self.drain()
-        return self.stats
-
-    def step(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
 
     def drain(self) -> None:
         """Release whatever the server still holds once the queue is empty."""

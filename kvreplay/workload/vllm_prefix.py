@@ -21,14 +21,13 @@ blocks); a later block holds output tokens, which follow from the whole prompt
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvreplay.pools.block_wire import hashes_out
 from kvreplay.workload.requests import Request
-from kvreplay.workload.server import STEP_MS, SynthStats
+from kvreplay.workload.server import SteppedModel
 
 
 @dataclass(eq=False)
@@ -48,22 +47,14 @@ class _Req:
         return f"req-{self.req.rid}"
 
 
-class VllmPrefixServer:
+class VllmPrefixServer(SteppedModel):
     def __init__(self, manager: Any, requests: list[Request], *, block_size: int, max_running: int = 64,
                  token_budget: int = 2048, speedup: float = 1.0,  # vLLM's OpenAI server on CPU: 2048
                  progress: Callable[[int, int], None] | None = None) -> None:
+        super().__init__(requests, max_running=max_running, speedup=speedup, progress=progress)
         self.m = manager
         self.bs = block_size
-        self.pending = deque(sorted(requests, key=lambda r: (r.arrival_ms, r.rid)))
-        self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []
-        self.max_running = max_running
         self.budget = token_budget
-        self.speedup = speedup
-        self.total = len(requests)
-        self.stats = SynthStats()
-        self.clock_ms = 0.0
-        self._progress = progress
 
     # -- the request as the wire carries it ---------------------------------------------
     def _block_key(self, r: _Req, i: int) -> bytes:
@@ -88,24 +79,9 @@ class VllmPrefixServer:
         r.sent = len(r.hashes)
         return out
 
-    # -- the loop -------------------------------------------------------------------------
-    def run(self) -> SynthStats:
-        while self.pending or self.waiting or self.running:
-            self.clock_ms += STEP_MS
-            while self.pending and self.pending[0].arrival_ms / self.speedup <= self.clock_ms:
-                req = self.pending.popleft()
-                key = hashlib.sha256(repr((req.blocks, req.input_len)).encode()).digest()[:8]
-                self.waiting.append(_Req(req, key, req.input_len))
-            if not self.running and not self.waiting and self.pending:
-                self.clock_ms = self.pending[0].arrival_ms / self.speedup
-                continue
-            self.step()
-            self.stats.steps += 1
-            if self._progress:
-                self._progress(self.stats.requests_done, self.total)
-            if self.stats.steps > 200 * self.total + 10_000:
-                raise RuntimeError("workload model made no progress (pool too small for one request?)")
-        return self.stats
+    def arrive(self, req: Request) -> None:
+        key = hashlib.sha256(repr((req.blocks, req.input_len)).encode()).digest()[:8]
+        self.waiting.append(_Req(req, key, req.input_len))
 
     def step(self) -> None:
         self.m.new_step_starts()
