@@ -23,7 +23,7 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.block_pool import BlockPoolChecker
 from kvreplay.errors import BadInput, one_of
 from kvreplay.pool_api import VLLM_BLOCK_METHODS
-from kvreplay.replay.compare import json_value, same
+from kvreplay.replay.compare import exception_difference, json_value, same
 from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.replayer import UNSUPPORTED, compose_report, few_collections
 from kvreplay.replay.report import MODES, ReplayReport
@@ -118,11 +118,9 @@ class BlockReplayer:
     def _compare(self, tc: TopCall, result: Any, raised: BaseException | None, avail: int | None,
                  log: list[tuple[str, Any]]) -> None:
         c, n = tc.call, tc.number
-        got_exc = type(raised).__name__ if raised is not None else None
-        if got_exc != c.exc_type:
-            self._diverge(n, c.method, "exception", c.exc_type, got_exc,
-                          f"recorded {c.exc_type or 'a return'}, build gave {got_exc or 'a return'}"
-                          + (f": {raised}" if raised is not None else ""))
+        got_exc, why = exception_difference(c.exc_type, raised)
+        if why is not None:
+            self._diverge(n, c.method, "exception", c.exc_type, got_exc, why)
             return
         if raised is not None:
             return

@@ -23,6 +23,17 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def exception_difference(recorded: str | None, raised: BaseException | None) -> tuple[str | None, str | None]:
+    """(the exception type the build raised or None, why that differs from the recorded
+    one, or None when it is the same): a raise against a return is a divergence in
+    every mode."""
+    got = type(raised).__name__ if raised is not None else None
+    if got == recorded:
+        return got, None
+    return got, (f"recorded {recorded or 'a return'}, build gave {got or 'a return'}"
+                 + (f": {raised}" if raised is not None else ""))
+
+
 def remap_difference(recorded: Any, got: Any) -> str | None:
     """Remap equality, the one definition (the replayer's and ``diff``'s): what a caller
     can tell apart when slot numbers are the build's own. None where ``got`` is alike

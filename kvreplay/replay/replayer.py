@@ -29,7 +29,7 @@ from kvreplay.check.pool_view import view_of
 from kvreplay.check.rules import ViolationLog
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
-from kvreplay.replay.compare import alike, json_value, remap_difference, same
+from kvreplay.replay.compare import alike, exception_difference, json_value, remap_difference, same
 from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.remap import PageTable, Remapper
 from kvreplay.replay.report import MODES, ReplayReport
@@ -266,11 +266,9 @@ class Replayer:
     def _compare(self, tc: TopCall, result: Any, raised: BaseException | None,
                  avail: dict[str, int] | None) -> None:
         c, n = tc.call, tc.number
-        got_exc = type(raised).__name__ if raised is not None else None
-        if got_exc != c.exc_type:
-            self._diverge(n, c.method, "exception", c.exc_type, got_exc,
-                          f"recorded {c.exc_type or 'a return'}, build gave {got_exc or 'a return'}"
-                          + (f": {raised}" if raised is not None else ""))
+        got_exc, why = exception_difference(c.exc_type, raised)
+        if why is not None:
+            self._diverge(n, c.method, "exception", c.exc_type, got_exc, why)
             return
         if raised is not None:
             return
