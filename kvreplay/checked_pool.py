@@ -24,13 +24,14 @@ from kvreplay.check.rules import describe_violation
 from kvreplay.pool_api import COUNTER_METHODS
 
 
-class CheckedPool:
-    def __init__(self, build: str, *, family: str, ctor: dict[str, Any], device: str = "cpu",
-                 invariant: str | None = None) -> None:
+class _Checked:
+    """What both checked drivers share: a build, its checker, and a call per attribute."""
+
+    checker: Any
+
+    def __init__(self, build: str, pool: Any, invariant: str | None) -> None:
         self.build = build
-        self.pool = load_build(build, family, ctor, device)
-        self.view = view_of(self.pool, family)
-        self.checker = InvariantChecker(self.view, full_check_every=1, keep=1 << 30)
+        self.pool = pool
         self.invariant = invariant  # an invariant or one rule of it (invariant/rule); None: anything fails
         self.calls = 0
         self._reported = 0
@@ -39,6 +40,30 @@ class CheckedPool:
         if method.startswith("_"):
             raise AttributeError(method)
         return lambda **args: self.call(method, **args)
+
+    def call(self, method: str, **args: Any) -> Any:  # pragma: no cover - each driver has its own
+        raise NotImplementedError
+
+    def finish(self) -> dict[str, int]:
+        """The end-of-trace checks; returns what is still held per sub-pool."""
+        held = self.checker.finish(self.calls)
+        self._assert_clean()
+        return held
+
+    def _assert_clean(self) -> None:
+        kept = self.checker.log.kept
+        new, self._reported = kept[self._reported:], len(kept)
+        for v in new:
+            if self.invariant is None or self.invariant in (v.invariant, f"{v.invariant}/{v.rule}"):
+                raise AssertionError(f"{self.build}: {describe_violation(v, long=True)}")
+
+
+class CheckedPool(_Checked):
+    def __init__(self, build: str, *, family: str, ctor: dict[str, Any], device: str = "cpu",
+                 invariant: str | None = None) -> None:
+        super().__init__(build, load_build(build, family, ctor, device), invariant)
+        self.view = view_of(self.pool, family)
+        self.checker = InvariantChecker(self.view, full_check_every=1, keep=1 << 30)
 
     def call(self, method: str, **args: Any) -> Any:
         """Make one call on the pool (keyword arguments, as a trace records them) and check it."""
@@ -49,19 +74,13 @@ class CheckedPool:
         if method in COUNTER_METHODS:
             return fn(**args)
         result, raised, _ = checked_call(self.view, self.checker, self.calls, method, args, fn)
-        _assert_clean(self)
+        self._assert_clean()
         if raised is not None:  # checked first, then re-raised: the state it left may be the finding
             raise raised
         return result
 
-    def finish(self) -> dict[str, int]:
-        """The end-of-trace checks; returns what is still held per sub-pool."""
-        held = self.checker.finish(self.calls)
-        _assert_clean(self)
-        return held
 
-
-class CheckedManager:
+class CheckedManager(_Checked):
     """The same for a vLLM-family build (a KV-cache manager on the family's wire):
 
         m = CheckedManager("builtin:vllm", ctor={...})
@@ -72,17 +91,8 @@ class CheckedManager:
     The whole pool is checked after every call."""
 
     def __init__(self, build: str, *, ctor: dict[str, Any], invariant: str | None = None) -> None:
-        self.build = build
-        self.pool = load_build(build, "vllm", ctor, "cpu")
+        super().__init__(build, load_build(build, "vllm", ctor, "cpu"), invariant)
         self.checker = BlockPoolChecker(self.pool, full_check_every=1, keep=1 << 30)
-        self.invariant = invariant
-        self.calls = 0
-        self._reported = 0
-
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return lambda **args: self.call(method, **args)
 
     def call(self, method: str, **args: Any) -> Any:
         """One manager call (wire arguments, as a trace records them), checked."""
@@ -97,21 +107,8 @@ class CheckedManager:
         finally:
             self.pool.wire_blocks.log = None
         self.checker.after(self.calls, method, args, result, log)
-        _assert_clean(self)
+        self._assert_clean()
         return result
-
-    def finish(self) -> dict[str, int]:
-        held = self.checker.finish(self.calls)
-        _assert_clean(self)
-        return held
-
-
-def _assert_clean(checked: Any) -> None:
-    kept = checked.checker.log.kept
-    new, checked._reported = kept[checked._reported:], len(kept)
-    for v in new:
-        if checked.invariant is None or checked.invariant in (v.invariant, f"{v.invariant}/{v.rule}"):
-            raise AssertionError(f"{checked.build}: {describe_violation(v, long=True)}")
 
 
 __all__ = ["CheckedManager", "CheckedPool"]
