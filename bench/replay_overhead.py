@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from kvreplay.builds.resolve import load_build
 from kvreplay.pool_api import SLOT_FAMILIES
 from kvreplay.replay.dispatch import make_replayer
 from kvreplay.trace.format import CHECKPOINT_METHOD
@@ -45,7 +46,8 @@ DEFAULT = ROOT / "traces" / "disagg-mtp-2000.parquet"
 
 
 def bare(trace: Path, build: str, calls: list) -> float:
-    pool = make_replayer(trace, build, check=False).pool
+    meta = TraceReader(trace).meta  # the build alone, as the trace constructs it: no replayer attached
+    pool = load_build(build, meta.family, meta.ctor_args, "cpu", meta.pool_class)
     calls = [tc for tc in calls if tc.call.method != CHECKPOINT_METHOD]  # markers, not pool calls
     # a vLLM trace's top-level block-pool rows go to the block pool's wire
     targets = [pool.wire_blocks if tc.call.target == "blocks" else pool for tc in calls]

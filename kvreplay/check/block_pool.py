@@ -7,9 +7,13 @@ checker reads the pool and the manager's block tables through the wire
 (``state_view``) and keeps its own count of owners per block, so a block listed twice
 in one free, or freed while a request still lists it, is caught at that call.
 
-Per call it looks at the blocks the call named (its nested block-pool calls) and the
-block table of the request it served; the whole pool (free-queue links, every cached
-hash) every ``full_check_every`` calls and at the end."""
+Per call it looks at the blocks the call named (its nested block-pool calls), their
+neighbours in the free queue, and the block table of the request it served; the whole
+pool (free-queue links, every cached hash) every ``full_check_every`` calls that made a
+block-pool call, and at the end. A call that made none changed no block (every change
+to a block goes through the pool's methods, which the wire sees), so counting only the
+calls that did keeps the O(pool) walk's cost in step with what can break, not with the
+decode tokens that fit their last block."""
 
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ from kvreplay.check.rules import RULES, Violation, ViolationLog
 
 
 class BlockPoolChecker:
+    # methods that change what the checker tracks without a block-pool call of their own
+    WITHOUT_NESTED = frozenset({"pop_blocks_for_free"})
+
     def __init__(self, wire: Any, *, full_check_every: int = 1000, keep: int = 20) -> None:
         self.wire = wire
         self.pool = wire.pool
@@ -30,6 +37,8 @@ class BlockPoolChecker:
         self.popped: Counter[int] = Counter()  # blocks popped for a free that has not happened yet
         self.calls = 0
         self.in_group = False  # the recorder's checkpoints ask; a block pool has no free groups
+        null = getattr(self.pool, "null_block", None)
+        self._null = null.block_id if null is not None else -1  # the pool keeps one null block for life
 
     # -- reporting --------------------------------------------------------------------------
     def _flag(self, call: int, method: str, rule_id: str, blocks: list[int], message: str) -> None:
@@ -41,19 +50,18 @@ class BlockPoolChecker:
               nested: list[tuple[str, Any]]) -> None:
         """Check what call ``call`` did: ``nested`` are its block-pool calls in order,
         each (method, the block ids it handed out or named)."""
-        self.calls += 1
-        if not nested and method != "pop_blocks_for_free":
+        if not nested and method not in self.WITHOUT_NESTED:
             # no block-pool call: no block changed hands and no block table changed (a decode
             # token that fits its last block, a lookup, a step boundary)
-            if self.full_check_every and self.calls % self.full_check_every == 0:
-                self.full_check(call, method)
             return
+        self.calls += 1
+        owners = self.owners
         named: set[int] = set()
         for m, ids in nested:
-            ids = list(ids or ())
+            ids = ids or ()
             named.update(ids)
             if m == "get_new_blocks":
-                held = [b for b in ids if self.owners[b] > 0]
+                held = [b for b in ids if owners.get(b, 0) > 0]
                 if held:
                     self._flag(call, method, "block-pool/handout-while-held", held,
                                f"get_new_blocks handed out block(s) a request still holds: {held[:8]}")
@@ -68,31 +76,42 @@ class BlockPoolChecker:
                     self.owners[b] -= 1
         if isinstance(rid, str):
             named.update(self._retable(rid))
-        for b in sorted(named):
-            self._check_block(call, method, b)
+        # A block that passes every per-block rule costs one look here; one that does not
+        # goes through _check_block for its messages.
+        blocks, null, total = self.pool.blocks, self._null, len(self.pool.blocks)
+        for b in named:
+            if b == null or not 0 <= b < total:
+                continue
+            blk = blocks[b]
+            ref, prev, nxt = blk.ref_cnt, blk.prev_free_block, blk.next_free_block
+            if (ref != owners.get(b, 0) or (ref == 0) == (prev is None and nxt is None)
+                    or (prev is not None and prev.next_free_block is not blk)
+                    or (nxt is not None and nxt.prev_free_block is not blk)):
+                self._check_block(call, method, b)
         if self.full_check_every and self.calls % self.full_check_every == 0:
             self.full_check(call, method)
 
     def _retable(self, rid: str) -> set[int]:
         """Take the request's block table from the manager; the blocks whose count changed."""
-        now = [b for b in self.wire.held_blocks(rid) if b != self._null_id()]
+        now = [b for b in self.wire.held_blocks(rid) if b != self._null]
         before = self.tables.get(rid, [])
         if now == before:
             return set()
-        self.owners.subtract(before)
-        self.owners.update(now)
         if now:
             self.tables[rid] = now
         else:
             self.tables.pop(rid, None)
+        k = len(before)
+        if len(now) > k and now[:k] == before:  # the common case: blocks appended to the table
+            added = now[k:]
+            self.owners.update(added)
+            return set(added)
+        self.owners.subtract(before)
+        self.owners.update(now)
         return set(before) | set(now)
 
-    def _null_id(self) -> int:
-        null = getattr(self.pool, "null_block", None)
-        return null.block_id if null is not None else -1
-
     def _check_block(self, call: int, method: str, b: int) -> None:
-        if b == self._null_id() or not 0 <= b < len(self.pool.blocks):
+        if b == self._null or not 0 <= b < len(self.pool.blocks):
             return
         block = self.pool.blocks[b]
         ref = block.ref_cnt
@@ -103,10 +122,17 @@ class BlockPoolChecker:
         elif ref != owners:
             self._flag(call, method, "block-pool/ref-count-not-owners", [b],
                        f"block {b} has reference count {ref}, but {owners} block table(s) list it")
-        queued = block.prev_free_block is not None or block.next_free_block is not None
+        prev, nxt = block.prev_free_block, block.next_free_block
+        queued = prev is not None or nxt is not None
         if (ref == 0) != queued and ref >= 0:
             self._flag(call, method, "block-pool/free-queue-mismatch", [b],
                        f"block {b} has reference count {ref} and is {'' if queued else 'not '}in the free queue")
+        # its neighbours must point back at it: a queue relinked wrong shows at the call that
+        # relinked it, not at the next walk of the whole queue
+        if (prev is not None and prev.next_free_block is not block) or (
+                nxt is not None and nxt.prev_free_block is not block):
+            self._flag(call, method, "block-pool/free-queue-links", [b],
+                       f"the free queue's links around block {b} do not agree")
 
     # -- the whole pool ---------------------------------------------------------------------------
     def full_check(self, call: int, method: str) -> None:
@@ -130,7 +156,7 @@ class BlockPoolChecker:
         if len(seen) != q.num_free_blocks:
             self._flag(call, method, "block-pool/free-queue-links", sorted(seen)[:8],
                        f"the free queue links {len(seen)} blocks but counts {q.num_free_blocks}")
-        null = self._null_id()
+        null = self._null
         if null in seen:
             self._flag(call, method, "block-pool/null-block-free", [null], "the null block is in the free queue")
         # Every block in bulk (one pass over plain values); the per-block check, with its
@@ -151,7 +177,7 @@ class BlockPoolChecker:
     def finish(self, call: int) -> dict[str, int]:
         """At the end: the whole pool, and with no request left, no block held."""
         self.full_check(call, "end")
-        held = [b for b, blk in enumerate(self.pool.blocks) if b != self._null_id() and blk.ref_cnt > 0]
+        held = [b for b, blk in enumerate(self.pool.blocks) if b != self._null and blk.ref_cnt > 0]
         if held and not self.tables and not +self.popped:
             self._flag(call, "end", "quiescence/held-block", held,
                        f"{len(held)} block(s) are still referenced with no request holding them")

@@ -60,6 +60,8 @@ class BlockReplayer:
         self.calls = 0
         self._methods: dict[tuple[str, str], Callable[..., Any]] = {}
         self.unsupported: str | None = None
+        self._log: list[tuple[str, Any]] = []
+        self.pool.wire_blocks.log = self._log
         self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_rows)
         if self.checker is not None:
             tl = self.timeline
@@ -71,21 +73,11 @@ class BlockReplayer:
         if self.div_counts[kind] <= self.keep:
             self.divergences.append(Divergence(call, method, kind, json_value(expected), json_value(actual), message))
 
-    def _method(self, tc: TopCall) -> Callable[..., Any] | None:
-        c = tc.call
-        owner = self.pool.wire_blocks if c.target == "blocks" else self.pool
-        if c.target == "blocks" and c.method not in VLLM_BLOCK_METHODS:
-            return None
-        fn = getattr(owner, c.method, None)
-        if fn is not None:
-            self._methods[(c.target, c.method)] = fn
-        return fn
-
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
         """Issue one recorded call; returns what the build returned or raised."""
         c, n = tc.call, tc.number
         self.calls += 1
-        fn = self._methods.get((c.target, c.method)) or self._method(tc)
+        fn = self._methods.get(c.method if c.target != "blocks" else ("blocks", c.method)) or self._method(tc)
         opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
         if fn is None or opaque:
             why = (f"build {self.build_spec} has no method {c.method}" if fn is None else
@@ -94,42 +86,52 @@ class BlockReplayer:
             if c.method != "available_size" and self.unsupported is None:
                 self.unsupported = f"{why} (call #{n})"
             return None, UNSUPPORTED
-        log: list[tuple[str, Any]] = []
-        self.pool.wire_blocks.log = log
+        log = self._log  # the wire appends this call's block-pool calls; read before the next call
+        log.clear()
         raised: BaseException | None = None
         result: Any = None
         try:
             result = fn(**c.args)
         except Exception as exc:  # the build's answer: compared with the recording's
             raised = exc
-        finally:
-            self.pool.wire_blocks.log = None
         want = c.counters.get("available")
-        avail = self.pool.available_size() if want is not None else None
+        avail = None
         if want is not None:
+            avail = self.pool.available_size()
             self.timeline.see(n, {"blocks": avail})
-        self._compare(tc, result, raised, avail, log)
-        if self.checker is not None and raised is None:
+        if raised is not None or c.exc_type is not None:
+            got_exc, why = exception_difference(c.exc_type, raised)
+            if why is not None:
+                self._diverge(n, c.method, "exception", c.exc_type, got_exc, why)
+            return result, raised
+        self._compare(tc, result, want, avail, log)
+        checker = self.checker
+        if checker is not None:
             if c.target == "blocks":  # the scheduler's own block-pool call
                 log = [(c.method, result if c.method == "get_new_blocks" else c.args.get("block_ids"))]
-            self.checker.after(n, c.method, c.args, result, log)
+            if log or c.method in checker.WITHOUT_NESTED:  # else no block changed hands (a decode
+                checker.after(n, c.method, c.args, result, log)  # token in its last block, a lookup)
         return result, raised
 
-    def _compare(self, tc: TopCall, result: Any, raised: BaseException | None, avail: int | None,
+    def _method(self, tc: TopCall) -> Callable[..., Any] | None:
+        c = tc.call
+        owner = self.pool.wire_blocks if c.target == "blocks" else self.pool
+        if c.target == "blocks" and c.method not in VLLM_BLOCK_METHODS:
+            return None
+        fn = getattr(owner, c.method, None)
+        if fn is not None:
+            self._methods[c.method if c.target != "blocks" else ("blocks", c.method)] = fn
+        return fn
+
+    def _compare(self, tc: TopCall, result: Any, want: int | None, avail: int | None,
                  log: list[tuple[str, Any]]) -> None:
+        """A call that returned, as its recording did: its result, free blocks and nested calls."""
         c, n = tc.call, tc.number
-        got_exc, why = exception_difference(c.exc_type, raised)
-        if why is not None:
-            self._diverge(n, c.method, "exception", c.exc_type, got_exc, why)
-            return
-        if raised is not None:
-            return
         recorded = c.result
         if not (recorded == result if type(recorded) is type(result) and type(result) is not torch.Tensor
                 else same(_plain(recorded), _plain(result))):
             self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
             return
-        want = c.counters.get("available")
         if want is not None and want != avail:
             self._diverge(n, c.method, "counter", [want], [avail], "free blocks after the call differ")
         if c.target == "blocks" or not (tc.nested or log):
