@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvreplay.pool_api import unit_of
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -149,4 +151,5 @@ def describe_violation(v: Any, *, long: bool = False) -> str:
     detected = get("detected_call")
     seen = f" (seen at call #{detected})" if detected != call else ""
     idx = get("indices")
-    return f"{head}{seen} [{get('sub_pool')}]" + (f" slots {idx}" if idx else "") + f": {get('message')}"
+    sub_pool = get("sub_pool")
+    return f"{head}{seen} [{sub_pool}]" + (f" {unit_of(sub_pool)} {idx}" if idx else "") + f": {get('message')}"

@@ -40,7 +40,8 @@ def render_report(r: Any) -> None:
     if r.first_violation:
         say("first violation:")
         say("  " + describe(r.first_violation, long=True), "red")
-        _capacity_line(r.capacity_assert_call, r.capacity_assert_after_calls)
+        if unit_of(r.first_violation.sub_pool) == "slots":  # sglang's capacity assertion: slot pools only
+            _capacity_line(r.capacity_assert_call, r.capacity_assert_after_calls)
     if r.divergence_counts:
         say("divergences: " + ", ".join(f"{k} {n}" for k, n in r.divergence_counts.items()))
         say("  first: " + describe(r.first_divergence, long=True), "yellow")

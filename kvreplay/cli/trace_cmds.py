@@ -17,7 +17,8 @@ from kvreplay.pool_api import unit_of
 
 @app.command()
 def synth(
-    scenario: str = typer.Argument(..., help="decode | disagg-mtp | radix-swa"),
+    scenario: str = typer.Argument(..., help="decode | disagg-mtp | radix-swa (sglang's pools) | vllm-prefix "
+                                   "(vLLM's KV-cache manager)"),
     out_path: str = typer.Option(..., "-o", "--out", help="Trace file to write (Parquet): a path or a URI."),
     requests: int = typer.Option(200, "--requests", "-n", help="Number of requests to run."),
     seed: int = typer.Option(0, help="Seed for the request generator and accept lengths."),
@@ -44,9 +45,14 @@ def synth(
         0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Drive a pool the way an SGLang decode server does; record the trace.
+    """Drive a pool the way a decode server's scheduler does; record the trace.
+
+    sglang's scheduler on its token, paged or SWA pool, or vLLM's on its
+    KV-cache manager (vllm-prefix: --block-tokens is the block size,
+    --full-size the pool's tokens).
 
     Example: kvreplay synth disagg-mtp --requests 2000 -o /tmp/t.parquet
+    Example: kvreplay synth vllm-prefix --requests 300 --block-tokens 32 -o /tmp/v.parquet
     """
     from kvreplay.workload.synth import SynthConfig, synthesize
 

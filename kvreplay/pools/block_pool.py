@@ -189,6 +189,9 @@ class BlockManager:
 
     engine = "kvreplay"
     pool_class: type[BlockPool] = BlockPool  # a bug variant may break the pool
+    # vLLM since #11565 takes a reference on a prefix hit's blocks only once the request's
+    # new blocks are known to fit; before it, first (block_variants.py)
+    pins_hit_before_room_check = False
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
@@ -267,6 +270,9 @@ class BlockManager:
         num_local = req.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local, self.max_model_len)
         watermark = self.watermark_blocks if has_scheduled_reqs and _status(req) in ("WAITING", "PREEMPTED") else 0
+        pinned = bool(self.pins_hit_before_room_check and new_list and rid not in self.num_cached_block)
+        if pinned and self.enable_caching:
+            self.wire_blocks.touch([b.block_id for b in new_list])
         if full_sequence_must_fit:
             need = self._to_allocate(rid, min(req.num_tokens, self.max_model_len), new_list, num_local)
             if need + watermark > self.pool.get_num_free_blocks():
@@ -277,7 +283,7 @@ class BlockManager:
         if need + watermark > self.pool.get_num_free_blocks() - reserved_blocks:
             return None
         if computed is not None:
-            self._add_computed(rid, new_list, num_local)
+            self._add_computed(rid, new_list, num_local, pinned)
         new_blocks = self._allocate_new(rid, need_slot)
         if not delay_cache_blocks:
             self._cache(req, min(total_computed + num_new_tokens, req.num_tokens))
@@ -294,12 +300,12 @@ class BlockManager:
             raise NotImplementedError("a prefix hit ending inside a block (copy-on-write) is not built in")
         return new + evictable
 
-    def _add_computed(self, rid: str, blocks: list[Block], num_local: int) -> None:
+    def _add_computed(self, rid: str, blocks: list[Block], num_local: int, pinned: bool = False) -> None:
         if rid in self.num_cached_block:
             return
         table = self.req_to_blocks.setdefault(rid, [])
         assert not table
-        if self.enable_caching:
+        if self.enable_caching and not pinned:
             self.wire_blocks.touch([b.block_id for b in blocks])
         table.extend(blocks)
         self.num_cached_block[rid] = len(table)

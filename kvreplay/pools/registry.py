@@ -45,6 +45,8 @@ BUILTINS: dict[str, BuiltinBuild] = {
                      "#36081: grouped free_swa reads the mapping at free_group_end"),
         BuiltinBuild("vllm", "vllm", "kvreplay.pools.block_pool:BlockManager",
                      "vLLM v1 KV-cache manager: one full-attention group, prefix caching, as vllm 0.32"),
+        BuiltinBuild("vllm@pin-before-room-check", "vllm", "kvreplay.pools.block_variants:PinBeforeRoomCheckManager",
+                     "vLLM #11565: allocate_slots pins a prefix hit before it knows the request fits"),
     ]
 }
 # The correct pool of each family: what a trace of that family replays clean on.
