@@ -29,10 +29,10 @@ import torch
 
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
-from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, SLOT_FAMILIES, method_kind
+from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, SLOT_FAMILIES, VLLM_HOUSEKEEPING, method_kind
 from kvreplay.recorder.recording import record
-from kvreplay.replay.dispatch import replay
-from kvreplay.replay.replayer import Replayer, start_point
+from kvreplay.replay.dispatch import make_replayer, replay
+from kvreplay.replay.replayer import start_point
 from kvreplay.replay.report import Failure, describe
 from kvreplay.trace.format import TopCall
 from kvreplay.trace.location import is_remote, output_path, publish
@@ -150,6 +150,42 @@ class Dependencies:
         return sorted(by_root.values(), key=lambda g: g[0])
 
 
+class RequestDependencies(Dependencies):
+    """Dependencies among a block-pool trace's calls (vLLM's manager): every later call
+    of a request hangs on its admission (its first call and its first ``allocate_slots``);
+    a scheduler's own free of blocks it popped hangs on that pop. The calls between
+    admission and free do not hang on each other: each ``allocate_slots`` asks for the
+    blocks the request needs up to its length, whichever growth came before it, so
+    a decode step can go alone. Step boundaries, cache resets and evictions depend on
+    nothing, and a prefix hit on another request's blocks is no dependency: remap mode
+    hands the call the build's own hit."""
+
+    def __init__(self, calls: Sequence[TopCall]) -> None:
+        n = len(calls)
+        self.needs = [set() for _ in range(n)]
+        self.partner = {}
+        admitted: dict[str, list[int]] = {}  # request -> its first call, its first allocate_slots
+        popped: dict[int, int] = {}  # block id -> the pop that handed it to the scheduler
+        for i, tc in enumerate(calls):
+            c = tc.call
+            rid = c.args.get("request_id")
+            if isinstance(rid, str):
+                anchors = admitted.setdefault(rid, [])
+                self.needs[i].update(anchors)
+                if not anchors or (len(anchors) == 1 and c.method == "allocate_slots"
+                                   and calls[anchors[0]].call.method != "allocate_slots"):
+                    anchors.append(i)
+            if c.method == "pop_blocks_for_free" and isinstance(c.result, tuple):
+                popped.update((b, i) for b in c.result)
+            ids = c.args.get("block_ids")
+            if c.target == "blocks" and isinstance(ids, tuple):
+                self.needs[i].update(popped[b] for b in ids if b in popped)
+        self.users = [[] for _ in range(n)]
+        for i, needs in enumerate(self.needs):
+            for p in needs:
+                self.users[p].append(i)
+
+
 class Subject:
     """A trace, a build and the failure to keep; ``fails`` replays a subset."""
 
@@ -168,17 +204,15 @@ class Subject:
         self.reader = TraceReader(trace)
         self.reader.check_calls()  # once, not per candidate: candidates replay with checked=True
         self.meta = self.reader.meta
-        if self.meta.family not in SLOT_FAMILIES:
-            raise BadInput(f"{self.reader.path.name} is a {self.meta.family} trace: minimize shrinks traces of "
-                           f"token slots ({', '.join(SLOT_FAMILIES)}) only, so far")
+        self.slots = self.meta.family in SLOT_FAMILIES  # else block ids (vLLM's manager)
         self.start = start_point(self.reader, after_gap=False)
         self.calls: list[TopCall] = []  # decoded up to the failure by first_failure
         self.deps: Dependencies | None = None
         self.tests = 0
 
-    def _replayer(self, check: bool = True, build: BuildSpec | None = None) -> Replayer:
-        return Replayer(self.trace, build or self.build, mode="remap", device=self.device, keep=1 << 30,
-                        check=check, reader=self.reader, start=self.start, checked=True)
+    def _replayer(self, check: bool = True, build: BuildSpec | None = None) -> Any:
+        return make_replayer(self.trace, build or self.build, mode="remap", device=self.device, keep=1 << 30,
+                             check=check, reader=self.reader, start=self.start, checked=True)
 
     def first_failure(self, invariant: str | None = None) -> tuple[Failure, int]:
         """The failure of the trace to keep, and the position of the call showing it.
@@ -199,8 +233,11 @@ class Subject:
                 break
         if found is None and self.calls:
             r.checker.finish(self.calls[-1].number)
-        main = r.view.subs["full"] if "full" in r.view.subs else r.view.subs["pool"]
-        self.deps = Dependencies(self.calls, main.capacity + main.page_size, main.page_size)
+        if self.slots:
+            main = r.view.subs["full"] if "full" in r.view.subs else r.view.subs["pool"]
+            self.deps = Dependencies(self.calls, main.capacity + main.page_size, main.page_size)
+        else:
+            self.deps = RequestDependencies(self.calls)
         position = {tc.number: i for i, tc in enumerate(self.calls)}
         vs = sorted(log.kept, key=lambda v: (v.detected_call, v.call))
         vs = [v for v in vs if wanted(v)]
@@ -222,7 +259,7 @@ class Subject:
             return False
         return self.reference is None or not self._shows(self.reference, kept, failure, any_method=True)
 
-    def drive(self, r: Replayer, kept: Sequence[int]) -> Iterator[TopCall]:
+    def drive(self, r: Any, kept: Sequence[int]) -> Iterator[TopCall]:
         """Issue the calls at ``kept`` on ``r``, yielding each one issued. An allocation
         that hands out nothing (or another count than recorded) where the recording got
         slots takes down the calls that name those slots: they are skipped."""
@@ -235,9 +272,7 @@ class Subject:
                 continue
             tc = self.calls[i]
             result, _ = r.step(tc)
-            want = tc.call.result
-            if (tc.call.method in ALLOCS and isinstance(want, torch.Tensor)
-                    and not (isinstance(result, torch.Tensor) and result.numel() == want.numel())):
+            if _lost(tc.call.method, tc.call.result, result):
                 dead.add(i)
             yield tc
 
@@ -263,6 +298,15 @@ class Subject:
             r.checker.finish(last)
             return hit(log.kept[seen:])
         return False
+
+
+def _lost(method: str, want: Any, got: Any) -> bool:
+    """Did the build hand out nothing (or another count of slots) where the recording
+    got something: slots from an allocation, or a vLLM manager's blocks, None meaning
+    the request did not fit? The calls that use what it handed out are then moot."""
+    if method in ALLOCS and isinstance(want, torch.Tensor):
+        return not (isinstance(got, torch.Tensor) and got.numel() == want.numel())
+    return method == "allocate_slots" and want is not None and got is None
 
 
 class _Clock:
@@ -325,6 +369,9 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     spec = BuildSpec.parse(build)  # once, handed down to every candidate
     ref = spec.base if reference == "auto" else reference
     subject = Subject(trace, spec, device, ref)
+    if emit_test is not None and not subject.slots:
+        raise BadInput("--emit-test writes sglang allocator calls; for a vLLM trace the minimal trace itself is "
+                       "the reproducer (kvreplay replay it)")
     failure, at = subject.first_failure(invariant)
     if subject.reference is not None and subject._shows(subject.reference, range(at + 1), failure, any_method=True):
         raise BadInput(f"the reference build {ref} shows the same {failure.id} failure on this trace; "
@@ -345,6 +392,7 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     on_size(len(kept))
     for cut in (
         [i for i in kept if subject.calls[i].call.method not in COUNTER_METHODS],
+        [i for i in kept if subject.calls[i].call.method not in VLLM_HOUSEKEEPING],
         sorted(deps.cone(at)),
     ):
         if len(cut) < len(kept) and not clock.up and test(cut):
@@ -396,4 +444,4 @@ def rebase(subject: Subject, kept: Sequence[int], out: Path, failure: Failure) -
     return out
 
 
-__all__ = ["Dependencies", "MinimizeResult", "Subject", "ddmin", "minimize", "rebase"]
+__all__ = ["Dependencies", "MinimizeResult", "RequestDependencies", "Subject", "ddmin", "minimize", "rebase"]

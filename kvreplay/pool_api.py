@@ -60,6 +60,11 @@ API_METHODS = frozenset(RECORDED_METHODS) | frozenset(VLLM_METHODS)  # a trace's
 VLLM_VOID_METHODS = frozenset({"free_request", "cache_blocks", "remove_skipped_blocks", "evict_blocks",
                                "new_step_starts", "free_blocks", "touch"})
 
+# vLLM calls that hand out and free nothing when the build needs no work at their point
+# (full attention has no window to slide, no state-space blocks to step): minimize tries
+# a trace without all of them at once before it tries calls one by one.
+VLLM_HOUSEKEEPING = frozenset({"new_step_starts", "remove_skipped_blocks"})
+
 # Calls whose result is always None: a None from them is not an out-of-memory answer.
 VOID_METHODS = FREES | GROUP_METHODS | MAPPING_METHODS | OTHER_METHODS | VLLM_VOID_METHODS
 

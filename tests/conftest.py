@@ -93,6 +93,9 @@ SLOW_TESTS = {
     "test_demo_writes_the_bug_runs_report_and_it_opens",
     "test_a_hive_partitioned_dump_is_a_corpus",
     "test_ci_on_s3_with_ray_stores_the_same_runs",
+    # the README's tour on a vLLM trace (its minimize is half a minute), a vLLM minimize
+    "test_the_readme_tour_runs_on_a_vllm_trace",
+    "test_minimize_shrinks_a_vllm_trace_to_calls_that_still_leak",
     # the docs pages' commands, run as written (the production-size synth among them)
     "test_the_docs_commands_of_this_tier_run",
     # 2,000 fuzzed traces, 500 manifests

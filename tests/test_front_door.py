@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -83,10 +84,11 @@ def _tour() -> list[str]:
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
-def test_the_readme_tour_runs_in_order(tmp_path):
+def _run_tour(tmp_path: Path, lines: list[str]) -> tuple[list[int], list[str], str]:
+    """Run the tour's steps in order, in one shell; its last (serve) is asked for its
+    first page. The exit code and output of each step before it, and that page."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
     script = tmp_path / "tour.sh"
-    lines = [line.replace("/tmp/", f"{tmp_path}/") for line in _tour()]
     assert lines[0].startswith("export KVREPLAY_DB=") and lines[-1] == "kvreplay serve"
     # serve runs until stopped: the tour's last step is checked by asking it for a page.
     body = ["set -u", *[f"{line} > {tmp_path}/step{i}.out 2>&1; echo \"$?\" > {tmp_path}/step{i}.rc"
@@ -106,21 +108,72 @@ def test_the_readme_tour_runs_in_order(tmp_path):
             time.sleep(0.2)
         assert url, "serve never said where it listens"
         page = urllib.request.urlopen(url + "/", timeout=10).read().decode()
-        assert "stale-tail" in page
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=30)
     rc = [int((tmp_path / f"step{i}.rc").read_text()) for i in range(len(lines) - 1)]
     out = [(tmp_path / f"step{i}.out").read_text() for i in range(len(lines) - 1)]
-    expected = {i: (1 if "stale-tail" in line and line.startswith("kvreplay replay") or "kvreplay diff" in line
-                    else 0) for i, line in enumerate(lines[:-1])}
-    assert rc == [expected[i] for i in range(len(rc))], list(zip(lines, rc, [o[-300:] for o in out], strict=False))
+    return rc, out, page
+
+
+def _found_something(line: str, variant: str) -> bool:
+    """A tour step that must exit 1: a replay on the bug variant, the diff of two builds."""
+    return (variant in line and line.startswith("kvreplay replay")) or line.startswith("kvreplay diff")
+
+
+def test_the_readme_tour_runs_in_order(tmp_path):
+    lines = [line.replace("/tmp/", f"{tmp_path}/") for line in _tour()]
+    rc, out, page = _run_tour(tmp_path, lines)
+    assert "stale-tail" in page
+    expected = [1 if _found_something(line, "stale-tail") else 0 for line in lines[:-1]]
+    assert rc == expected, list(zip(lines, rc, [o[-300:] for o in out], strict=False))
     step = {line.split()[1]: o for line, o in zip(lines, out, strict=False) if line.startswith("kvreplay")}
     assert "stored as run 2" in out[lines.index(next(x for x in lines if "stale-tail" in x))]
     assert "released-page-keeps-peer" in step["show"] and "#49" in step["show"]
     assert "tail-prealloc-nontail-mapped" in step["show"] and "#519" in step["show"]
     assert (tmp_path / "run2.html").stat().st_size > 10_000
     assert "#178" in step["diff"]
+
+
+# The README's tour on a vLLM trace: its synth makes vLLM's scheduler's calls instead (the live
+# trace's requests on a pool where admissions wait for room), every trace it names is that
+# one, and sglang's builds are vLLM's (docs/vllm.md says so).
+VLLM_SYNTH = ["vllm-prefix", "--requests", "120", "--workload", "workloads/mooncake/synthetic_trace.jsonl",
+              "--length-scale", "0.03", "--output-scale", "0.5", "--block-tokens", "32", "--full-size", "8192",
+              "--max-running", "32", "--speedup", "1000000"]
+VLLM_VARIANT = "builtin:vllm@pin-before-room-check"
+
+
+def _on_vllm(line: str, trace: str) -> str:
+    words = shlex.split(line)
+    if words[:2] == ["kvreplay", "synth"]:
+        return shlex.join(["kvreplay", "synth", *VLLM_SYNTH, "-o", trace])
+    out: list[str] = []
+    for w in words:
+        if w.endswith(".parquet") and (not out or out[-1] not in ("-o", "--out")):  # a trace read, not written
+            w = trace
+        elif w.startswith("builtin:swa@"):
+            w = VLLM_VARIANT
+        elif w == "builtin:swa":
+            w = "builtin:vllm"
+        out.append(w)
+    return line if not line.startswith("kvreplay") else shlex.join(out)
+
+
+def test_the_readme_tour_runs_on_a_vllm_trace(tmp_path):
+    trace = f"{tmp_path}/vllm.parquet"
+    lines = [_on_vllm(line.replace("/tmp/", f"{tmp_path}/"), trace) for line in _tour()]
+    assert any("vllm-prefix" in x for x in lines) and any(VLLM_VARIANT in x for x in lines)
+    rc, out, page = _run_tour(tmp_path, lines)
+    assert "pin-before-room-check" in page
+    expected = [1 if _found_something(line, VLLM_VARIANT) else 0 for line in lines[:-1]]
+    assert rc == expected, list(zip(lines, rc, [o[-300:] for o in out], strict=False))
+    step = {line.split()[1]: o for line, o in zip(lines, out, strict=False) if line.startswith("kvreplay")}
+    assert "blocks" in step["inspect"]
+    assert "ref-count-not-owners" in step["show"] and "allocate_slots" in step["show"]
+    assert (tmp_path / "run2.html").stat().st_size > 10_000
+    assert "allocate_slots" in step["diff"]
+    assert "ref-count-not-owners" in step["minimize"]
 
 
 def test_slow_tests_are_marked_in_one_place():

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from kvreplay.minimize import minimize
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.profile import profile
 from kvreplay.workload.synth import SynthConfig, synthesize
@@ -151,10 +152,67 @@ def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_pat
 
 @pytest.mark.parametrize("args, said", [
     (["replay", str(LIVE), "--build", "builtin:swa"], "records a vllm pool but builtin:swa is a swa pool"),
-    (["replay", str(LIVE), "--build", "builtin:vllm", "--mode", "remap"], "strict mode only"),
-    (["minimize", str(LIVE), "-b", "builtin:vllm", "-o", "small.parquet"], "is a vllm trace"),
+    (["minimize", str(LIVE), "-b", "builtin:vllm", "-o", "small.parquet"], "nothing to minimize"),
+    (["minimize", str(LIVE), "-b", "builtin:vllm@pin-before-room-check", "-o", "small.parquet", "--emit-test",
+      "t.py"], "the minimal trace itself is the reproducer"),
 ])
 def test_what_does_not_speak_the_family_says_so_in_one_line(args, said, tmp_path):
     out = kvreplay(*args, *(["--no-store"] if args[0] == "replay" else []), cwd=tmp_path)
     assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.fixture(scope="module")
+def crowded_trace(tmp_path_factory):
+    """The live trace's requests on a pool of 256 blocks with 32 running: admissions wait for room."""
+    out = tmp_path_factory.mktemp("vllm") / "crowded.parquet"
+    synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=120, workload=MOONCAKE, length_scale=0.03,
+                           output_scale=0.5, block_tokens=32, full_size=8192, max_running=32, speedup=1e9))
+    return out
+
+
+def test_pinning_a_prefix_hit_before_the_room_check_is_named_at_that_allocate_slots(crowded_trace):
+    """vLLM #11565: the leaked hit is found at the allocate_slots that returned None, in
+    strict and in remap mode; the correct manager replays the same trace clean in both."""
+    for mode in ("strict", "remap"):
+        assert replay(crowded_trace, "builtin:vllm", mode=mode).status == "clean"
+        r = replay(crowded_trace, "builtin:vllm@pin-before-room-check", mode=mode)
+        first = r.first_violation
+        assert first is not None and f"{first.invariant}/{first.rule}" == "block-pool/ref-count-not-owners"
+        assert first.method == "allocate_slots" and first.detected_call == first.call
+
+
+def test_remap_hands_a_request_the_builds_own_prefix_hit(crowded_trace, tmp_path):
+    """Another manager finds other hits: remap gives allocate_slots the build's lookup,
+    its tokens in place of the recorded ones, and the replay stays clean."""
+    from kvreplay.replay.blocks import BlockRemap
+
+    remap = BlockRemap(32)
+
+    class Call:
+        method, target = "allocate_slots", "manager"
+        args = {"request_id": "r", "num_new_tokens": 100, "num_new_computed_tokens": 64,
+                "new_computed_blocks": (1, 2, 5, 6)}
+
+    class Lookup:
+        method, target, result = "get_computed_blocks", "manager", (64, 0, 1, 2, 5, 6)
+        args = {"request_id": "r"}
+
+    class Top:
+        call, nested = Lookup, []
+
+    remap.learn(Top, Lookup.args, (32, 0, 1, 1, 9), [])
+    got = remap.args(Call)
+    assert got["new_computed_blocks"] == (1, 1, 9) and got["num_new_computed_tokens"] == 32
+    assert got["num_new_tokens"] == 132  # the request reaches the same length: 164 tokens
+
+
+def test_minimize_shrinks_a_vllm_trace_to_calls_that_still_leak(crowded_trace, tmp_path):
+    out = tmp_path / "small.parquet"
+    res = minimize(crowded_trace, "builtin:vllm@pin-before-room-check", out)
+    assert res.calls_after < res.calls_before / 20
+    assert "ref-count-not-owners" in res.shows
+    assert replay(out, "builtin:vllm@pin-before-room-check").first_violation.rule == "ref-count-not-owners"
+    # on the correct manager the kept calls break no rule (its answers differ from the recording's:
+    # the recording is the leaking build's)
+    assert not replay(out, "builtin:vllm").violation_counts

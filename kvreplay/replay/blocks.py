@@ -23,7 +23,8 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.block_pool import BlockPoolChecker
 from kvreplay.errors import BadInput, one_of
 from kvreplay.pool_api import VLLM_BLOCK_METHODS
-from kvreplay.replay.compare import exception_difference, json_value, same
+from kvreplay.pools.block_wire import EMPTY, groups_in, groups_out
+from kvreplay.replay.compare import block_remap_difference, exception_difference, json_value, same
 from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.replayer import UNSUPPORTED, compose_report, few_collections
 from kvreplay.replay.report import MODES, ReplayReport
@@ -40,8 +41,6 @@ class BlockReplayer:
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
                  checked: bool = False, **_: Any) -> None:
         self.mode = one_of("mode", mode, MODES)
-        if self.mode != "strict":
-            raise BadInput("vLLM traces replay in strict mode only (remap is not built for block ids yet)")
         self.reader = reader or TraceReader(trace)
         if not checked:
             self.reader.check_calls()
@@ -52,6 +51,9 @@ class BlockReplayer:
         self.build_spec = str(build)
         self.device = resolve_device(device)
         self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
+        # the free-block count read through the method as built: a recorder started on this
+        # pool afterwards (minimize's rebase) wraps the pool's methods, and must not see the reads
+        self._available = self.pool.available_size
         self.checker = BlockPoolChecker(self.pool, full_check_every=full_check_every, keep=keep) if check else None
         self.stop_at_first = stop_at_first
         self.keep = keep
@@ -61,6 +63,7 @@ class BlockReplayer:
         self._methods: dict[tuple[str, str], Callable[..., Any]] = {}
         self.unsupported: str | None = None
         self._log: list[tuple[str, Any]] = []
+        self.remap = BlockRemap(int(self.meta.ctor_args["block_size"])) if self.mode == "remap" else None
         self.pool.wire_blocks.log = self._log
         self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_rows)
         if self.checker is not None:
@@ -90,27 +93,34 @@ class BlockReplayer:
         log.clear()
         raised: BaseException | None = None
         result: Any = None
+        args = c.args if self.remap is None else self.remap.args(c)
         try:
-            result = fn(**c.args)
+            result = fn(**args)
         except Exception as exc:  # the build's answer: compared with the recording's
             raised = exc
         want = c.counters.get("available")
         avail = None
         if want is not None:
-            avail = self.pool.available_size()
+            avail = self._available()
             self.timeline.see(n, {"blocks": avail})
         if raised is not None or c.exc_type is not None:
             got_exc, why = exception_difference(c.exc_type, raised)
             if why is not None:
                 self._diverge(n, c.method, "exception", c.exc_type, got_exc, why)
             return result, raised
-        self._compare(tc, result, want, avail, log)
+        if self.remap is None:
+            self._compare(tc, result, want, avail, log)
+        else:
+            self.remap.learn(tc, args, result, log)
+            why = block_remap_difference(c.result, result)
+            if why is not None:
+                self._diverge(n, c.method, "result", c.result, result, why)
         checker = self.checker
         if checker is not None:
             if c.target == "blocks":  # the scheduler's own block-pool call
-                log = [(c.method, result if c.method == "get_new_blocks" else c.args.get("block_ids"))]
+                log = [(c.method, result if c.method == "get_new_blocks" else args.get("block_ids"))]
             if log or c.method in checker.WITHOUT_NESTED:  # else no block changed hands (a decode
-                checker.after(n, c.method, c.args, result, log)  # token in its last block, a lookup)
+                checker.after(n, c.method, args, result, log)  # token in its last block, a lookup)
         return result, raised
 
     def _method(self, tc: TopCall) -> Callable[..., Any] | None:
@@ -177,6 +187,63 @@ class BlockReplayer:
             stopped=stopped, translated={}, unsupported=self.unsupported, timeline=self.timeline.to_dict())
         report.cpu_s = time.process_time() - c0
         return report
+
+
+class BlockRemap:
+    """Remap mode's translation of recorded block ids into the build's own.
+
+    The scheduler names blocks only where the manager handed them to it: a prefix hit
+    (``get_computed_blocks``) that it passes back to ``allocate_slots``, and the blocks
+    ``pop_blocks_for_free`` gave it, which it frees itself. So a call is issued with the
+    build's answer to the request's last lookup, its hit tokens in place of the
+    recorded ones (the new tokens grown or shrunk by the difference, so the request
+    reaches the same length), and a scheduler's free with the ids the build popped.
+    Other recorded ids go through what the build handed out in their place."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.hits: dict[str, tuple[Any, Any]] = {}  # request -> (recorded lookup, the build's)
+        self.ids: dict[int, int] = {}  # recorded block id -> the build's, as handed out
+
+    def args(self, c: Any) -> dict[str, Any]:
+        a = c.args
+        if c.method == "allocate_slots" and a.get("new_computed_blocks") is not None:
+            looked = self.hits.pop(a.get("request_id"), None)
+            if looked is not None:
+                return self._with_hit(a, *looked)
+        if "block_ids" in a and a["block_ids"] is not None:
+            return {**a, "block_ids": tuple(self.ids.get(b, b) for b in a["block_ids"])}
+        return a
+
+    def _with_hit(self, a: dict[str, Any], recorded: Any, got: Any) -> dict[str, Any]:
+        if not (isinstance(recorded, tuple) and isinstance(got, tuple)) or len(got) < 3:
+            return a
+        rec_tokens, got_tokens = int(recorded[0]), int(got[0])
+        new = int(a.get("num_new_tokens", 0))
+        end = int(a.get("num_new_computed_tokens", 0)) + new  # where the recorded call left the request
+        blocks = got[2:]
+        if got_tokens > end - 1 and got_tokens > 0:  # a longer hit than the call covers: keep what fits
+            groups = groups_in(blocks) or []
+            keep = max(end - 1, 0) // self.block_size
+            groups = [g[:keep] for g in groups]
+            blocks = groups_out(groups) if keep else EMPTY
+            got_tokens = keep * self.block_size
+        return {**a, "new_computed_blocks": blocks, "num_new_computed_tokens": got_tokens,
+                "num_new_tokens": max(new + rec_tokens - got_tokens, 0) if rec_tokens != got_tokens else new}
+
+    def learn(self, tc: Any, args: dict[str, Any], result: Any, log: list[tuple[str, Any]]) -> None:
+        c = tc.call
+        if c.method == "get_computed_blocks" and isinstance(args.get("request_id"), str):
+            self.hits[args["request_id"]] = (c.result, result)
+        elif c.method == "pop_blocks_for_free" and isinstance(c.result, tuple) and isinstance(result, tuple):
+            self.ids.update(zip(c.result, result, strict=False))
+        elif c.method == "get_new_blocks" and isinstance(c.result, tuple) and isinstance(result, tuple):
+            self.ids.update(zip(c.result, result, strict=False))
+        rec = [x.result for x in tc.nested if x.method == "get_new_blocks"]
+        got = [r for m, r in log if m == "get_new_blocks"]
+        for r_ids, g_ids in zip(rec, got, strict=False):
+            if isinstance(r_ids, tuple) and isinstance(g_ids, tuple):
+                self.ids.update(zip(r_ids, g_ids, strict=False))
 
 
 def _plain(v: Any) -> Any:

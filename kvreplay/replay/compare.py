@@ -34,6 +34,16 @@ def exception_difference(recorded: str | None, raised: BaseException | None) -> 
                  + (f": {raised}" if raised is not None else ""))
 
 
+def block_remap_difference(recorded: Any, got: Any) -> str | None:
+    """Remap equality for a block pool's answers: the block ids are the build's own and
+    so are its prefix hits (their length, the tokens they cover), which another build or
+    a trace with calls removed finds differently; what a caller can still tell apart is
+    an answer against None (an allocation that did not fit)."""
+    if (recorded is None) != (got is None):
+        return "None where the recording has a value, or the reverse"
+    return None
+
+
 def remap_difference(recorded: Any, got: Any) -> str | None:
     """Remap equality, the one definition (the replayer's and ``diff``'s): what a caller
     can tell apart when slot numbers are the build's own. None where ``got`` is alike
