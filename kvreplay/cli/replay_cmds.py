@@ -42,7 +42,8 @@ def replay(
     timeout: float = typer.Option(1800.0, "--timeout", help="git: builds: give up on the worker after this many "
                                   "seconds (status timeout)."),
     device: str = typer.Option("auto", help="auto (cuda when available), cpu or cuda[:N]."),
-    full_check_every: int = typer.Option(1000, help="Run the O(pool) checks every N calls (0: only at the end)."),
+    full_check_every: int = typer.Option(1000, help="Run the O(pool) checks every N calls (on a vLLM trace, N "
+                                         "calls that made a block-pool call; 0: only at the end)."),
     stop_first: bool = typer.Option(False, "--stop-first/--go-on", help="Stop at the first violation or divergence."),
     after_gap: bool = typer.Option(False, "--after-gap", help="For a trace where the recorder lost calls: replay "
                                    "only the calls after the last gap, from the pool state recorded there."),

@@ -102,12 +102,12 @@ def text_value(v: Any) -> str:
     if isinstance(v, torch.Tensor) or (isinstance(v, list) and v and isinstance(v[0], tuple)):
         v = json_value(v)
     if isinstance(v, dict) and "len" in v:
-        return f"{v['len']} slots [{', '.join(map(str, v['first'][:8]))}, ...]"
+        return f"{v['len']} values [{', '.join(map(str, v['first'][:8]))}, ...]"
     if isinstance(v, list) and v and isinstance(v[0], dict) and "slots" in v[0]:
         return f"{len(v)} segment(s)"
-    if isinstance(v, list):
+    if isinstance(v, list):  # slot indices, or a block pool's wire values: counted, not named
         shown = ", ".join(map(str, v[:8]))
-        return f"{len(v)} slots [{shown}{', ...' if len(v) > 8 else ''}]" if len(v) != 1 else f"[{shown}]"
+        return f"{len(v)} values [{shown}{', ...' if len(v) > 8 else ''}]" if len(v) != 1 else f"[{shown}]"
     if v is None:
         return "None"
     return str(v)
