@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -202,3 +204,57 @@ def run_page_block(block: str, tmp: Path, work: Path, port_written: str, timeout
         out[line] = (int(rc.read_text()) if rc.exists() else -1,
                      said.read_text(errors="replace")[-1500:] if said.exists() else "")
     return out
+
+
+class RecordedServer:
+    """``kvreplay record --out DIR -- SERVER...`` in its own process group, up once its
+    ``/health`` answers; ``stop(sig)`` signals kvreplay record as a terminal would, and
+    ``kill`` takes the whole group down. The live tiers' sglang and vLLM servers are
+    this with their own command line (``server(port)``) and load."""
+
+    def __init__(self, out: Path, server: Callable[[int], list[str]], *, start_s: float, name: str = "server",
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.out = out
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = out.parent / f"{name}-{self.port}.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - kept for the test's life
+        cmd = [sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), "--", *server(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + start_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} while starting: {self.tail()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(1)
+        self.kill()
+        pytest.fail(f"server not up within {start_s:.0f} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return self.log_path.read_bytes()[-3000:].decode(errors="replace")
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 180) -> int:
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"kvreplay record did not end {timeout:.0f} s after signal {sig}: {self.tail()}")
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def finished_traces(out: Path) -> list[Path]:
+    """The traces a recording left in ``out``, none of them unfinished."""
+    assert not list(out.glob("*.tmp")), "a trace was left unfinished"
+    return sorted(out.glob("kvreplay-*.parquet"))

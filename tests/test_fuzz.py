@@ -55,6 +55,10 @@ def bases(tmp_path_factory):
         path = out / f"{scenario}.parquet"
         synthesize(SynthConfig(scenario=scenario, out=path, requests=6, **kw))
         made.append((scenario, pq.read_table(path), build))
+    path = out / "vllm-prefix.parquet"  # vLLM's family: requests, block ids, hashes
+    synthesize(SynthConfig(scenario="vllm-prefix", out=path, requests=6, block_tokens=16, full_size=1024,
+                           max_running=4))
+    made.append(("vllm-prefix", pq.read_table(path), "builtin:vllm"))
     made.append(("none-leak", pq.read_table(CORPUS / "sglang-0.5.23-decode-none-leak.parquet"), "builtin:swa"))
     return made
 
@@ -77,11 +81,14 @@ def _fuzz_traces(cases: int, seed: int, bases, tmp_path: Path, cli) -> dict[int,
         path = tmp_path / f"case-{i}.parquet"
         what = f"seed {seed} case {i} ({name}, {mutate_trace(rng, table, path)})"
         db = tmp_path / f"k-{i}.db"
-        for argv in (["replay", str(path), "-b", build, "--db", str(db), "--device", "cpu"], ["inspect", str(path)]):
+        replays = [["replay", str(path), "-b", build, "--db", str(db), "--device", "cpu"]]
+        if name == "vllm-prefix":  # remap hands block ids from the trace to the build: damaged ones too
+            replays.append(["replay", str(path), "-b", build, "--mode", "remap", "--no-store"])
+        for argv in (*replays, ["inspect", str(path)]):
             with deadline(CASE_TIMEOUT_S, what):
                 res = cli(*argv)
             _check(res, argv, what, db if argv[0] == "replay" else None)
-            if argv[0] == "replay":
+            if argv is replays[0]:
                 exits[res.returncode] = exits.get(res.returncode, 0) + 1
         path.unlink(missing_ok=True)
         db.unlink(missing_ok=True)

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from servers import free_port, pids, run_page_block
+from servers import RecordedServer, finished_traces, pids, run_page_block
 
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
@@ -47,56 +45,21 @@ def models(tmp_path_factory):
     return {"llama": _tiny(base / "llama"), "swa": _tiny(base / "swa", swa=128)}
 
 
-class Server:
-    """``kvreplay record --out DIR -- python -m sglang.launch_server ...`` in its own
-    process group; ``stop(sig)`` signals kvreplay record as a terminal would."""
+class Server(RecordedServer):
+    """A recorded ``python -m sglang.launch_server`` of a tiny model on CPU."""
 
     def __init__(self, model: Path, out: Path, page_size: int, *extra: str, small: bool = True) -> None:
-        self.port = free_port()
-        self.out = out
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(out.parent / f"server-{self.port}.log", "wb")  # noqa: SIM115 - kept for the test's life
-        cmd = [sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), "--",
-               sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
-               "--device", "cpu", "--model-impl", "transformers", "--page-size", str(page_size),
-               "--port", str(self.port), "--disable-cuda-graph", "--mem-fraction-static", "0.05",
-               *(("--max-total-tokens", "65536") if small else ()), "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} while starting: {self.tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2).read()
-                return
-            except OSError:
-                time.sleep(1)
-        self.kill()
-        pytest.fail(f"server not up within {START_S:.0f} s: {self.tail()}")
-
-    def tail(self) -> str:
-        self.log.flush()
-        return (self.out.parent / f"server-{self.port}.log").read_bytes()[-3000:].decode(errors="replace")
+        super().__init__(out, lambda port: [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
+            "--device", "cpu", "--model-impl", "transformers", "--page-size", str(page_size),
+            "--port", str(port), "--disable-cuda-graph", "--mem-fraction-static", "0.05",
+            *(("--max-total-tokens", "65536") if small else ()), "--log-level", "warning", *extra],
+            start_s=START_S)
 
     def drive(self, n: int, **kw) -> object:
         reqs = load_requests(MOONCAKE, count=n, seed=0, block_tokens=16, length_scale=0.03,
                              output_scale=kw.pop("output_scale", 0.5))
         return drive(DriveConfig(url=self.url, concurrency=16, **kw), reqs)
-
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 180) -> int:
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"kvreplay record did not end {timeout:.0f} s after signal {sig}: {self.tail()}")
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
 
     def scheduler_pid(self) -> int:
         """The scheduler process (sglang names it ``sglang::scheduler``)."""
@@ -104,11 +67,6 @@ class Server:
         if not found:
             pytest.fail("no sglang::scheduler process found")
         return found[0]
-
-
-def _traces(out: Path) -> list[Path]:
-    assert not list(out.glob("*.tmp")), "a trace was left unfinished"
-    return sorted(out.glob("kvreplay-*.parquet"))
 
 
 @pytest.mark.parametrize("page_size, builtin", [(16, "builtin:paged"), (1, "builtin:token")])
@@ -120,7 +78,7 @@ def test_ctrl_c_leaves_a_trace_per_allocator_that_replays_strict_clean(models, t
     finally:
         server.stop(signal.SIGINT)
     assert served.ok == n, served.error_kinds
-    (trace,) = _traces(tmp_path / "out")
+    (trace,) = finished_traces(tmp_path / "out")
     meta = TraceReader(trace).meta
     assert meta.family == ("paged" if page_size > 1 else "token") and meta.ctor_args["dtype"] == "torch.bfloat16"
     for build in ("sglang", builtin):
@@ -139,7 +97,7 @@ def test_hybrid_swa_server_records_its_swa_allocator(models, tmp_path):
     finally:
         server.stop(signal.SIGTERM)
     assert served.ok == 120, served.error_kinds
-    (trace,) = _traces(tmp_path / "out")
+    (trace,) = finished_traces(tmp_path / "out")
     assert TraceReader(trace).meta.family == "swa"
     for build in ("sglang", "builtin:swa"):
         r = replay(trace, build, mode="strict", device="cpu")
@@ -162,7 +120,7 @@ def test_sigkill_of_the_scheduler_keeps_every_call_older_than_a_second(models, t
         if server.proc.poll() is None:
             server.kill()
     assert code != 0
-    (trace,) = _traces(tmp_path / "out")
+    (trace,) = finished_traces(tmp_path / "out")
     reader = TraceReader(trace)
     calls = list(reader.calls(top_level_only=True))
     last_end = max(c.t_end_ns for c in calls) / 1e9
@@ -194,7 +152,7 @@ def test_the_recording_page_block_runs_as_written(tmp_path):
     for line, (rc, said) in ran.items():
         if not line.startswith("kill"):  # wait $! passes on the server's own exit status
             assert rc == 0, (line, rc, said)
-    (trace,) = _traces(work / "traces" / "live")
+    (trace,) = finished_traces(work / "traces" / "live")
     assert TraceReader(trace).meta.family == "paged"
     replays = [said for line, (_, said) in ran.items() if line.startswith("kvreplay replay")]
     assert len(replays) == 2 and all("clean" in out for out in replays), replays

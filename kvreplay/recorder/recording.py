@@ -42,6 +42,7 @@ from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GRO
 from kvreplay.recorder.py_buffers import Names
 from kvreplay.recorder.raw_batch import RawBatch
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of
+from kvreplay.recorder.writer_child import unpin
 from kvreplay.recorder.writer_process import ProcessTraceWriter
 from kvreplay.trace import snapshot as pool_snapshot
 from kvreplay.trace.format import CheckpointRecord, GapRecord, TraceMeta
@@ -232,6 +233,7 @@ class Recording:
     def _flush_when_idle(self, every_s: float) -> None:
         # Calls finished while the program is idle (no next call to trigger a flush)
         # still reach the writer within about every_s: a SIGKILL loses no older call.
+        unpin()  # this thread only: off the core an engine pinned its compute to
         while not self._stop.wait(every_s):
             with self._lock:
                 batch = self._engine.take_if_idle()

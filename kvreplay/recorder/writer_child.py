@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 LEN = struct.Struct("<Q")
 DONE = "kvreplay-writer: ok"
@@ -43,6 +43,20 @@ def detach() -> None:
     if os.fork():
         os._exit(0)
     os.setsid()
+
+
+def unpin() -> None:
+    """Let the calling thread (on Linux, only it) run on every CPU the machine has.
+
+    Engines pin their processes: vLLM's CPU backend binds its engine core to one core,
+    where its compute threads spin. A writer or sender that inherits the pin waits on
+    that core behind the compute, and falls seconds behind the calls it records: on a
+    SIGKILL, those seconds are lost. Where the machine refuses (a cgroup's narrower
+    set), the thread keeps what it had."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def _read_exact(src: BinaryIO, n: int) -> bytearray | None:
@@ -85,8 +99,9 @@ def write_trace(path: str, src: BinaryIO) -> None:
         return  # the recording never started
     meta, rows_per_group, part_rows, part_s = pickle.loads(first[0])
     sink = ParquetSink(path, meta, rows_per_group, part_rows, part_s)
+    frames = _drained(src)
     try:
-        while (frame := read_frame(src)) is not None and frame[0]:
+        while (frame := frames.get()) is not None and frame[0]:
             sink.add(pickle.loads(frame[0], buffers=frame[1]))
         sink.finish()
     except BaseException:
@@ -94,12 +109,52 @@ def write_trace(path: str, src: BinaryIO) -> None:
         raise
 
 
+def _drained(src: BinaryIO, max_bytes: int = 1 << 30) -> Any:
+    """Frames read off the pipe as fast as they come, by a thread of their own, into a
+    queue the encoder takes from. Encoding Parquet can fall behind the recorded program
+    on a busy machine; reading cannot, so the recorded process's sender never waits on
+    a full pipe with batches queued behind it in the memory a SIGKILL takes. Past
+    ``max_bytes`` held, the reader waits for the encoder (memory stays bounded)."""
+    import queue
+    import threading
+
+    out: queue.Queue[Any] = queue.Queue()
+    room = threading.Semaphore(max(1, max_bytes >> 20))  # one permit per MiB held
+
+    def read() -> None:
+        try:
+            while True:
+                frame = read_frame(src)
+                mib = 0 if frame is None else max(1, (len(frame[0]) + sum(map(len, frame[1]))) >> 20)
+                for _ in range(mib):
+                    room.acquire()
+                out.put(frame if frame is None else (frame[0], frame[1], mib))
+                if frame is None or not frame[0]:
+                    return
+        except BaseException:  # a broken pipe reads as its end: what came is written
+            out.put(None)
+
+    threading.Thread(target=read, name="kvreplay-pipe-reader", daemon=True).start()
+
+    class Frames:
+        def get(self) -> tuple[bytes, list[bytearray]] | None:
+            got = out.get()
+            if got is None:
+                return None
+            for _ in range(got[2]):
+                room.release()
+            return got[0], got[1]
+
+    return Frames()
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--detach"]:
         detach()
         argv = argv[1:]
-    # Not niced: the crash-safety promise (calls a second old are with this process)
-    # holds only while it keeps up with the recorded program.
+    # Not niced, and not pinned where the recorded program was: the crash-safety promise
+    # (calls a second old are with this process) holds only while it keeps up.
+    unpin()
     try:
         write_trace(argv[0], sys.stdin.buffer)
     except BaseException as exc:

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvreplay.recorder.switches import DIR_ENV, SITE_DIR
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, settled
-from kvreplay.recorder.writer_child import DONE, FAILED, LEN
+from kvreplay.recorder.writer_child import DONE, FAILED, LEN, unpin
 from kvreplay.trace.format import TraceMeta
 
 
@@ -45,6 +45,7 @@ class ProcessTraceWriter(QueuedWriter):
         self._thread.start()
 
     def _run(self) -> None:
+        unpin()  # this thread only: off the core an engine pinned its compute to
         pipe = self._proc.stdin
         assert pipe is not None
         while True:

@@ -211,16 +211,20 @@ class BlockRemap:
             looked = self.hits.pop(a.get("request_id"), None)
             if looked is not None:
                 return self._with_hit(a, *looked)
-        if "block_ids" in a and a["block_ids"] is not None:
-            return {**a, "block_ids": tuple(self.ids.get(b, b) for b in a["block_ids"])}
+        ids = a.get("block_ids")
+        if isinstance(ids, (tuple, list)):
+            return {**a, "block_ids": type(ids)(self.ids.get(b, b) if type(b) is int else b for b in ids)}
         return a
 
     def _with_hit(self, a: dict[str, Any], recorded: Any, got: Any) -> dict[str, Any]:
-        if not (isinstance(recorded, tuple) and isinstance(got, tuple)) or len(got) < 3:
+        # the recorded values come from a trace: any that is not what the wire makes leaves
+        # the call as recorded (strict comparison and the checker then say what is wrong)
+        new, computed = a.get("num_new_tokens", 0), a.get("num_new_computed_tokens", 0)
+        if not (isinstance(recorded, tuple) and isinstance(got, tuple) and len(got) >= 3 and recorded
+                and all(type(v) is int for v in (recorded[0], got[0], new, computed))):
             return a
-        rec_tokens, got_tokens = int(recorded[0]), int(got[0])
-        new = int(a.get("num_new_tokens", 0))
-        end = int(a.get("num_new_computed_tokens", 0)) + new  # where the recorded call left the request
+        rec_tokens, got_tokens = recorded[0], got[0]
+        end = computed + new  # where the recorded call left the request
         blocks = got[2:]
         if got_tokens > end - 1 and got_tokens > 0:  # a longer hit than the call covers: keep what fits
             groups = groups_in(blocks) or []
@@ -235,14 +239,13 @@ class BlockRemap:
         c = tc.call
         if c.method == "get_computed_blocks" and isinstance(args.get("request_id"), str):
             self.hits[args["request_id"]] = (c.result, result)
-        elif c.method == "pop_blocks_for_free" and isinstance(c.result, tuple) and isinstance(result, tuple):
-            self.ids.update(zip(c.result, result, strict=False))
-        elif c.method == "get_new_blocks" and isinstance(c.result, tuple) and isinstance(result, tuple):
+        elif (c.method in ("pop_blocks_for_free", "get_new_blocks") and isinstance(c.result, (tuple, list))
+              and isinstance(result, (tuple, list))):
             self.ids.update(zip(c.result, result, strict=False))
         rec = [x.result for x in tc.nested if x.method == "get_new_blocks"]
         got = [r for m, r in log if m == "get_new_blocks"]
         for r_ids, g_ids in zip(rec, got, strict=False):
-            if isinstance(r_ids, tuple) and isinstance(g_ids, tuple):
+            if isinstance(r_ids, (tuple, list)) and isinstance(g_ids, (tuple, list)):
                 self.ids.update(zip(r_ids, g_ids, strict=False))
 
 
