@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvreplay.errors import BadInput
-from kvreplay.recorder.switches import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV, SITE_DIR
+from kvreplay.recorder.switches import (
+    CHECKPOINT_ENV,
+    CLASSES_ENV,
+    COUNTERS_ENV,
+    CPUS_ENV,
+    DIR_ENV,
+    FLIGHT_ENV,
+    SITE_DIR,
+)
 
 TRACE_GLOB = "kvreplay-*.parquet"
 
@@ -48,6 +56,8 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
         env[CHECKPOINT_ENV] = str(checkpoint_every)
     if classes:
         env[CLASSES_ENV] = ",".join(classes)
+    if hasattr(os, "sched_getaffinity"):  # where the user let us run: an engine may pin itself narrower
+        env[CPUS_ENV] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
     return env
 

@@ -11,4 +11,5 @@ RANK_ENV = "KVREPLAY_RANK"
 FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
 COUNTERS_ENV = "KVREPLAY_COUNTERS_EVERY"  # N: read the pool's counters after every Nth call (0: never)
 CHECKPOINT_ENV = "KVREPLAY_CHECKPOINT_EVERY"  # N: a checkpoint every N calls (replay --jobs splits there)
+CPUS_ENV = "KVREPLAY_CPUS"  # the CPUs kvreplay record may use: its recorder threads go back to them
 SITE_DIR = Path(__file__).with_name("_site")

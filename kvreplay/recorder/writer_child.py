@@ -46,15 +46,17 @@ def detach() -> None:
 
 
 def unpin() -> None:
-    """Let the calling thread (on Linux, only it) run on every CPU the machine has.
+    """Let the calling thread (on Linux, only it) run on the CPUs ``kvreplay record`` was
+    given (KVREPLAY_CPUS), whatever the recorded program pinned itself to since.
 
-    Engines pin their processes: vLLM's CPU backend binds its engine core to one core,
-    where its compute threads spin. A writer or sender that inherits the pin waits on
-    that core behind the compute, and falls seconds behind the calls it records: on a
-    SIGKILL, those seconds are lost. Where the machine refuses (a cgroup's narrower
-    set), the thread keeps what it had."""
+    Engines pin their processes: vLLM's CPU backend binds its processes to a core
+    where compute threads spin. A writer or sender that inherits the pin waits behind
+    them, falls seconds behind the calls it records, and a SIGKILL loses those seconds.
+    The user's own limits (a taskset around kvreplay record, a cgroup) still hold."""
+    cpus = os.environ.get("KVREPLAY_CPUS", "")
     try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        if cpus:
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     except (AttributeError, OSError, ValueError):
         pass
 
