@@ -29,7 +29,7 @@ START_S = float(os.environ.get("KVREPLAY_LIVE_START_S", "600"))
 CORPUS_TRACE = ROOT / "traces" / "live-vllm-0.32.0-prefix-mooncake300.parquet"
 # What a SIGKILL of the engine core may lose, in seconds: the recorder's promise is one,
 # and most runs here keep it; on this 2-core machine, with vLLM's worker spinning on one
-# core, the sender has been seen up to about 1.6 s behind (docs/vllm.md). The bound is
+# core, the sender has been seen more than 1.5 s behind (docs/vllm.md). The bound is
 # the promise as this machine keeps it, not as stated.
 LOSS_BOUND_S = 2.5
 
