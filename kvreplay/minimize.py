@@ -12,7 +12,11 @@ The search (delta debugging, complements only) runs first over groups of calls t
 by those dependencies (roughly: requests), then over single calls, after two cheap
 cuts: everything after the failure, and everything the failing call does not depend
 on. The result is written by replaying the kept calls on the build with the recorder
-on, so its indices are the ones the build hands out and it replays strict."""
+on, so its indices are the ones the build hands out and it replays strict.
+
+A vLLM trace (block ids, requests) shrinks the same way, by requests first: its
+dependencies are a request's calls on its admission (``RequestDependencies``), and its
+remap mode hands each request the build's own prefix hit (replay/blocks.py)."""
 
 from __future__ import annotations
 
@@ -175,10 +179,10 @@ class RequestDependencies(Dependencies):
                 if not anchors or (len(anchors) == 1 and c.method == "allocate_slots"
                                    and calls[anchors[0]].call.method != "allocate_slots"):
                     anchors.append(i)
-            if c.method == "pop_blocks_for_free" and isinstance(c.result, tuple):
+            if c.method == "pop_blocks_for_free" and isinstance(c.result, (tuple, list)):
                 popped.update((b, i) for b in c.result)
             ids = c.args.get("block_ids")
-            if c.target == "blocks" and isinstance(ids, tuple):
+            if c.target == "blocks" and isinstance(ids, (tuple, list)):
                 self.needs[i].update(popped[b] for b in ids if b in popped)
         self.users = [[] for _ in range(n)]
         for i, needs in enumerate(self.needs):
