@@ -24,13 +24,18 @@ LIVE = ROOT / "traces" / "live-vllm-0.32.0-prefix-mooncake300.parquet"
 MOONCAKE = ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"
 
 
+def _model(out: Path, requests: int, full_size: int, max_running: int) -> Path:
+    """synth vllm-prefix on the live trace's Mooncake requests, blocks of 32."""
+    synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=requests, workload=MOONCAKE, length_scale=0.03,
+                           output_scale=0.5, block_tokens=32, full_size=full_size, max_running=max_running,
+                           speedup=1e9))
+    return out
+
+
 @pytest.fixture(scope="module")
 def model_trace(tmp_path_factory):
-    """synth vllm-prefix on the live trace's requests and pool (1,024 blocks of 32), 16 running."""
-    out = tmp_path_factory.mktemp("vllm") / "model.parquet"
-    synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=300, workload=MOONCAKE, length_scale=0.03,
-                           output_scale=0.5, block_tokens=32, full_size=32768, max_running=16, speedup=1e9))
-    return out
+    """The live trace's requests and pool (1,024 blocks of 32), 16 running."""
+    return _model(tmp_path_factory.mktemp("vllm") / "model.parquet", 300, 32768, 16)
 
 
 @pytest.fixture(scope="module")
@@ -165,10 +170,7 @@ def test_what_does_not_speak_the_family_says_so_in_one_line(args, said, tmp_path
 @pytest.fixture(scope="module")
 def crowded_trace(tmp_path_factory):
     """The live trace's requests on a pool of 256 blocks with 32 running: admissions wait for room."""
-    out = tmp_path_factory.mktemp("vllm") / "crowded.parquet"
-    synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=120, workload=MOONCAKE, length_scale=0.03,
-                           output_scale=0.5, block_tokens=32, full_size=8192, max_running=32, speedup=1e9))
-    return out
+    return _model(tmp_path_factory.mktemp("vllm") / "crowded.parquet", 120, 8192, 32)
 
 
 def test_pinning_a_prefix_hit_before_the_room_check_is_named_at_that_allocate_slots(crowded_trace):

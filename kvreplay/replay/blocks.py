@@ -60,7 +60,8 @@ class BlockReplayer:
         self.divergences: list[Divergence] = []
         self.div_counts: Counter[str] = Counter()
         self.calls = 0
-        self._methods: dict[tuple[str, str], Callable[..., Any]] = {}
+        # a manager method by its name, a block-pool one by ("blocks", name): no tuple per manager call
+        self._methods: dict[str | tuple[str, str], Callable[..., Any]] = {}
         self.unsupported: str | None = None
         self._log: list[tuple[str, Any]] = []
         self.remap = BlockRemap(int(self.meta.ctor_args["block_size"])) if self.mode == "remap" else None
