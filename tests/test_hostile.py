@@ -622,3 +622,45 @@ def test_a_batch_that_lost_call_columns_is_bad_input_not_a_crash(tmp_path, cli, 
     monkeypatch.setattr(TraceReader, "iter_batches", short)
     _bad(cli("replay", str(PAGE0), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")), "call columns cannot be read")
     assert not (tmp_path / "k.db").exists()
+
+
+HOSTILE = Path(__file__).resolve().parent / "hostile"
+
+
+def test_a_footer_whose_size_statistics_abort_pyarrow_is_bad_input(tmp_path):
+    """A bit flipped in a column chunk's level histogram (found by flipping each bit of a
+    six-row trace's footer): pyarrow 26 aborts the process when it builds that chunk's
+    metadata object, so the value-count check reads the footer itself."""
+    trace = HOSTILE / "footer-histogram-abort.parquet"
+    replay = ["replay", str(trace), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")]
+    diff = ["diff", str(trace), "--base", "builtin:swa", "--candidate", "builtin:swa"]
+    for argv in (replay, diff):
+        # a process of its own: an abort must fail this test, not end the test run
+        _bad(subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *argv], capture_output=True, text=True,
+                            timeout=120), "histogram")
+    assert not (tmp_path / "k.db").exists()
+
+
+def _not_utf8(column: pa.Array, row: int) -> pa.Array:
+    """``column`` (strings) with row ``row`` replaced by bytes that are not UTF-8,
+    built from buffers so that nothing validates them on the way to the file."""
+    values = [(v or "").encode() for v in column.to_pylist()]
+    values[row] = b"fr\xf2e"
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + len(v))
+    offset_bytes = pa.array(offsets, pa.int32()).buffers()[1]
+    return pa.Array.from_buffers(pa.string(), len(values), [None, offset_bytes, pa.py_buffer(b"".join(values))])
+
+
+@pytest.mark.parametrize("column", ["method", "exc_msg", "target"])
+def test_strings_that_are_not_utf8_are_bad_input(column, tmp_path, cli):
+    """A flipped byte in a string page of a file written without page checksums escaped
+    as UnicodeDecodeError (exit 134) from the first row turned into Python."""
+    table = pq.read_table(PAGE0)
+    i = table.schema.get_field_index(column)
+    bad = _not_utf8(table.column(column).combine_chunks(), 3)
+    table = table.set_column(i, table.schema.field(i), bad)
+    pq.write_table(table, tmp_path / "t.parquet")
+    _bad(cli("replay", str(tmp_path / "t.parquet"), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")), "UTF8")
+    assert not (tmp_path / "k.db").exists()

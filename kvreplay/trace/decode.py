@@ -133,8 +133,11 @@ def _where(col: pa.Array, value: str) -> np.ndarray:
 def _list_parts(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Offsets (from 0) and flat int64 values of a list<int64> array."""
     off = arr.offsets.to_numpy()
+    flat = arr.flatten()
+    if flat.null_count:  # damaged definition levels: a null would become an arbitrary integer
+        raise ValueError("a value list holds a null")
     # A writable copy: replayed tensors are views into it, and a build may write to its arguments.
-    values = np.array(arr.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
+    values = np.array(flat.to_numpy(zero_copy_only=False), dtype=np.int64)
     return off - off[0], values
 
 

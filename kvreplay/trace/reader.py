@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
 from kvreplay.pool_api import API_METHODS, sub_pool_sizes
+from kvreplay.trace.footer import row_group_counts
 from kvreplay.trace.format import (
     CHECKPOINT_METHOD,
     GAP_METHOD,
@@ -68,10 +69,15 @@ def _check_sizes(part: Path, f: pq.ParquetFile, meta: TraceMeta) -> None:
     this pool could: none lists more slots than the pool has, and no group more than
     MAX_GROUP_VALUES. Decoding such a group would allocate gigabytes from a small file."""
     slots = sum(sub_pool_sizes(meta.family, meta.ctor_args).values()) + int(meta.ctor_args.get("page_size", 1)) + 2
-    md = f.metadata
-    for g in range(md.num_row_groups):
-        rg = md.row_group(g)
-        counts = {rg.column(i).path_in_schema: rg.column(i).num_values for i in range(rg.num_columns)}
+    try:
+        groups = row_group_counts(part)
+    except (OSError, ValueError) as exc:
+        raise TraceFormatError(f"{part}: corrupt footer ({exc})") from None
+    if len(groups) != f.metadata.num_row_groups:
+        raise TraceFormatError(f"{part}: corrupt footer (it lists {len(groups)} row groups, pyarrow read "
+                               f"{f.metadata.num_row_groups})")
+    for g, rg in enumerate(groups):
+        counts = rg.values
         values = sum(n for name, n in counts.items() if name.endswith(("data.list.element", "shape.list.element")))
         entries = counts.get("args.list.element.name", 0) + rg.num_rows
         bound = min(MAX_GROUP_VALUES, entries * slots)
@@ -189,7 +195,8 @@ class TraceReader:
     def iter_batches(self, columns: list[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         try:
             for f in self._files:
-                yield from f.iter_batches(batch_size=batch_size, columns=columns)
+                for batch in f.iter_batches(batch_size=batch_size, columns=columns):
+                    yield _valid(batch)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
 
@@ -208,7 +215,7 @@ class TraceReader:
                         for batch in f.iter_batches(batch_size=batch_size, row_groups=[g], columns=columns):
                             b_lo, b_hi = max(lo - at, 0), min(hi - at, batch.num_rows)
                             if b_lo < b_hi:
-                                yield batch.slice(b_lo, b_hi - b_lo)
+                                yield _valid(batch).slice(b_lo, b_hi - b_lo)
                             at += batch.num_rows
                     offset += n
                     if offset >= end:
@@ -311,6 +318,14 @@ class TraceReader:
 class Checkpoint:
     row: int  # the checkpoint row's place among the trace's rows
     calls: int  # top-level calls before it: the first call after it is number calls + 1
+
+
+def _valid(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The batch, once its strings are known to be UTF-8 and its offsets in bounds.
+    Parquet readers hand back string bytes unchecked; damaged ones would otherwise
+    fail wherever a row is first turned into Python, far from the trace's name."""
+    batch.validate(full=True)  # ArrowInvalid: the caller's corrupt-data error
+    return batch
 
 
 def _increasing(seq: pa.Array) -> bool:
