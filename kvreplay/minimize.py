@@ -35,8 +35,9 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, SLOT_FAMILIES, VLLM_HOUSEKEEPING, method_kind
 from kvreplay.recorder.recording import record
-from kvreplay.replay.dispatch import make_replayer, replay
+from kvreplay.replay.dispatch import replay
 from kvreplay.replay.replayer import start_point
+from kvreplay.replay.replayers import make_replayer
 from kvreplay.replay.report import Failure, describe
 from kvreplay.trace.format import TopCall
 from kvreplay.trace.location import is_remote, output_path, publish

@@ -103,7 +103,7 @@ def replay_and_store(trace: str | Path, build: str | BuildSpec, *, db: str | Non
         if parallel is not None:
             report, version = parallel
     if report is None and spec.in_process:
-        from kvreplay.replay.dispatch import make_replayer  # imports torch: only in-process builds need it
+        from kvreplay.replay.replayers import make_replayer  # imports torch: only in-process builds need it
 
         options.pop("timeout_s", None)
         replayer = make_replayer(trace, spec, reader=reader, checked=True, **options)

@@ -1,12 +1,17 @@
-"""sglang releases as builds: ``sglang==VERSION``, and ranges ``sglang==A..B``.
+"""Engine releases as builds: ``sglang==VERSION`` and ``vllm==VERSION``, and ranges
+``ENGINE==A..B``.
 
 A release's code is fetched the way pip gets it (``pip download --no-deps``: its
 wheel, or its sdist where there is no wheel for this machine), unpacked once under
 the kvreplay cache, and replayed in a worker process with the release's package
-first on ``sys.path`` and its import-time pins in an overlay (builds/overlay.py).
-Only the ``sglang`` package and the requirement list are kept; the archive is
-deleted. A range expands to every final and post release between its ends,
-inclusive, in version order, from the package index's own list."""
+first on ``sys.path``. Only the engine's package and the requirement list are kept;
+the archive is deleted. An sglang release also gets its import-time pins in an
+overlay (builds/overlay.py). A vLLM release keeps its Python files only (its wheel's
+compiled kernels are CUDA's, and the KV-cache manager needs none of them) and
+imports with the dependencies of the vLLM installed where kvreplay runs: a vLLM
+build replays where a vLLM is installed. A range expands to every final and post
+release between its ends, inclusive, in version order, from the package index's
+own list."""
 
 from __future__ import annotations
 
@@ -29,30 +34,37 @@ from kvreplay.builds.cache import cache_root, made_once, size_of
 from kvreplay.builds.overlay import Overlay, exact_pins, overlay_for
 from kvreplay.errors import BadInput, BuildUnloadable
 
-PREFIX = "sglang=="
+ENGINES = ("sglang", "vllm")  # the package index names whose releases are builds
+EXAMPLE = {"sglang": "0.5.12", "vllm": "0.31.0"}
 # Digits, dots and a post segment: what a release spec may hand to pip, nothing else.
 _VERSION = re.compile(r"^\d+(\.\d+){1,3}(\.post\d+)?$")
 _INDEX_TTL_S = 24 * 3600
 
 
-def check_version(text: str) -> str:
-    """The version of ``sglang==VERSION``, or BadInput."""
+def check_version(text: str, engine: str = "sglang") -> str:
+    """The version of ``ENGINE==VERSION``, or BadInput."""
     if not _VERSION.match(text):
-        raise BadInput(f"sglang=={text}: not a release version (expected e.g. sglang==0.5.12 or 0.5.12.post1)")
+        e = EXAMPLE[engine]
+        raise BadInput(f"{engine}=={text}: not a release version (expected e.g. {engine}=={e} or {e}.post1)")
     return text
 
 
+def engine_of(spec: str) -> str | None:
+    """The engine a release spec (or range) names, else None."""
+    return next((e for e in ENGINES if spec.startswith(f"{e}==")), None)
+
+
 def is_range(spec: str) -> bool:
-    return spec.startswith(PREFIX) and ".." in spec
+    return engine_of(spec) is not None and ".." in spec
 
 
-def available_versions() -> list[str]:
-    """sglang's final and post releases on the package index, oldest first (cached a day)."""
-    cached = cache_root() / "releases" / "index.json"
+def available_versions(engine: str = "sglang") -> list[str]:
+    """The engine's final and post releases on the package index, oldest first (cached a day)."""
+    cached = cache_root() / "releases" / f"{engine}-index.json"
     if cached.is_file() and time.time() - cached.stat().st_mtime < _INDEX_TTL_S:
         return json.loads(cached.read_text())
     try:
-        res = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "sglang",
+        res = subprocess.run([sys.executable, "-m", "pip", "index", "versions", engine,
                               "--disable-pip-version-check"], capture_output=True, text=True, timeout=300)
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("Available versions:")), "")
     except (OSError, subprocess.TimeoutExpired):
@@ -60,7 +72,7 @@ def available_versions() -> list[str]:
     if not line:
         if cached.is_file():  # offline: yesterday's list is better than none
             return json.loads(cached.read_text())
-        raise BadInput("cannot list sglang releases: `pip index versions sglang` gave no answer (offline?)")
+        raise BadInput(f"cannot list {engine} releases: `pip index versions {engine}` gave no answer (offline?)")
     versions = []
     for v in line.partition(":")[2].split(","):
         try:
@@ -76,16 +88,17 @@ def available_versions() -> list[str]:
 
 
 def expand(spec: str) -> list[str]:
-    """``sglang==A..B`` as the release specs it covers; any other spec as itself."""
-    if not is_range(spec):
+    """``ENGINE==A..B`` as the release specs it covers; any other spec as itself."""
+    engine = engine_of(spec)
+    if engine is None or not is_range(spec):
         return [spec]
-    lo_text, _, hi_text = spec.removeprefix(PREFIX).partition("..")
-    lo, hi = Version(check_version(lo_text)), Version(check_version(hi_text))
+    lo_text, _, hi_text = spec.removeprefix(f"{engine}==").partition("..")
+    lo, hi = Version(check_version(lo_text, engine)), Version(check_version(hi_text, engine))
     if lo > hi:
-        raise BadInput(f"{spec}: the range runs backwards (oldest first, e.g. sglang==0.5.11..0.5.23)")
-    covered = [f"{PREFIX}{v}" for v in available_versions() if lo <= Version(v) <= hi]
+        raise BadInput(f"{spec}: the range runs backwards (oldest first, e.g. {engine}==A..B with A before B)")
+    covered = [f"{engine}=={v}" for v in available_versions(engine) if lo <= Version(v) <= hi]
     if not covered:
-        raise BadInput(f"{spec}: no sglang release in that range")
+        raise BadInput(f"{spec}: no {engine} release in that range")
     return covered
 
 
@@ -97,7 +110,7 @@ def expand_all(specs: list[str]) -> list[str]:
 @dataclass(frozen=True)
 class Release:
     version: str
-    root: Path  # holds sglang/ and release.json
+    root: Path  # holds the engine's package and release.json
     info: dict[str, Any]
     overlay: Overlay
 
@@ -113,18 +126,24 @@ def _safe_members(names: list[str]) -> None:
             raise BuildUnloadable(f"the release archive holds an unsafe path: {n!r}")
 
 
-def _unpack_wheel(archive: Path, dest: Path) -> list[str]:
+# What a vLLM release keeps of its wheel: Python and the data files it reads at import.
+_VLLM_KEEP = (".py", ".json", ".jinja", ".txt", ".typed")
+
+
+def _unpack_wheel(archive: Path, dest: Path, engine: str) -> list[str]:
     with zipfile.ZipFile(archive) as zf:
         names = zf.namelist()
         _safe_members(names)
-        keep = [n for n in names if n.startswith("sglang/")]
+        keep = [n for n in names if n.startswith(f"{engine}/") and (engine != "vllm" or n.endswith(_VLLM_KEEP))]
         meta = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
         zf.extractall(dest, members=keep)
         text = zf.read(meta).decode("utf-8", "replace") if meta else ""
     return HeaderParser().parsestr(text).get_all("Requires-Dist") or []
 
 
-def _unpack_sdist(archive: Path, dest: Path) -> list[str]:
+def _unpack_sdist(archive: Path, dest: Path, engine: str) -> list[str]:
+    if engine != "sglang":
+        raise BuildUnloadable(f"{archive.name}: {engine} releases are replayed from wheels only")
     src = dest / ".src"
     with tarfile.open(archive) as tar:
         _safe_members(tar.getnames())
@@ -161,27 +180,32 @@ def requirements_of_tree(tree: Path) -> list[str]:
     return []
 
 
-def _fetch(version: str, dest: Path) -> None:
+def _fetch(version: str, engine: str, dest: Path) -> None:
     t0 = time.perf_counter()
     dl = dest / ".download"
     res = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                          "--no-deps", "-d", str(dl), f"sglang=={version}"],
+                          "--no-deps", "-d", str(dl), f"{engine}=={version}"],
                          capture_output=True, text=True, timeout=1800)
-    files = sorted(dl.glob("sglang-*")) if dl.is_dir() else []
+    files = sorted(dl.glob(f"{engine}-*")) if dl.is_dir() else []
     if res.returncode != 0 or not files:
         why = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR")] or res.stderr.splitlines()[-1:]
-        raise BuildUnloadable(f"sglang=={version} could not be fetched: {why[0] if why else 'pip failed'}")
+        raise BuildUnloadable(f"{engine}=={version} could not be fetched: {why[0] if why else 'pip failed'}")
     archive = files[0]
-    reqs = _unpack_wheel(archive, dest) if archive.suffix == ".whl" else _unpack_sdist(archive, dest)
+    if archive.suffix == ".whl":
+        reqs = _unpack_wheel(archive, dest, engine)
+    else:
+        reqs = _unpack_sdist(archive, dest, engine)
     shutil.rmtree(dl)
     info = {"version": version, "archive": archive.name, "requires": reqs,
             "fetch_s": round(time.perf_counter() - t0, 1), "bytes": size_of(dest)}
     (dest / "release.json").write_text(json.dumps(info, indent=1))
 
 
-def fetch(version: str) -> Release:
-    """The release's code and overlay, fetched and made on first use."""
-    check_version(version)
-    root = made_once(cache_root() / "releases" / f"sglang-{version}", lambda tmp: _fetch(version, tmp))
+def fetch(version: str, engine: str = "sglang") -> Release:
+    """The release's code (and, for sglang, its overlay), fetched and made on first use."""
+    check_version(version, engine)
+    root = made_once(cache_root() / "releases" / f"{engine}-{version}", lambda tmp: _fetch(version, engine, tmp))
     info = json.loads((root / "release.json").read_text())
-    return Release(version, root, info, overlay_for(exact_pins(info["requires"])))
+    # vLLM's pins are a GPU server's (CUDA torch and more): it imports with what is installed
+    overlay = overlay_for(exact_pins(info["requires"])) if engine == "sglang" else Overlay(None, (), ())
+    return Release(version, root, info, overlay)

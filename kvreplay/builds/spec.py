@@ -5,6 +5,7 @@
 ``sglang``                 the installed sglang's allocator of the trace's family
 ``vllm``                   the installed vLLM's KV-cache manager (the vllm family)
 ``sglang==VERSION``         that sglang release's allocator, fetched once, in a worker process
+``vllm==VERSION``           that vLLM release's KV-cache manager, fetched once, in a worker process
 ``git:REPO@REV[:MODULE:CLASS]``  pool code at a revision, in a worker process
 
 Every command that takes a build parses it here, so what a spec means (where it
@@ -20,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvreplay.builds.releases import check_version
+from kvreplay.builds.releases import ENGINES, check_version
 from kvreplay.errors import UnknownBuild, did_you_mean
 from kvreplay.pools.registry import BUILTINS
 from kvreplay.version import __version__
@@ -37,19 +38,20 @@ class BuildSpec:
     cls: str = ""  # py: and git: MODULE:CLASS ("" for git: the tree's sglang allocator)
     repo: Path | None = None  # git:
     rev: str = ""  # git:
-    version: str = ""  # release (sglang==VERSION)
+    version: str = ""  # release (ENGINE==VERSION)
+    engine: str = ""  # release: sglang or vllm
 
     @classmethod
     def parse(cls, text: str) -> BuildSpec:
         """The spec, or UnknownBuild naming what exists (and the closest match)."""
         if text in ("sglang", "vllm"):
             return cls(text, text)
-        if text.startswith("sglang=="):
-            version = text.removeprefix("sglang==")
+        engine, eq, version = text.partition("==")
+        if eq and engine in ENGINES:
             if ".." in version:
                 raise UnknownBuild(f"{text} is a range of builds; this option takes one (ranges go to "
                                    "bisect --builds and matrix --builds)")
-            return cls(text, "release", version=check_version(version))
+            return cls(text, "release", version=check_version(version, engine), engine=engine)
         kind, _, rest = text.partition(":")
         if kind == "builtin":
             if rest not in BUILTINS:
@@ -72,7 +74,7 @@ class BuildSpec:
             return cls(text, "git", cls=target, repo=Path(repo).expanduser(), rev=rev)
         hint = did_you_mean(text, [f"builtin:{n}" for n in BUILTINS] + ["sglang", "vllm"])
         raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, sglang, vllm, "
-                           "sglang==VERSION or git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
+                           "sglang==VERSION, vllm==VERSION or git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
 
     @property
     def in_process(self) -> bool:
@@ -97,7 +99,7 @@ class BuildSpec:
         class comes from (kvreplay's own version for builtins). The one answer, for
         replay, bisect, matrix and ci alike."""
         if self.kind == "release":
-            return f"sglang {code_id}"
+            return f"{self.engine} {code_id}"
         if self.kind == "git":
             return f"git {code_id}"
         if pool is not None:  # a wire over an engine's object names the engine

@@ -23,7 +23,7 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvreplay.errors import BuildUnloadable
+from kvreplay.errors import BuildUnloadable, BuildUnsupported
 from kvreplay.pool_api import VLLM_ATTENTION, VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES
 from kvreplay.pools.block_wire import (
     EMPTY,
@@ -84,6 +84,8 @@ class ManagerWire:
         self._block_args: Any = None
         self._originals = {name: getattr(manager, VLLM_MANAGER_NAMES.get(name, name)) for name in VLLM_MANAGER_METHODS
                            if callable(getattr(manager, VLLM_MANAGER_NAMES.get(name, name), None))}
+        # Each method's parameters: a release older than the recording may lack some (fit_arguments).
+        self._params = {name: inspect.signature(fn).parameters for name, fn in self._originals.items()}
         # Methods handed a Request (the others take plain values, a request id among them).
         self._takes_request = {name for name, fn in self._originals.items()
                                if "request" in inspect.signature(fn).parameters}
@@ -91,7 +93,7 @@ class ManagerWire:
             original = getattr(self.pool, name)
             self._block_real[name] = original
             setattr(self.pool, name, self._block_shim(name, original))
-        for name in VLLM_MANAGER_METHODS:
+        for name in self._originals:  # a method this manager lacks stays absent: the replay says unsupported
             setattr(self, name, self._wire_method(name))
 
     # the counter a trace row carries: free blocks
@@ -184,7 +186,7 @@ class ManagerWire:
             args["block_ids"] = {b.block_id for b in blocks_by_id(self.pool, args["block_ids"])}
         if "skip_zeroing_group_ids" in args:
             args["skip_zeroing_group_ids"] = tuple(args["skip_zeroing_group_ids"])
-        return args
+        return fit_arguments(name, args, self._params[name])
 
     def _blocks(self, wire: Sequence[int]) -> Any:
         groups = groups_in(wire)
@@ -248,6 +250,28 @@ class ManagerWire:
         out.update(request_hashes=t, request_hashes_from=sent, request_hash_len=n)
         self._sent[rid] = len(hashes)
         return out
+
+
+# Arguments a release before the recording's names otherwise: (its name, the recording's).
+_RENAMED = {"remove_skipped_blocks": (("total_computed_tokens", "processed_computed_tokens"),)}
+
+
+def fit_arguments(name: str, args: dict[str, Any], params: Any) -> dict[str, Any]:
+    """A recorded call's arguments as this manager's method takes them. An argument the
+    method lacks is dropped when the recording gave it its neutral value (None, False,
+    0, empty: what an older release did without it); any other value means the trace
+    needs what this release does not have, and BuildUnsupported says which."""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return args
+    for old, new in _RENAMED.get(name, ()):
+        if new in args and new not in params and old in params:
+            args[old] = args.pop(new)
+    for key in [k for k in args if k not in params]:
+        value = args.pop(key)
+        if value not in (None, False, 0, (), []):
+            raise BuildUnsupported(f"this vLLM's {VLLM_MANAGER_NAMES.get(name, name)}() has no {key}, which the "
+                                   f"trace sets to {str(value)[:40]}")
+    return args
 
 
 def blocks_out(blocks: Any, manager: Any) -> tuple[int, ...]:
@@ -323,9 +347,17 @@ class InstalledManager(ManagerWire):
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-        manager = KVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
-                                 hash_block_size=hash_block_size, max_in_flight_tokens=max_in_flight_tokens,
-                                 enable_caching=enable_caching, watermark=watermark)
+        wanted = dict(max_model_len=max_model_len, scheduler_block_size=block_size, hash_block_size=hash_block_size,
+                      max_in_flight_tokens=max_in_flight_tokens, enable_caching=enable_caching, watermark=watermark,
+                      # what releases before 0.26 called the in-flight token budget
+                      max_num_batched_tokens=max_in_flight_tokens)
+        params = inspect.signature(KVCacheManager).parameters
+        if watermark and "watermark" not in params:
+            raise BuildUnsupported(f"this vLLM's KVCacheManager keeps no watermark; the trace's was {watermark}")
+        if hash_block_size != block_size and "hash_block_size" not in params:
+            raise BuildUnsupported("this vLLM's KVCacheManager hashes whole blocks; the trace hashed "
+                                   f"{hash_block_size}-token pieces of {block_size}-token blocks")
+        manager = KVCacheManager(config, **{k: v for k, v in wanted.items() if k in params})
         args = dict(num_blocks=num_blocks, block_size=block_size, hash_block_size=hash_block_size,
                     max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
                     enable_caching=enable_caching, watermark=watermark, attention=attention)

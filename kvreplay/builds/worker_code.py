@@ -1,6 +1,7 @@
 """What a worker build runs: the code on its ``sys.path`` and the environment around it.
 
-``git:`` and ``sglang==VERSION`` builds replay in a worker process (replay/worker.py).
+``git:``, ``sglang==VERSION`` and ``vllm==VERSION`` builds replay in a worker process
+(replay/worker.py).
 Both get their pool code first on ``sys.path`` (a revision's tree, a release's
 package) and, where the code is sglang, an overlay of the pins it imports with
 (builds/overlay.py): a release's own ``Requires-Dist``, a checkout's own
@@ -40,7 +41,7 @@ class WorkerCode:
 def prepare(spec: BuildSpec) -> WorkerCode:
     """Fetch (once) what a worker needs to replay on ``spec``."""
     if spec.kind == "release":
-        rel = fetch(spec.version)
+        rel = fetch(spec.version, spec.engine)
         return WorkerCode(rel.paths, None, rel.version, rel.overlay.packages, _shadowed(rel.overlay.hidden, rel.paths))
     if spec.kind == "git":
         assert spec.repo is not None

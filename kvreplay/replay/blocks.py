@@ -21,7 +21,7 @@ import torch
 from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.block_pool import BlockPoolChecker
-from kvreplay.errors import BadInput, one_of
+from kvreplay.errors import BadInput, BuildUnsupported, one_of
 from kvreplay.pool_api import VLLM_BLOCK_METHODS
 from kvreplay.pools.block_wire import EMPTY, groups_in, groups_out
 from kvreplay.replay.compare import block_remap_difference, exception_difference, json_value, same
@@ -97,6 +97,11 @@ class BlockReplayer:
         args = c.args if self.remap is None else self.remap.args(c)
         try:
             result = fn(**args)
+        except BuildUnsupported as exc:  # the build lacks what this call needs: not its answer
+            self._diverge(n, c.method, "unsupported", c.method, None, str(exc))
+            if self.unsupported is None:
+                self.unsupported = f"{exc} (call #{n})"
+            return None, UNSUPPORTED
         except Exception as exc:  # the build's answer: compared with the recording's
             raised = exc
         want = c.counters.get("available")

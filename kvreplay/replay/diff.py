@@ -12,7 +12,7 @@ from typing import Any
 
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND
 from kvreplay.replay.compare import json_value, outcome_difference
-from kvreplay.replay.dispatch import make_replayer
+from kvreplay.replay.replayers import make_replayer
 from kvreplay.replay.timeline import MAX_MARKS
 
 

@@ -1,4 +1,4 @@
-"""``replay(trace, build)``: in this process, or in a worker for a ``git:`` build."""
+"""``replay(trace, build)``: in this process, or in a worker for a ``git:`` or release build."""
 
 from __future__ import annotations
 
@@ -6,22 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.replay.blocks import BlockReplayer
-from kvreplay.replay.replayer import Replayer
+from kvreplay.replay.replayers import make_replayer
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker
-from kvreplay.trace.reader import TraceReader
-
-# The replayer of each pool family whose calls are not sglang's allocator API.
-_REPLAYERS: dict[str, type] = {"vllm": BlockReplayer}
-
-
-def make_replayer(trace: str | Path, build: str | BuildSpec, *, reader: TraceReader | None = None,
-                  **options: Any) -> Any:
-    """The replayer for the trace's family (its ``run`` gives a ReplayReport)."""
-    reader = reader or TraceReader(trace)
-    cls = _REPLAYERS.get(reader.meta.family, Replayer)
-    return cls(trace, build, reader=reader, **options)
 
 
 def replay(trace: str | Path, build: str | BuildSpec, **options: Any) -> ReplayReport:

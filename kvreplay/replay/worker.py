@@ -1,4 +1,4 @@
-"""Replaying on a worker build (``git:``, ``sglang==VERSION``) in a process of its own.
+"""Replaying on a worker build (``git:``, ``ENGINE==VERSION``) in a process of its own.
 
 The worker (``python -m kvreplay.replay.worker``) starts with the build's code first
 on ``sys.path`` (builds/worker_code.py), so two builds never share an interpreter and
@@ -272,12 +272,13 @@ def _breadcrumbs(trace: str, replayer: Any) -> Any:
 def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | None) -> dict[str, Any]:
     try:
         from kvreplay.builds.sglang import spec_for
-        from kvreplay.replay.replayer import Replayer
+        from kvreplay.replay.replayers import make_replayer
 
         build = request["spec"]
-        if not BuildSpec.parse(build).in_process:  # the code on sys.path: its class, or its sglang allocator
-            build = "py:" + request["cls"] if request["cls"] else "sglang"
-        replayer = Replayer(trace, build, **request["options"])
+        spec = BuildSpec.parse(build)
+        if not spec.in_process:  # the code on sys.path: its class, or its engine's pool (sglang's by default)
+            build = "py:" + request["cls"] if request["cls"] else (spec.engine or "sglang")
+        replayer = make_replayer(trace, build, **request["options"])
         replayer.build_spec = request["spec"]  # findings name the build as the user gave it
         if build == "sglang":
             spec_for(replayer.meta.family, replayer.meta.pool_class)  # fail early, with the class named
