@@ -1,4 +1,4 @@
-"""Release builds (sglang==VERSION), ranges, overlays, matrix and bisect --fixed.
+"""Release builds (sglang==VERSION, vllm==VERSION), ranges, overlays, matrix and bisect --fixed.
 
 These need neither sglang nor the network: ranges expand from the cached index, the
 overlay's pin selection reads requirement strings, and matrix and bisect run on
@@ -27,7 +27,7 @@ INDEX = ["0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13",
 @pytest.fixture
 def index():
     """The package index's sglang versions, as `pip index versions` last gave them."""
-    path = cache_root() / "releases" / "index.json"
+    path = cache_root() / "releases" / "sglang-index.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(INDEX))
     yield INDEX
@@ -44,6 +44,66 @@ def test_a_release_spec_is_an_exact_worker_build():
 def test_a_release_spec_takes_only_a_version(text):
     with pytest.raises(BadInput, match="not a release version"):
         BuildSpec.parse(text)
+
+
+def test_a_vllm_release_spec_is_a_worker_build_of_that_engine():
+    s = BuildSpec.parse("vllm==0.27.1")
+    assert (s.kind, s.engine, s.version, s.exact, s.in_process) == ("release", "vllm", "0.27.1", True, False)
+    assert s.resolved(code_id="0.27.1") == "vllm 0.27.1"
+    with pytest.raises(BadInput, match="vllm==latest: not a release version .*vllm==0.31.0"):
+        BuildSpec.parse("vllm==latest")
+    with pytest.raises(UnknownBuild, match="range of builds"):
+        BuildSpec.parse("vllm==0.26.0..0.28.0")
+
+
+def test_a_vllm_range_expands_from_vllms_own_index():
+    path = cache_root() / "releases" / "vllm-index.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(["0.26.0", "0.27.0", "0.27.1", "0.28.0"]))
+    try:
+        assert expand("vllm==0.27.0..0.28.0") == ["vllm==0.27.0", "vllm==0.27.1", "vllm==0.28.0"]
+        with pytest.raises(BadInput, match="no vllm release"):
+            expand("vllm==0.40.0..0.41.0")
+    finally:
+        path.unlink()
+
+
+def test_a_vllm_wheel_keeps_its_python_not_its_kernels(tmp_path):
+    wheel = tmp_path / "vllm-0.99.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("vllm/__init__.py", "")
+        zf.writestr("vllm/v1/core/block_pool.py", "")
+        zf.writestr("vllm/_C.abi3.so", b"\0" * 64)
+        zf.writestr("vllm-0.99.0.dist-info/METADATA", "Name: vllm\nRequires-Dist: torch==9.9\n")
+    reqs = _unpack_wheel(wheel, tmp_path / "out", "vllm")
+    kept = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert kept == ["vllm/__init__.py", "vllm/v1/core/block_pool.py"] and reqs == ["torch==9.9"]
+
+
+def test_a_release_method_without_an_argument_takes_the_call_only_if_the_argument_was_neutral():
+    import inspect
+
+    from kvreplay.builds.vllm import fit_arguments
+    from kvreplay.errors import BuildUnsupported
+
+    def allocate_slots(request, num_new_tokens, full_sequence_must_fit=False):  # an older release's
+        pass
+
+    params = inspect.signature(allocate_slots).parameters
+    args = {"request": 1, "num_new_tokens": 4, "full_sequence_must_fit": True, "has_scheduled_reqs": False,
+            "skip_zeroing_group_ids": ()}
+    assert fit_arguments("allocate_slots", dict(args), params) == {"request": 1, "num_new_tokens": 4,
+                                                                   "full_sequence_must_fit": True}
+    with pytest.raises(BuildUnsupported, match="allocate_slots\\(\\) has no has_scheduled_reqs, which the trace sets"):
+        fit_arguments("allocate_slots", {**args, "has_scheduled_reqs": True}, params)
+
+    def remove_skipped_blocks(request_id, total_computed_tokens):  # before 0.26 renamed it
+        pass
+
+    fitted = fit_arguments("remove_skipped_blocks", {"request_id": "a", "processed_computed_tokens": 64,
+                                                     "num_prompt_tokens": 0},
+                           inspect.signature(remove_skipped_blocks).parameters)
+    assert fitted == {"request_id": "a", "total_computed_tokens": 64}
 
 
 def test_a_range_is_not_one_build():
@@ -88,7 +148,7 @@ def test_a_release_archive_with_an_escaping_path_is_refused(tmp_path):
         zf.writestr("sglang/__init__.py", "")
         zf.writestr("../../evil.py", "print('pwned')")
     with pytest.raises(BuildUnloadable, match="unsafe path"):
-        _unpack_wheel(wheel, tmp_path / "out")
+        _unpack_wheel(wheel, tmp_path / "out", "sglang")
     assert not (tmp_path / "evil.py").exists() and not (tmp_path / "out").exists()
 
 

@@ -218,3 +218,21 @@ def test_minimize_shrinks_a_vllm_trace_to_calls_that_still_leak(crowded_trace, t
     # on the correct manager the kept calls break no rule (its answers differ from the recording's:
     # the recording is the leaking build's)
     assert not replay(out, "builtin:vllm").violation_counts
+
+
+def test_synth_drives_the_manager_with_prefix_caching_off(tmp_path, cli):
+    """Off, nothing is hashed or hit: the free queue's order alone decides which blocks
+    come back, the behaviour vLLM 0.27 changed (traces/vllm-0.27-caching-off-free-order)."""
+    out = tmp_path / "off.parquet"
+    res = cli("synth", "vllm-prefix", "-n", "40", "--block-tokens", "16", "--full-size", "1024", "--max-running",
+              "8", "--no-prefix-caching", "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    from kvreplay.trace.reader import TraceReader
+
+    reader = TraceReader(out)
+    assert reader.meta.ctor_args["enable_caching"] is False
+    touched = [c for c in reader.calls() if c.method == "touch"]
+    assert touched == []  # no prefix hit ever pins a cached block
+    assert replay(out, "builtin:vllm", device="cpu").status == "clean"
+    res = cli("synth", "disagg-mtp", "-n", "4", "--no-prefix-caching", "-o", str(tmp_path / "x.parquet"))
+    assert res.returncode == 2 and "vLLM's manager" in res.stderr and not (tmp_path / "x.parquet").exists()

@@ -284,7 +284,8 @@ def blocks_out(blocks: Any, manager: Any) -> tuple[int, ...]:
 def result_out(name: str, result: Any, manager: Any) -> Any:
     """A manager call's result in wire form."""
     if name == "get_computed_blocks":
-        blocks, hit, boundary = result
+        # releases before 0.26 keep no shared-prefix boundary: theirs is 0, as full attention's is
+        blocks, hit, boundary = result if len(result) == 3 else (*result, 0)
         return (int(hit), int(boundary), *blocks_out(blocks, manager))
     if name == "allocate_slots":
         return None if result is None else blocks_out(result, manager)
@@ -341,6 +342,12 @@ class InstalledManager(ManagerWire):
             from vllm.v1.core.kv_cache_manager import KVCacheManager
             from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
             from vllm.v1.request import RequestStatus
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.partition(".")[0] != "vllm":  # a release's own dependency, not vLLM's code
+                raise BuildUnloadable(f"this vLLM imports {exc.name}, which is not installed here (a vLLM build uses "
+                                      f"the installed vLLM's dependencies: pip install {exc.name.partition('.')[0]})"
+                                      ) from None
+            raise BuildUnloadable(f"vLLM's KV-cache manager could not be imported: {exc}") from None
         except Exception as exc:  # any import-time failure: this vLLM cannot be a build
             raise BuildUnloadable(f"vLLM's KV-cache manager could not be imported: {type(exc).__name__}: "
                                   f"{exc}") from None

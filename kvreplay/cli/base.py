@@ -48,8 +48,8 @@ DB_HELP = (
     "Results database: SQLAlchemy URL or SQLite file "
     "(default: $KVREPLAY_DB, else ~/.local/share/kvreplay/kvreplay.db)."
 )
-BUILD_HELP = ("Build: builtin:NAME[@VARIANT], py:MODULE:CLASS, sglang (the installed one), "
-              "sglang==VERSION (that release, fetched once) or git:REPO@REV[:MODULE:CLASS]; "
+BUILD_HELP = ("Build: builtin:NAME[@VARIANT], py:MODULE:CLASS, sglang or vllm (the installed one), "
+              "sglang==VERSION or vllm==VERSION (that release, fetched once) or git:REPO@REV[:MODULE:CLASS]; "
               "`kvreplay builds` lists them.")
 JSON_HELP = "Print the result as JSON (fields: docs/json.md)."
 URI_HELP = " A path or a URI (s3://, gs://, hdfs://, file://)."

@@ -18,8 +18,8 @@ def matrix(
     traces: list[str] = typer.Argument(..., help="Trace files, rotated trace directories, or a corpus "
                                        "directory (one with manifest.json, or host=.../rank=... partitions: all "
                                        "its traces)." + URI_HELP),
-    builds: str = typer.Option(..., "--builds", help="Comma-separated build specs; sglang==A..B is every "
-                               "release from A to B, e.g. --builds sglang==0.5.11..0.5.23,builtin:swa."),
+    builds: str = typer.Option(..., "--builds", help="Comma-separated build specs; sglang==A..B (vllm==A..B) "
+                               "is every release from A to B, e.g. --builds sglang==0.5.11..0.5.23,builtin:swa."),
     mode: str = typer.Option("strict", help="strict or remap (remap for releases older than the trace: "
                              "API translations change nested calls)."),
     device: str = typer.Option("auto", help="auto, cpu (Triton kernels run in Triton's interpreter) or cuda[:N]."),

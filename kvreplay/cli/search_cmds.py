@@ -22,7 +22,7 @@ def bisect_cmd(
                             "tree's sglang allocator for the trace's family)."),
     builds: str | None = typer.Option(None, "--builds", help="Instead of a repository: build specs in order, "
                                       "oldest first, e.g. builtin:swa,builtin:swa@stale-tail or a release "
-                                      "range sglang==0.5.11..0.5.23."),
+                                      "range sglang==0.5.11..0.5.23 or vllm==0.26.0..0.32.0."),
     fixed: bool = typer.Option(False, "--fixed", help="Look for the fix: the old end shows the failure, the new "
                                "end does not; name the first build (or commit) where it is gone."),
     failure: str | None = typer.Option(None, "--failure", help="The failure to follow: an invariant, "

@@ -40,6 +40,9 @@ def synth(
         "scheduler does them (a free group per batch, SWA evicted every 128 tokens, the cache kept at the end): "
         "traces that look like a live server's (kvreplay profile compares them)."),
     speedup: float = typer.Option(1.0, help="Divide a workload's arrival times by this."),
+    prefix_caching: bool = typer.Option(
+        True, "--prefix-caching/--no-prefix-caching", help="vllm-prefix: the manager's prefix cache (enable_caching); "
+        "off, every freed block goes back unhashed and only the free queue's order decides reuse."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     checkpoint_every: int = typer.Option(
         0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
@@ -60,7 +63,7 @@ def synth(
         scenario=scenario, out=out_path, requests=requests, seed=seed, workload=workload, build=build,
         page_size=page_size, full_size=full_size, swa_size=swa_size, window=window, k=k,
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, output_scale=output_scale,
-        speedup=speedup, sglang_scheduler=sglang_scheduler,
+        speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching,
         device=device, checkpoint_every=checkpoint_every,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
@@ -146,6 +149,8 @@ def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -
         f"for the trace's family{': sglang ' + ver + ' here' if ver else ': not installed here'}); "
         "sglang==VERSION (that release's pool code, fetched once into the kvreplay cache and replayed in its "
         "own process; sglang==A..B for every release from A to B where a command takes several builds); "
+        "vllm (the installed vLLM's KV-cache manager) and vllm==VERSION (a vLLM release's manager, on the installed "
+        "vLLM's dependencies; vllm==A..B likewise); "
         "git:REPO@REV[:MODULE:CLASS] (pool code at a revision, replayed in its own process).")
 
 

@@ -67,6 +67,7 @@ class SynthConfig:
     output_scale: float | None = None  # output lengths' scale (default: length_scale)
     sglang_scheduler: bool = False  # free groups and end of trace as sglang 0.5.23's scheduler (server.py)
     speedup: float = 1.0
+    prefix_caching: bool = True  # vllm-prefix: the manager's enable_caching
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
 
@@ -96,6 +97,8 @@ def validate(cfg: SynthConfig) -> Scenario:
         raise BadInput("pool sizes must hold at least one page")
     elif cfg.block_tokens % cfg.page_size:
         raise BadInput(f"--block-tokens {cfg.block_tokens} must be a multiple of --page-size {cfg.page_size}")
+    if not cfg.prefix_caching and sc.family != "vllm":
+        raise BadInput(f"--no-prefix-caching is vLLM's manager's (vllm-prefix); {sc.name} has no such switch")
     for name in ("window", "k", "max_running"):
         if getattr(cfg, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
@@ -113,10 +116,11 @@ def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
     family = build.family or builds.family_of_class(build.cls)
     if family != sc.family:
         raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {family} pool")
-    if family == "vllm":  # a block pool of full_size tokens, prefix caching on
+    if family == "vllm":  # a block pool of full_size tokens
         ctor: dict[str, Any] = {"num_blocks": cfg.full_size // cfg.block_tokens, "block_size": cfg.block_tokens,
                                 "hash_block_size": cfg.block_tokens, "max_model_len": cfg.full_size,
-                                "max_in_flight_tokens": cfg.full_size, "enable_caching": True, "watermark": 0.0,
+                                "max_in_flight_tokens": cfg.full_size, "enable_caching": cfg.prefix_caching,
+                                "watermark": 0.0,
                                 "attention": "full"}
     else:
         ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
