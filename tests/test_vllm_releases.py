@@ -26,7 +26,7 @@ def _kvreplay(*argv: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-@pytest.mark.parametrize("release", ["0.24.0", "0.32.0"])
+@pytest.mark.parametrize("release", ["0.24.0", "0.34.0"])
 def test_the_live_trace_replays_clean_on_the_oldest_and_newest_release_that_take_its_calls(release):
     r = replay(LIVE, f"vllm=={release}", device="cpu")
     assert r.status == "clean", (r.status, r.message, r.first_divergence)

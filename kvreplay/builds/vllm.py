@@ -108,8 +108,13 @@ class ManagerWire:
 
     def cached_blocks(self) -> Iterable[tuple[Any, list[int]]]:
         """(hash key, block ids) of every entry in the prefix cache."""
-        for key, v in self.pool.cached_block_hash_to_block._cache.items():
-            yield key, ([v.block_id] if hasattr(v, "block_id") else list(v))
+        cache = self.pool.cached_block_hash_to_block
+        dups = getattr(cache, "_dup_ids", {})
+        for key, v in cache._cache.items():
+            if isinstance(v, int):  # 0.34 on: a block id, with a key's other blocks kept apart
+                yield key, (list(dups[key]) if key in dups else [v])
+            else:  # before: a block, or a dict of them by id
+                yield key, ([v.block_id] if hasattr(v, "block_id") else list(v))
 
     # -- block pool ---------------------------------------------------------------------
     def _block_shim(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -76,6 +76,17 @@ class StandIn:
         self.kv_cache_report_mode = "incremental"
         self.status: Any = None
 
+    # What vLLM 0.34's manager asks a request for, from what the wire carries: a request
+    # that skips cache reads may hit nothing; others are bounded by their last token only
+    # (prompt-logprob limits are not recorded: a recording of such requests would need them).
+    @property
+    def prefix_cache_hit_limit(self) -> int | None:
+        return 0 if getattr(self, "skip_reading_prefix_cache", False) else None
+
+    def get_max_cache_hit_length(self, bound: int | None = None) -> int:
+        limits = (self.num_tokens - 1, self.prefix_cache_hit_limit, bound)  # type: ignore[attr-defined]
+        return min(limit for limit in limits if limit is not None)
+
 
 def blocks_by_id(pool: Any, ids: Sequence[int]) -> list[Any]:
     """The pool's blocks with these ids; ValueError for an id the pool does not have
