@@ -633,11 +633,9 @@ def test_a_footer_whose_size_statistics_abort_pyarrow_is_bad_input(tmp_path):
     metadata object, so the value-count check reads the footer itself."""
     trace = HOSTILE / "footer-histogram-abort.parquet"
     replay = ["replay", str(trace), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")]
-    diff = ["diff", str(trace), "--base", "builtin:swa", "--candidate", "builtin:swa"]
-    for argv in (replay, diff):
-        # a process of its own: an abort must fail this test, not end the test run
-        _bad(subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *argv], capture_output=True, text=True,
-                            timeout=120), "histogram")
+    # a process of its own: an abort must fail this test, not end the test run
+    _bad(subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *replay], capture_output=True, text=True,
+                        timeout=120), "histogram")
     assert not (tmp_path / "k.db").exists()
 
 
