@@ -107,6 +107,19 @@ SLOW_TESTS = {
     "test_killed_with_its_writer_a_rotated_trace_keeps_its_closed_parts",
     "test_a_recording_attached_mid_life_starts_with_a_snapshot_and_replays_clean",
     "test_eight_replays_writing_at_once_lose_nothing",
+    # the long browser walks (a report opened on its answer, the dashboard, the matrix and
+    # bisect pages); a small report and the hostile-name pages stay in the fast tier
+    "test_a_run_report_opens_on_its_answer",
+    "test_dashboard_walk_runs_run_compare",
+    "test_matrix_bisect_and_assertion_pages",
+    # ten to twenty seconds each on a 2-core machine: reuse across bisect and matrix, a
+    # process tree killed whole, the demo outliving its command, a recorded kv-cache
+    # dtype, SIGTERM to replay --jobs
+    "test_bisect_and_matrix_reuse_exactly_the_same_runs",
+    "test_a_server_that_sigkills_its_whole_process_tree_still_leaves_every_call",
+    "test_what_the_demo_writes_outlives_the_command",
+    "test_a_pool_built_with_the_kv_cache_dtype_is_recorded_and_replays",
+    "test_sigterm_to_replay_jobs_ends_its_workers",
 }
 # Single cases: the SIGKILL timing matrix (the fast tier keeps
 # test_sigkill_keeps_a_small_last_batch[native], a kill -9 of its own), and more.
@@ -153,6 +166,9 @@ SLOW_CASES = {
     "test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash",
     "test_what_does_not_speak_the_family_says_so_in_one_line[args1-strict mode only]",
     "test_what_does_not_speak_the_family_says_so_in_one_line[args2-is a vllm trace]",
+    "test_what_does_not_speak_the_family_says_so_in_one_line[args1-nothing to minimize]",
+    # half a minute of minimize; the other corpus bugs' shrinks stay in the fast tier
+    "test_other_corpus_bugs_shrink_too[sglang-0.5.23-swa-page0-builtin:swa@unfiltered-page0]",
 }
 
 
