@@ -90,7 +90,7 @@ def available_versions(engine: str = "sglang") -> list[str]:
 def expand(spec: str) -> list[str]:
     """``ENGINE==A..B`` as the release specs it covers; any other spec as itself."""
     engine = engine_of(spec)
-    if engine is None or not is_range(spec):
+    if engine is None or ".." not in spec:  # not a range (is_range)
         return [spec]
     lo_text, _, hi_text = spec.removeprefix(f"{engine}==").partition("..")
     lo, hi = Version(check_version(lo_text, engine)), Version(check_version(hi_text, engine))

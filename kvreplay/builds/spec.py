@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvreplay.builds.releases import ENGINES, check_version
+from kvreplay.builds.releases import check_version, engine_of
 from kvreplay.errors import UnknownBuild, did_you_mean
 from kvreplay.pools.registry import BUILTINS
 from kvreplay.version import __version__
@@ -46,8 +46,9 @@ class BuildSpec:
         """The spec, or UnknownBuild naming what exists (and the closest match)."""
         if text in ("sglang", "vllm"):
             return cls(text, text)
-        engine, eq, version = text.partition("==")
-        if eq and engine in ENGINES:
+        engine = engine_of(text)
+        if engine is not None:
+            version = text.removeprefix(f"{engine}==")
             if ".." in version:
                 raise UnknownBuild(f"{text} is a range of builds; this option takes one (ranges go to "
                                    "bisect --builds and matrix --builds)")

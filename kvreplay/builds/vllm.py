@@ -87,8 +87,7 @@ class ManagerWire:
         # Each method's parameters: a release older than the recording may lack some (fit_arguments).
         self._params = {name: inspect.signature(fn).parameters for name, fn in self._originals.items()}
         # Methods handed a Request (the others take plain values, a request id among them).
-        self._takes_request = {name for name, fn in self._originals.items()
-                               if "request" in inspect.signature(fn).parameters}
+        self._takes_request = {name for name, params in self._params.items() if "request" in params}
         for name in VLLM_BLOCK_METHODS:
             original = getattr(self.pool, name)
             self._block_real[name] = original

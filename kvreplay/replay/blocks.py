@@ -77,6 +77,14 @@ class BlockReplayer:
         if self.div_counts[kind] <= self.keep:
             self.divergences.append(Divergence(call, method, kind, json_value(expected), json_value(actual), message))
 
+    def _unsupported(self, n: int, method: str, why: str) -> tuple[None, BaseException]:
+        """A call the build cannot take: a divergence, and (but for a counter read) where
+        the replay stops."""
+        self._diverge(n, method, "unsupported", method, None, why)
+        if method != "available_size" and self.unsupported is None:
+            self.unsupported = f"{why} (call #{n})"
+        return None, UNSUPPORTED
+
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
         """Issue one recorded call; returns what the build returned or raised."""
         c, n = tc.call, tc.number
@@ -86,10 +94,7 @@ class BlockReplayer:
         if fn is None or opaque:
             why = (f"build {self.build_spec} has no method {c.method}" if fn is None else
                    f"argument(s) {', '.join(opaque)} of {c.method} were not recorded losslessly")
-            self._diverge(n, c.method, "unsupported", c.method, None, why)
-            if c.method != "available_size" and self.unsupported is None:
-                self.unsupported = f"{why} (call #{n})"
-            return None, UNSUPPORTED
+            return self._unsupported(n, c.method, why)
         log = self._log  # the wire appends this call's block-pool calls; read before the next call
         log.clear()
         raised: BaseException | None = None
@@ -98,10 +103,7 @@ class BlockReplayer:
         try:
             result = fn(**args)
         except BuildUnsupported as exc:  # the build lacks what this call needs: not its answer
-            self._diverge(n, c.method, "unsupported", c.method, None, str(exc))
-            if self.unsupported is None:
-                self.unsupported = f"{exc} (call #{n})"
-            return None, UNSUPPORTED
+            return self._unsupported(n, c.method, str(exc))
         except Exception as exc:  # the build's answer: compared with the recording's
             raised = exc
         want = c.counters.get("available")
