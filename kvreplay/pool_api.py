@@ -124,8 +124,20 @@ FAMILY_UNITS: dict[str, tuple[str, ...]] = {
 # The families whose calls name token slots (sglang's allocator API); the commands that
 # reason about slots (minimize, remap) take these only.
 SLOT_FAMILIES = ("token", "paged", "swa")
-# The attention kinds a vLLM manager is replayed with (its one KV-cache group's spec).
-VLLM_ATTENTION = ("full",)
+# The attention kinds a vLLM manager is replayed with (its one KV-cache group's spec):
+# ``full``, or ``sliding_window:W`` for a window of W tokens.
+VLLM_ATTENTION = ("full", "sliding_window")
+
+
+def vllm_window(attention: str) -> int | None:
+    """The sliding window (tokens) a vLLM trace's ``attention`` names: 0 for full
+    attention, None for a kind no build constructs (a hybrid model's several groups)."""
+    if attention == "full":
+        return 0
+    kind, _, width = attention.partition(":")
+    if kind == "sliding_window" and width.isdigit() and 0 < int(width) < 1 << 31:
+        return int(width)
+    return None
 
 
 def methods_of(family: str) -> tuple[str, ...]:

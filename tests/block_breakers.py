@@ -63,6 +63,12 @@ class NullFreeingManager(BlockManager):
         self.pool.free_block_queue.append_n([self.pool.null_block])  # the placeholder becomes free
 
 
+class NullCountingManager(BlockManager):
+    def _free(self, **wire: Any) -> None:
+        super()._free(**wire)
+        self.pool.null_block.ref_cnt -= 1  # as vLLM up to 0.32 freeing a window's placeholder
+
+
 class _ForgetfulPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         out = self.free_block_queue.popleft_n(num_blocks) if num_blocks <= self.get_num_free_blocks() else []

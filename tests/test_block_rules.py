@@ -67,6 +67,7 @@ CASES = {
     "block-pool/handout-while-held": (B + "StickyManager", two),
     "block-pool/free-queue-links": (B + "MiscountingManager", one_and_free),
     "block-pool/null-block-free": (B + "NullFreeingManager", one_and_free),
+    "block-pool/null-block-ref-count": (B + "NullCountingManager", one_and_free),
     "block-pool/stale-cached-hash": (B + "ForgetfulManager", then_finish(lambda m: (one_and_free(m), admit(
         m, "b", blocks=(5, 6)), admit(m, "c", blocks=(7, 8))))),
     "quiescence/held-block": (B + "LeakyManager", then_finish(one_and_free)),

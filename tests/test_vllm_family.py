@@ -20,7 +20,8 @@ from kvreplay.trace.profile import profile
 from kvreplay.workload.synth import SynthConfig, synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
-LIVE = ROOT / "traces" / "live-vllm-0.32.0-prefix-mooncake300.parquet"
+TRACES = ROOT / "traces"
+LIVE = TRACES / "live-vllm-0.32.0-prefix-mooncake300.parquet"
 MOONCAKE = ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"
 
 
@@ -236,3 +237,38 @@ def test_synth_drives_the_manager_with_prefix_caching_off(tmp_path, cli):
     assert replay(out, "builtin:vllm", device="cpu").status == "clean"
     res = cli("synth", "disagg-mtp", "-n", "4", "--no-prefix-caching", "-o", str(tmp_path / "x.parquet"))
     assert res.returncode == 2 and "vLLM's manager" in res.stderr and not (tmp_path / "x.parquet").exists()
+
+
+@pytest.mark.parametrize("attention, window", [
+    ("full", 0), ("sliding_window:128", 128), ("sliding_window:", None), ("sliding_window:-4", None),
+    ("sliding_window:1e3", None), ("FullAttentionSpec,SlidingWindowSpec", None), ("MambaSpec", None),
+])
+def test_a_traces_attention_names_one_full_or_one_sliding_window_group(attention, window):
+    from kvreplay.pool_api import vllm_window
+
+    assert vllm_window(attention) == window
+
+
+def test_a_sliding_window_manager_is_vllms_own_and_the_builtin_one_says_so(tmp_path, cli):
+    """--attention sliding drives a sliding-window group, which only vLLM's own manager
+    builds: the builtin one refuses in one line and writes nothing; sglang's scenarios
+    have their own SWA pool."""
+    out = tmp_path / "swa.parquet"
+    res = cli("synth", "vllm-prefix", "-n", "4", "--attention", "sliding", "--window", "64", "-o", str(out))
+    assert res.returncode == 2 and "full attention only" in res.stderr and not out.exists(), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    res = cli("synth", "decode", "-n", "4", "--attention", "sliding", "-o", str(out))
+    assert res.returncode == 2 and "radix-swa" in res.stderr and not out.exists(), res.stderr
+    res = cli("synth", "vllm-prefix", "-n", "4", "--attention", "ring", "-o", str(out))
+    assert res.returncode == 2 and "attention" in res.stderr and not out.exists(), res.stderr
+
+
+def test_the_corpus_skips_a_sliding_window_trace_on_the_builtin_manager(tmp_path, cli):
+    """The corpus's sliding-window trace (vllm-0.33-null-block-ref-count) is for vLLM's
+    releases; on builtin:vllm, which models full attention only, ci skips it, saying why."""
+    res = cli("ci", str(TRACES), "--build", "builtin:vllm", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--json")
+    assert res.returncode == 0, res.stdout[-1000:] + res.stderr[-500:]
+    cases = {c["case"]["trace"]: c for c in json.loads(res.stdout)["results"]}
+    swa = cases["vllm-0.33-null-block-ref-count"]
+    assert swa["outcome"] == "skip" and "full attention only" in " ".join(swa["problems"]), swa
+    assert cases["live-vllm-0.32.0-prefix-mooncake300"]["outcome"] == "pass"

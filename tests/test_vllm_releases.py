@@ -19,6 +19,7 @@ pytestmark = pytest.mark.vllm
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 FREE_ORDER = TRACES / "vllm-0.27-caching-off-free-order.parquet"
 LIVE = TRACES / "live-vllm-0.32.0-prefix-mooncake300.parquet"
+NULL_COUNT = TRACES / "vllm-0.33-null-block-ref-count.parquet"
 
 
 def _kvreplay(*argv: str) -> subprocess.CompletedProcess:
@@ -61,3 +62,30 @@ def test_bisect_fixed_over_vllm_releases_names_the_release_that_fixed_it(tmp_pat
                     "--json")
     assert res.returncode == 0, res.stderr[-800:]
     assert json.loads(res.stdout)["first_bad"]["spec"] == "vllm==0.27.0"
+
+
+def test_vllm_up_to_0_32_counts_the_null_block_in_a_sliding_window_free():
+    """A sliding window's table lists the null block for every block that left it; up
+    to 0.32 a free counted each as a reference, driving the null block's count below
+    zero at the first free of a request whose window slid. 0.33 skips it."""
+    bad = replay(NULL_COUNT, "vllm==0.32.0", device="cpu")
+    assert bad.status == "violation", (bad.status, bad.first_divergence)
+    first = bad.first_violation
+    assert (first.rule, first.call, first.method) == ("null-block-ref-count", 27, "free_request"), first
+    assert bad.first_divergence is None  # the same blocks, calls and free counts: only the count is wrong
+    good = replay(NULL_COUNT, "vllm==0.33.0", device="cpu")
+    assert good.status == "clean", (good.status, good.first_violation, good.first_divergence)
+
+
+def test_bisect_fixed_names_0_33_for_the_null_block_count(tmp_path):
+    res = _kvreplay("bisect", str(NULL_COUNT), "--builds", "vllm==0.31.0..0.34.0", "--fixed",
+                    "--db", str(tmp_path / "b.db"), "--json")
+    assert res.returncode == 0, res.stderr[-800:]
+    assert json.loads(res.stdout)["first_bad"]["spec"] == "vllm==0.33.0"
+
+
+def test_the_corpus_holds_on_a_vllm_release_as_the_manifest_says(tmp_path):
+    """kvreplay ci on vllm==0.32.0: its vLLM traces replay as the manifest expects (the
+    null-block count caught, the rest clean) and sglang's are skipped."""
+    res = _kvreplay("ci", str(TRACES), "--build", "vllm==0.32.0", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--json")
+    assert res.returncode == 0, (res.stdout[-1500:], res.stderr[-800:])

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.pool_api import VLLM_ATTENTION, VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES
+from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_window
 from kvreplay.pools.block_wire import (
     EMPTY,
     HASH_ARGS,
@@ -40,6 +40,11 @@ MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 CLASSES: dict[str, tuple[str, ...]] = {"vllm": (MANAGER_CLASS,)}
 
 # -- the wire -------------------------------------------------------------------------------
+def real_ids(blocks: Sequence[Any]) -> tuple[int, ...]:
+    """The ids of ``blocks`` that are not the pool's null block."""
+    return tuple(b.block_id for b in blocks if not getattr(b, "is_null", False))
+
+
 class BlockWire:
     """The block pool's state-changing calls in wire form (blocks by id)."""
 
@@ -125,7 +130,12 @@ class ManagerWire:
                 return self._logged(name, getattr(wire, name)(int(arg)))
             blocks = list(arg) if not isinstance(arg, list) else arg
             self._block_args = blocks
-            ids = tuple(b.block_id for b in blocks)
+            # The null block (a sliding window's placeholder for blocks it let go) is never
+            # queued or handed out: releases differ only in whether a free lists it (0.33
+            # stopped), so the wire leaves it out and a free means the same on every release.
+            ids = real_ids(blocks)
+            if not ids:  # a free of placeholders only (0.24 makes them): no block changes
+                return original(blocks)
             getattr(wire, name)(ids)
             if wire.log is not None:  # a free or touch shows as the blocks it named
                 wire.log.append((name, ids))
@@ -147,7 +157,7 @@ class ManagerWire:
             self._block_result = original(arg)
             return self._block_result
         blocks = self._block_args
-        if blocks is None or tuple(b.block_id for b in blocks) != tuple(arg):
+        if blocks is None or real_ids(blocks) != tuple(arg):
             blocks = blocks_by_id(self.pool, arg)  # a replayed top-level block call
         self._block_args = None
         original(blocks)
@@ -329,22 +339,34 @@ def ctor_args_of(manager: Any) -> dict[str, Any]:
         "enable_caching": bool(manager.enable_caching),
         # the manager keeps int(watermark * num_blocks); half a block more gives that back exactly
         "watermark": (manager.watermark_blocks + 0.5) / config.num_blocks if manager.watermark_blocks else 0.0,
-        "attention": "full" if kinds == {"FullAttentionSpec"} else ",".join(sorted(kinds)),
+        "attention": attention_of(specs, kinds),
     }
+
+
+def attention_of(specs: list[Any], kinds: set[str]) -> str:
+    """A manager's KV-cache groups as the trace's ``attention`` names them."""
+    if kinds == {"FullAttentionSpec"}:
+        return "full"
+    if kinds == {"SlidingWindowSpec"} and len(specs) == 1:
+        return f"sliding_window:{int(specs[0].sliding_window)}"
+    return ",".join(sorted(kinds))  # a hybrid model's groups: recorded, not yet constructed
 
 
 class InstalledManager(ManagerWire):
     """``--build vllm``: the installed vLLM's manager, built from a trace's arguments
-    with one full-attention KV-cache group and no KV tensors (replay needs none)."""
+    with one KV-cache group (full attention or a sliding window, as the trace's
+    ``attention`` says) and no KV tensors (replay needs none)."""
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
-        if attention not in VLLM_ATTENTION:
-            raise ValueError(f"--build vllm builds full-attention managers only; the trace's had {attention}")
+        window = vllm_window(attention)
+        if window is None:
+            raise BuildUnsupported("--build vllm builds a manager of one full-attention or one sliding-window group; "
+                             f"the trace's had {attention}")
         try:
             import torch
             from vllm.v1.core.kv_cache_manager import KVCacheManager
-            from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+            from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
             from vllm.v1.request import RequestStatus
         except ModuleNotFoundError as exc:
             if exc.name and exc.name.partition(".")[0] != "vllm":  # a release's own dependency, not vLLM's code
@@ -355,7 +377,8 @@ class InstalledManager(ManagerWire):
         except Exception as exc:  # any import-time failure: this vLLM cannot be a build
             raise BuildUnloadable(f"vLLM's KV-cache manager could not be imported: {type(exc).__name__}: "
                                   f"{exc}") from None
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        shape = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        spec = SlidingWindowSpec(**shape, sliding_window=window) if window else FullAttentionSpec(**shape)
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
         wanted = dict(max_model_len=max_model_len, scheduler_block_size=block_size, hash_block_size=hash_block_size,

@@ -39,6 +39,7 @@ class BlockPoolChecker:
         self.in_group = False  # the recorder's checkpoints ask; a block pool has no free groups
         null = getattr(self.pool, "null_block", None)
         self._null = null.block_id if null is not None else -1  # the pool keeps one null block for life
+        self._null_below = False  # the null block's count is below zero (flagged when it got there)
 
     # -- reporting --------------------------------------------------------------------------
     def _flag(self, call: int, method: str, rule_id: str, blocks: list[int], message: str) -> None:
@@ -57,11 +58,16 @@ class BlockPoolChecker:
         self.calls += 1
         owners = self.owners
         named: set[int] = set()
+        # blocks this call freed before handing blocks out: a sliding window lets go of the
+        # blocks that left it and may get one of them straight back in the same call
+        released: Counter[int] = Counter()
         for m, ids in nested:
             ids = ids or ()
             named.update(ids)
-            if m == "get_new_blocks":
-                held = [b for b in ids if owners.get(b, 0) > 0]
+            if m == "free_blocks":
+                released.update(ids)
+            elif m == "get_new_blocks":
+                held = [b for b in ids if owners.get(b, 0) > released[b]]
                 if held:
                     self._flag(call, method, "block-pool/handout-while-held", held,
                                f"get_new_blocks handed out block(s) a request still holds: {held[:8]}")
@@ -88,6 +94,14 @@ class BlockPoolChecker:
                     or (prev is not None and prev.next_free_block is not blk)
                     or (nxt is not None and nxt.prev_free_block is not blk)):
                 self._check_block(call, method, b)
+        if null >= 0 and (blocks[null].ref_cnt < 0) != self._null_below:
+            # The null block stands in for blocks a sliding window let go; every table may
+            # list it many times and no free may count it. Flagged where it first goes below
+            # zero, not at every call after.
+            self._null_below = not self._null_below
+            if self._null_below:
+                self._flag(call, method, "block-pool/null-block-ref-count", [null],
+                           f"the null block's reference count went to {blocks[null].ref_cnt}: a free counted it")
         if self.full_check_every and self.calls % self.full_check_every == 0:
             self.full_check(call, method)
 

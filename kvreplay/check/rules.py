@@ -67,6 +67,7 @@ block-pool/free-queue-mismatch | corrupts | a block with no references is not in
 block-pool/handout-while-held | corrupts | get_new_blocks handed out a block a request still holds
 block-pool/free-queue-links | corrupts | the free queue's links hold a block twice, disagree, or disagree with its count
 block-pool/null-block-free | corrupts | the null block (block 0, a placeholder) is in the free queue
+block-pool/null-block-ref-count | misreports | the null block's reference count went below zero (a free counted it)
 block-pool/stale-cached-hash | corrupts | a cached hash maps to a block that carries another hash
 """
 

@@ -43,6 +43,9 @@ def synth(
     prefix_caching: bool = typer.Option(
         True, "--prefix-caching/--no-prefix-caching", help="vllm-prefix: the manager's prefix cache (enable_caching); "
         "off, every freed block goes back unhashed and only the free queue's order decides reuse."),
+    attention: str = typer.Option(
+        "full", help="vllm-prefix: the manager's KV-cache group: full, or sliding (a sliding window of --window "
+        "tokens; blocks that leave it are freed as the sequence grows). Sliding needs --build vllm."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     checkpoint_every: int = typer.Option(
         0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
@@ -63,7 +66,7 @@ def synth(
         scenario=scenario, out=out_path, requests=requests, seed=seed, workload=workload, build=build,
         page_size=page_size, full_size=full_size, swa_size=swa_size, window=window, k=k,
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, output_scale=output_scale,
-        speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching,
+        speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching, attention=attention,
         device=device, checkpoint_every=checkpoint_every,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)

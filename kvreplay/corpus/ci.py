@@ -20,7 +20,7 @@ from typing import Any
 
 from kvreplay.corpus.expectations import check_report
 from kvreplay.corpus.manifest import MANIFEST, Expectation, load_manifest
-from kvreplay.errors import BadInput, FamilyMismatch
+from kvreplay.errors import BadInput, BuildUnsupported, FamilyMismatch
 from kvreplay.fanout import iter_units
 from kvreplay.replay.report import describe
 from kvreplay.store.db import open_store
@@ -140,7 +140,7 @@ def _run_case(case: Case, device: str, t0: float) -> CaseOutcome:
         if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
             raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
         res = replay_and_store(case.file, case.build, store=False, mode=case.mode, device=device)
-    except FamilyMismatch as exc:  # another pool family: not this build's trace
+    except (FamilyMismatch, BuildUnsupported) as exc:  # another pool family, or a kind of pool the build lacks
         return CaseOutcome(CaseResult(case, "skip", [str(exc)], wall_s=time.perf_counter() - t0), None)
     except BadInput as exc:
         return CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from kvreplay.errors import BuildUnsupported
 from kvreplay.pool_api import VLLM_MANAGER_NAMES
 from kvreplay.pools.block_wire import EMPTY, RequestBook, StandIn, blocks_by_id, groups_in, groups_out
 
@@ -195,10 +196,11 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
+        # a trace this manager cannot model is one it does not replay, not bad input
         if attention != "full":
-            raise ValueError(f"the builtin vLLM manager has full attention only, not {attention}")
+            raise BuildUnsupported(f"the builtin vLLM manager has full attention only, not {attention}")
         if hash_block_size != block_size:
-            raise ValueError("the builtin vLLM manager hashes whole blocks only (hash_block_size == block_size)")
+            raise BuildUnsupported("the builtin vLLM manager hashes whole blocks only (hash_block_size == block_size)")
         self.ctor_args = dict(num_blocks=num_blocks, block_size=block_size, hash_block_size=hash_block_size,
                               max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
                               enable_caching=enable_caching, watermark=watermark, attention=attention)

@@ -31,7 +31,14 @@ from typing import Any
 from kvreplay.builds.git_tree import DEFAULT_TIMEOUT_S
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.builds.worker_code import HIDE_ENV, prepare
-from kvreplay.errors import EXIT_BAD_INPUT, EXIT_UNLOADABLE, BadInput, BuildUnloadable, BuildUnsupported
+from kvreplay.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_UNLOADABLE,
+    BadInput,
+    BuildUnloadable,
+    BuildUnsupported,
+    FamilyMismatch,
+)
 from kvreplay.replay.kernels import instrument
 from kvreplay.replay.report import ReplayReport, untestable
 from kvreplay.scratch import stopping
@@ -187,6 +194,8 @@ def _report_of(answer: dict[str, Any], spec: str, options: dict[str, Any], devic
         return ReplayReport.from_dict(answer["report"])
     if answer.get("error") == "bad-input":
         raise BadInput(answer["message"])
+    if answer.get("error") == "family":
+        raise FamilyMismatch(answer["trace_family"], spec, answer["build_family"])
     return untestable(answer["trace"], spec, options.get("mode", "strict"), device, answer["error"],
                       answer["message"], answer.get("wall_s", 0.0))
 
@@ -287,6 +296,9 @@ def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | N
         if kernels and kernels["launches"] > before:
             report.kernels = kernels["kind"]
         return {"trace": trace, "report": report.to_dict(timeline=True)}
+    except FamilyMismatch as exc:  # not this build's trace: the parent raises it again, naming the build as given
+        return {"trace": trace, "error": "family", "message": str(exc), "trace_family": exc.trace_family,
+                "build_family": exc.build_family}
     except BuildUnsupported as exc:
         return {"trace": trace, "error": "unsupported", "message": str(exc)}
     except BuildUnloadable as exc:

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvreplay.builds import resolve as builds
 from kvreplay.builds.resolve import resolve_device
-from kvreplay.errors import BadInput, PoolFailed, one_of
+from kvreplay.errors import BadInput, BuildUnsupported, PoolFailed, one_of
 from kvreplay.recorder.recording import record
 from kvreplay.trace.location import output_path, publish
 from kvreplay.trace.reader import TraceReader
@@ -68,6 +68,7 @@ class SynthConfig:
     sglang_scheduler: bool = False  # free groups and end of trace as sglang 0.5.23's scheduler (server.py)
     speedup: float = 1.0
     prefix_caching: bool = True  # vllm-prefix: the manager's enable_caching
+    attention: str = "full"  # vllm-prefix: the manager's one KV-cache group, full or sliding (a window of `window`)
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
 
@@ -97,6 +98,10 @@ def validate(cfg: SynthConfig) -> Scenario:
         raise BadInput("pool sizes must hold at least one page")
     elif cfg.block_tokens % cfg.page_size:
         raise BadInput(f"--block-tokens {cfg.block_tokens} must be a multiple of --page-size {cfg.page_size}")
+    if cfg.attention not in ("full", "sliding"):
+        one_of("attention", cfg.attention, ("full", "sliding"))
+    if cfg.attention != "full" and sc.family != "vllm":
+        raise BadInput(f"--attention is vLLM's manager's (vllm-prefix); {sc.name} has its own SWA pool (radix-swa)")
     if not cfg.prefix_caching and sc.family != "vllm":
         raise BadInput(f"--no-prefix-caching is vLLM's manager's (vllm-prefix); {sc.name} has no such switch")
     for name in ("window", "k", "max_running"):
@@ -121,14 +126,15 @@ def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
                                 "hash_block_size": cfg.block_tokens, "max_model_len": cfg.full_size,
                                 "max_in_flight_tokens": cfg.full_size, "enable_caching": cfg.prefix_caching,
                                 "watermark": 0.0,
-                                "attention": "full"}
+                                "attention": "full" if cfg.attention == "full" else f"sliding_window:{cfg.window}"}
     else:
         ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
                 "need_sort": sc.need_sort, "dtype": "torch.int64"}
     try:
         return build.construct(ctor, device=cfg.device), spec
-    except (ValueError, TypeError) as exc:
-        raise BadInput(f"{spec} cannot be built for scenario {sc.name}: {exc}") from None
+    except (ValueError, TypeError, BuildUnsupported) as exc:
+        hint = " (--attention sliding needs --build vllm)" if cfg.attention != "full" else ""
+        raise BadInput(f"{spec} cannot be built for scenario {sc.name}: {exc}{hint}") from None
 
 
 def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
