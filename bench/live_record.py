@@ -1,7 +1,7 @@
 """What recording costs a real server: the same sglang server on CPU, the same requests,
 with and without ``kvreplay record``, in one run.
 
-    .venv-sglang/bin/python bench/live_record.py --requests 300 [--page-size 16] [--swa 128]
+    ~/.cache/kvreplay/venvs/sglang-0.5.23/bin/python bench/live_record.py --requests 300 [--page-size 16] [--swa 128]
 
 Per run: the scheduler process's CPU seconds (user + system, read from /proc before the
 server stops; they do not move with the machine's load the way wall time does), the

@@ -2,7 +2,7 @@
 # One short run on a machine with an NVIDIA GPU (rarely available: prepared on CPU,
 # meant to finish in under 15 minutes). Prints one summary at the end.
 #
-#   scripts/gpu-check.sh            # uses .venv-sglang (sglang 0.5.23 + kvreplay), creates it if missing
+#   scripts/gpu-check.sh            # uses the sglang tier's venv (sglang 0.5.23 + kvreplay), creates it if missing
 #
 # It does, in order, each step bounded by `timeout` so one hang cannot eat the rest:
 #  1. kvreplay matrix of the corpus on --device cuda: the builtin pools and two sglang
@@ -22,7 +22,7 @@
 #                 NGRAM (no draft model). On CPU neither starts (see docs/recording.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-VENV=${KVREPLAY_SGLANG_VENV:-.venv-sglang}
+VENV=${KVREPLAY_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay/venvs/sglang-0.5.23}
 OUT=${OUT:-$(mktemp -d)}/gpu-check
 mkdir -p "$OUT"
 export KVREPLAY_DB="sqlite:///$OUT/kvreplay.db" KVREPLAY_PROGRESS_S=30

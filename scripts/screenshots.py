@@ -7,7 +7,7 @@
 - seed-bug-0.5.12.png (with --sglang-python): the first screen of the report of the
   corpus trace disagg-mtp-2000 on the real sglang 0.5.12 release. The
   release needs sglang's runtime dependencies: give the Python of an environment that
-  has them and kvreplay (the integration tier's .venv-sglang does);
+  has them and kvreplay (the integration tier's venv does: ~/.cache/kvreplay/venvs/sglang-0.5.23);
 - matrix.png: the demo's trace on the SWA pool and its bug variants;
 - dashboard-compare.png: the clean and the buggy run compared in kvreplay serve.
 

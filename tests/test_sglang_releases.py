@@ -1,7 +1,7 @@
 """The integration tier, across releases: sglang==VERSION builds on their own code.
 
 Run by scripts/sglang-tier.sh (``-m sglang``), in an environment with sglang's
-runtime dependencies (the tier's .venv-sglang). Each release is fetched from the
+runtime dependencies (the tier's venv). Each release is fetched from the
 package index once into the kvreplay cache (``KVREPLAY_CACHE``, kept between CI
 runs); its paged allocators run their Triton kernels in Triton's interpreter. Three
 releases cover the layouts: 0.5.12 (SWA allocator in swa_memory_pool.py, before the

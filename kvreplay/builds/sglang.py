@@ -75,7 +75,7 @@ def _first(paths: tuple[str, ...], what: str = "") -> tuple[str, Any]:
         if missing:
             hint = (f". sglang's pool code imports {', '.join(sorted(missing))}, which this environment lacks: run "
                     f"kvreplay from an environment with sglang's dependencies (pip install sglang=={version() or 'X'} "
-                    "beside kvreplay; scripts/sglang-tier.sh makes one as .venv-sglang)")
+                    "beside kvreplay; scripts/sglang-tier.sh makes one in ~/.cache/kvreplay/venvs)")
         raise BuildUnloadable("sglang does not import here (" + "; ".join(broken) + ")" + hint)
     if version() is None:
         raise BuildUnloadable("sglang is not importable here")

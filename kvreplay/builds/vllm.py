@@ -268,6 +268,10 @@ class ManagerWire:
 
 # Arguments a release before the recording's names otherwise: (its name, the recording's).
 _RENAMED = {"remove_skipped_blocks": (("total_computed_tokens", "processed_computed_tokens"),)}
+# Arguments that only steer something a release without them also lacks, so any value
+# means nothing there: has_scheduled_reqs says whether the watermark applies, and a
+# release without it keeps no watermark (a trace with one is refused at construction).
+_MOOT = frozenset({"has_scheduled_reqs"})
 
 
 def fit_arguments(name: str, args: dict[str, Any], params: Any) -> dict[str, Any]:
@@ -282,7 +286,7 @@ def fit_arguments(name: str, args: dict[str, Any], params: Any) -> dict[str, Any
             args[old] = args.pop(new)
     for key in [k for k in args if k not in params]:
         value = args.pop(key)
-        if value not in (None, False, 0, (), []):
+        if value not in (None, False, 0, (), []) and key not in _MOOT:
             raise BuildUnsupported(f"this vLLM's {VLLM_MANAGER_NAMES.get(name, name)}() has no {key}, which the "
                                    f"trace sets to {str(value)[:40]}")
     return args
