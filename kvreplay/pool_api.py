@@ -124,20 +124,26 @@ FAMILY_UNITS: dict[str, tuple[str, ...]] = {
 # The families whose calls name token slots (sglang's allocator API); the commands that
 # reason about slots (minimize, remap) take these only.
 SLOT_FAMILIES = ("token", "paged", "swa")
-# The attention kinds a vLLM manager is replayed with (its one KV-cache group's spec):
-# ``full``, or ``sliding_window:W`` for a window of W tokens.
+# The attention kinds a vLLM manager is replayed with: one name per KV-cache group, in
+# the manager's order, joined by commas: ``full``, or ``sliding_window:W`` for a window of
+# W tokens (``full,sliding_window:128``: a hybrid model's two groups).
 VLLM_ATTENTION = ("full", "sliding_window")
 
 
-def vllm_window(attention: str) -> int | None:
-    """The sliding window (tokens) a vLLM trace's ``attention`` names: 0 for full
-    attention, None for a kind no build constructs (a hybrid model's several groups)."""
-    if attention == "full":
-        return 0
-    kind, _, width = attention.partition(":")
-    if kind == "sliding_window" and width.isdigit() and 0 < int(width) < 1 << 31:
-        return int(width)
-    return None
+def vllm_groups(attention: str) -> tuple[int, ...] | None:
+    """The KV-cache groups a vLLM trace's ``attention`` names, each as its sliding window
+    in tokens (0: full attention); None when one is a kind no build constructs (Mamba,
+    chunked-local, ...: recorded by its spec's name)."""
+    groups = []
+    for name in attention.split(","):
+        kind, _, width = name.partition(":")
+        if name == "full":
+            groups.append(0)
+        elif kind == "sliding_window" and width.isdigit() and 0 < int(width) < 1 << 31:
+            groups.append(int(width))
+        else:
+            return None
+    return tuple(groups) if len(groups) <= 16 else None
 
 
 def methods_of(family: str) -> tuple[str, ...]:

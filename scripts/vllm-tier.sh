@@ -39,4 +39,4 @@ if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
     echo "vllm-tier: could not install kvreplay into $VENV" >&2
     exit 3
 fi
-timeout "${KVREPLAY_VLLM_BUDGET_S:-900}" "$PY" -m pytest -m vllm -n 0 tests/test_vllm_live.py tests/test_vllm_releases.py
+timeout "${KVREPLAY_VLLM_BUDGET_S:-900}" "$PY" -m pytest -m vllm -n 0 tests/test_vllm_live.py tests/test_vllm_releases.py tests/test_vllm_groups.py

@@ -239,14 +239,16 @@ def test_synth_drives_the_manager_with_prefix_caching_off(tmp_path, cli):
     assert res.returncode == 2 and "vLLM's manager" in res.stderr and not (tmp_path / "x.parquet").exists()
 
 
-@pytest.mark.parametrize("attention, window", [
-    ("full", 0), ("sliding_window:128", 128), ("sliding_window:", None), ("sliding_window:-4", None),
-    ("sliding_window:1e3", None), ("FullAttentionSpec,SlidingWindowSpec", None), ("MambaSpec", None),
+@pytest.mark.parametrize("attention, groups", [
+    ("full", (0,)), ("sliding_window:128", (128,)), ("full,sliding_window:64", (0, 64)),
+    ("sliding_window:", None), ("sliding_window:-4", None), ("sliding_window:1e3", None),
+    ("FullAttentionSpec,SlidingWindowSpec", None), ("full,MambaSpec", None), ("full,", None),
+    (",".join(["full"] * 17), None),
 ])
-def test_a_traces_attention_names_one_full_or_one_sliding_window_group(attention, window):
-    from kvreplay.pool_api import vllm_window
+def test_a_traces_attention_names_its_full_and_sliding_window_groups(attention, groups):
+    from kvreplay.pool_api import vllm_groups
 
-    assert vllm_window(attention) == window
+    assert vllm_groups(attention) == groups
 
 
 def test_a_sliding_window_manager_is_vllms_own_and_the_builtin_one_says_so(tmp_path, cli):

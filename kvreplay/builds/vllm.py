@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_window
+from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_groups
 from kvreplay.pools.block_wire import (
     EMPTY,
     HASH_ARGS,
@@ -331,7 +331,6 @@ def ctor_args_of(manager: Any) -> dict[str, Any]:
     """A live manager's constructor arguments, as the family records them."""
     config = manager.kv_cache_config
     specs = [g.kv_cache_spec for g in config.kv_cache_groups]
-    kinds = {type(s).__name__ for s in specs}
     coordinator = manager.coordinator
     return {
         "num_blocks": int(manager.block_pool.num_gpu_blocks),
@@ -343,30 +342,37 @@ def ctor_args_of(manager: Any) -> dict[str, Any]:
         "enable_caching": bool(manager.enable_caching),
         # the manager keeps int(watermark * num_blocks); half a block more gives that back exactly
         "watermark": (manager.watermark_blocks + 0.5) / config.num_blocks if manager.watermark_blocks else 0.0,
-        "attention": attention_of(specs, kinds),
+        "attention": attention_of(specs),
     }
 
 
-def attention_of(specs: list[Any], kinds: set[str]) -> str:
-    """A manager's KV-cache groups as the trace's ``attention`` names them."""
-    if kinds == {"FullAttentionSpec"}:
-        return "full"
-    if kinds == {"SlidingWindowSpec"} and len(specs) == 1:
-        return f"sliding_window:{int(specs[0].sliding_window)}"
-    return ",".join(sorted(kinds))  # a hybrid model's groups: recorded, not yet constructed
+def attention_of(specs: list[Any]) -> str:
+    """A manager's KV-cache groups as the trace's ``attention`` names them, in order."""
+    if len({int(s.block_size) for s in specs}) > 1:  # groups of several block sizes: not constructed yet
+        return ",".join(type(s).__name__ for s in specs)
+    names = []
+    for spec in specs:
+        kind = type(spec).__name__
+        if kind == "FullAttentionSpec":
+            names.append("full")
+        elif kind == "SlidingWindowSpec":
+            names.append(f"sliding_window:{int(spec.sliding_window)}")
+        else:  # recorded by name; no build constructs it yet
+            names.append(kind)
+    return ",".join(names)
 
 
 class InstalledManager(ManagerWire):
     """``--build vllm``: the installed vLLM's manager, built from a trace's arguments
-    with one KV-cache group (full attention or a sliding window, as the trace's
-    ``attention`` says) and no KV tensors (replay needs none)."""
+    with the KV-cache groups the trace's ``attention`` names (full attention, sliding
+    windows: one, or a hybrid model's several) and no KV tensors (replay needs none)."""
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
-        window = vllm_window(attention)
-        if window is None:
-            raise BuildUnsupported("--build vllm builds a manager of one full-attention or one sliding-window group; "
-                             f"the trace's had {attention}")
+        groups = vllm_groups(attention)
+        if not groups:
+            raise BuildUnsupported("--build vllm builds managers of full-attention and sliding-window groups; "
+                                   f"the trace's had {attention}")
         try:
             import torch
             from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -382,9 +388,9 @@ class InstalledManager(ManagerWire):
             raise BuildUnloadable(f"vLLM's KV-cache manager could not be imported: {type(exc).__name__}: "
                                   f"{exc}") from None
         shape = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        spec = SlidingWindowSpec(**shape, sliding_window=window) if window else FullAttentionSpec(**shape)
-        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                               kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"layer{i}"], SlidingWindowSpec(**shape, sliding_window=w) if w else FullAttentionSpec(
+                **shape)) for i, w in enumerate(groups)])
         wanted = dict(max_model_len=max_model_len, scheduler_block_size=block_size, hash_block_size=hash_block_size,
                       max_in_flight_tokens=max_in_flight_tokens, enable_caching=enable_caching, watermark=watermark,
                       # what releases before 0.26 called the in-flight token budget

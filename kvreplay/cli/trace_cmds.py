@@ -44,8 +44,9 @@ def synth(
         True, "--prefix-caching/--no-prefix-caching", help="vllm-prefix: the manager's prefix cache (enable_caching); "
         "off, every freed block goes back unhashed and only the free queue's order decides reuse."),
     attention: str = typer.Option(
-        "full", help="vllm-prefix: the manager's KV-cache group: full, or sliding (a sliding window of --window "
-        "tokens; blocks that leave it are freed as the sequence grows). Sliding needs --build vllm."),
+        "full", help="vllm-prefix: the manager's KV-cache groups: full; sliding (one sliding window of --window "
+        "tokens: blocks that leave it are freed as the sequence grows); hybrid (a full-attention group and a "
+        "sliding-window one sharing the pool). Sliding and hybrid need --build vllm."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     checkpoint_every: int = typer.Option(
         0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),

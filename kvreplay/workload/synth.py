@@ -68,9 +68,13 @@ class SynthConfig:
     sglang_scheduler: bool = False  # free groups and end of trace as sglang 0.5.23's scheduler (server.py)
     speedup: float = 1.0
     prefix_caching: bool = True  # vllm-prefix: the manager's enable_caching
-    attention: str = "full"  # vllm-prefix: the manager's one KV-cache group, full or sliding (a window of `window`)
+    attention: str = "full"  # vllm-prefix: the manager's KV-cache groups (ATTENTION; windows of `window` tokens)
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
+
+
+# vllm-prefix's --attention: the manager's KV-cache groups, as a trace names them
+ATTENTION = {"full": "full", "sliding": "sliding_window:{window}", "hybrid": "full,sliding_window:{window}"}
 
 
 @dataclass(kw_only=True)
@@ -98,8 +102,8 @@ def validate(cfg: SynthConfig) -> Scenario:
         raise BadInput("pool sizes must hold at least one page")
     elif cfg.block_tokens % cfg.page_size:
         raise BadInput(f"--block-tokens {cfg.block_tokens} must be a multiple of --page-size {cfg.page_size}")
-    if cfg.attention not in ("full", "sliding"):
-        one_of("attention", cfg.attention, ("full", "sliding"))
+    if cfg.attention not in ATTENTION:
+        one_of("attention", cfg.attention, ATTENTION)
     if cfg.attention != "full" and sc.family != "vllm":
         raise BadInput(f"--attention is vLLM's manager's (vllm-prefix); {sc.name} has its own SWA pool (radix-swa)")
     if not cfg.prefix_caching and sc.family != "vllm":
@@ -126,14 +130,14 @@ def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
                                 "hash_block_size": cfg.block_tokens, "max_model_len": cfg.full_size,
                                 "max_in_flight_tokens": cfg.full_size, "enable_caching": cfg.prefix_caching,
                                 "watermark": 0.0,
-                                "attention": "full" if cfg.attention == "full" else f"sliding_window:{cfg.window}"}
+                                "attention": ATTENTION[cfg.attention].format(window=cfg.window)}
     else:
         ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
                 "need_sort": sc.need_sort, "dtype": "torch.int64"}
     try:
         return build.construct(ctor, device=cfg.device), spec
     except (ValueError, TypeError, BuildUnsupported) as exc:
-        hint = " (--attention sliding needs --build vllm)" if cfg.attention != "full" else ""
+        hint = f" (--attention {cfg.attention} needs --build vllm)" if cfg.attention != "full" else ""
         raise BadInput(f"{spec} cannot be built for scenario {sc.name}: {exc}{hint}") from None
 
 

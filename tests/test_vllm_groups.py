@@ -1,0 +1,57 @@
+"""vLLM managers of several KV-cache groups and sliding windows, on the installed vLLM
+(the vLLM tier, marker ``vllm``): recorded through the wire by synth, rebuilt from the
+trace's ``attention`` by ``--build vllm``, replayed strict."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM not installed")
+
+from kvreplay.replay.dispatch import replay  # noqa: E402
+from kvreplay.trace.reader import TraceReader  # noqa: E402
+from kvreplay.workload.synth import SynthConfig, synthesize  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+WORKLOAD = "workloads/mooncake/synthetic_trace.jsonl"
+
+
+def _synth(tmp_path, attention: str, window: int = 64):
+    out = tmp_path / f"{attention}.parquet"
+    synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=60, workload=WORKLOAD, build="vllm",
+                           attention=attention, window=window, length_scale=0.03, output_scale=0.5,
+                           block_tokens=16, full_size=4096, max_running=32, speedup=1e6))
+    return out
+
+
+def test_the_wire_names_each_group_of_a_live_manager_in_order():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvreplay.builds.vllm import attention_of
+
+    shape = dict(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    assert attention_of([FullAttentionSpec(**shape)]) == "full"
+    assert attention_of([FullAttentionSpec(**shape), SlidingWindowSpec(**shape, sliding_window=128)]) == \
+        "full,sliding_window:128"
+    # groups of two block sizes are named by kind: no build constructs them yet
+    other = dict(shape, block_size=32)
+    assert attention_of([FullAttentionSpec(**shape), SlidingWindowSpec(**other, sliding_window=128)]) == \
+        "FullAttentionSpec,SlidingWindowSpec"
+
+
+@pytest.mark.parametrize("attention", ["sliding", "hybrid"])
+def test_a_sliding_window_manager_replays_on_the_vllm_that_made_it(tmp_path, attention):
+    """Every block id, free count and block-pool call again; the one finding is the null
+    block's count, which this vLLM (0.32) drives below zero at the first free of a request
+    whose window slid (fixed in 0.33: traces/vllm-0.33-null-block-ref-count)."""
+    trace = _synth(tmp_path, attention)
+    reader = TraceReader(trace)
+    want = {"sliding": "sliding_window:64", "hybrid": "full,sliding_window:64"}[attention]
+    assert reader.meta.ctor_args["attention"] == want
+    groups = {c.result[0] for c in reader.calls() if c.method == "allocate_slots" and c.result}
+    assert groups - {-1} == {want.count(",") + 1}  # each group's blocks (-1: the shared empty answer)
+    r = replay(trace, "vllm", device="cpu")
+    assert r.first_divergence is None, r.first_divergence
+    assert {v.rule for v in r.violations} == {"null-block-ref-count"}, r.violations
+    assert r.first_violation.method == "free_request"
