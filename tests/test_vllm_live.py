@@ -44,15 +44,27 @@ def tiny(tmp_path_factory):
     return make(tmp_path_factory.mktemp("models") / "llama")
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    """The tiny Llama with its first layer sliding (a 64-token window): vLLM gives it a
+    sliding-window and a full-attention KV-cache group under its hybrid coordinator."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from tiny_model import make
+    finally:
+        sys.path.pop(0)
+    return make(tmp_path_factory.mktemp("models") / "hybrid", swa_window=64)
+
+
 class VllmServer(RecordedServer):
     """A recorded vLLM OpenAI server of a tiny model on CPU, prefix caching on, a
     1,024-block pool."""
 
-    def __init__(self, model: Path, out: Path) -> None:
+    def __init__(self, model: Path, out: Path, block_size: int = 32) -> None:
         super().__init__(out, lambda port: [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-            "--block-size", "32", "--max-model-len", "4096", "--num-gpu-blocks-override", "1024",
+            "--block-size", str(block_size), "--max-model-len", "4096", "--num-gpu-blocks-override", "1024",
             "--port", str(port)], start_s=START_S, name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
 
     def drive(self, n: int, output_scale: float = 0.5) -> object:
@@ -157,3 +169,27 @@ def test_what_the_builtin_manager_does_the_installed_vllm_does_too(tmp_path):
     assert res.retractions > 0  # the small pool preempted requests
     r = replay(out, "vllm", mode="strict", device="cpu")
     assert r.status == "clean", (r.first_divergence, r.first_violation)
+
+
+def test_a_hybrid_sliding_window_server_is_recorded_and_replays_on_vllm(tiny_hybrid, tmp_path):
+    """A model with a sliding-window layer and a full one: the engine's manager has two
+    KV-cache groups and keeps only the latest of a window's cache boundaries (the
+    server's retention interval, 0), both on the wire, so the trace replays on the vLLM
+    that served it with every block id again. Its one finding is vLLM 0.32's: a free
+    counts the window's null entries (block-pool/null-block-ref-count); 0.33 replays clean."""
+    server = VllmServer(tiny_hybrid, tmp_path / "out", block_size=16)
+    try:
+        served = server.drive(100)
+        time.sleep(1.5)
+    finally:
+        server.stop(signal.SIGINT)
+    assert served.ok == 100, served.error_kinds
+    (trace,) = finished_traces(tmp_path / "out")
+    ctor = TraceReader(trace).meta.ctor_args
+    assert ctor["attention"] == "sliding_window:64,full" and ctor["retention_interval"] == 0, ctor
+    r = replay(trace, "vllm", mode="strict", device="cpu")
+    assert r.first_divergence is None, r.first_divergence
+    assert {v.rule for v in r.violations} == {"null-block-ref-count"}, r.violations
+    assert r.first_violation.method == "free_request"
+    fixed = replay(trace, "vllm==0.33.0", mode="strict", device="cpu")
+    assert fixed.status == "clean", (fixed.status, fixed.message, fixed.first_divergence)

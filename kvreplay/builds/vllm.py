@@ -181,11 +181,23 @@ class ManagerWire:
             result = fn(*bound.args, **bound.kwargs)
             self._live_result = result
         else:
-            result = original(**self._arguments(name, wire))
+            args = self._arguments(name, wire)
+            result = None if not self._admits(name, args) else original(**args)
         if name == "free_request":
             self._sent.pop(wire.get("request_id"), None)
             self._book.forget(wire.get("request_id"))
         return result_out(name, result, self.manager)
+
+    def _admits(self, name: str, args: dict[str, Any]) -> bool:
+        """Before 0.21 the whole-sequence admission check was the manager's own method,
+        ``can_fit_full_sequence``, which the scheduler called first; a call that asks
+        allocate_slots for it asks that method on such a release (a refusal is None, as
+        allocate_slots answers one from 0.21 on)."""
+        if name != "allocate_slots" or not args.pop(_GATED, False):
+            return True
+        gate = self.manager.can_fit_full_sequence
+        params = inspect.signature(gate).parameters
+        return bool(gate(**{k: v for k, v in args.items() if k in params}))
 
     def _arguments(self, name: str, wire: dict[str, Any]) -> dict[str, Any]:
         """The real call's arguments from a replayed row's."""
@@ -200,7 +212,12 @@ class ManagerWire:
             args["block_ids"] = {b.block_id for b in blocks_by_id(self.pool, args["block_ids"])}
         if "skip_zeroing_group_ids" in args:
             args["skip_zeroing_group_ids"] = tuple(args["skip_zeroing_group_ids"])
-        return fit_arguments(name, args, self._params[name])
+        params = self._params[name]
+        if (name == "allocate_slots" and args.get("full_sequence_must_fit") and "full_sequence_must_fit" not in params
+                and callable(getattr(self.manager, "can_fit_full_sequence", None))):
+            args.pop("full_sequence_must_fit")
+            return {**fit_arguments(name, args, params), _GATED: True}
+        return fit_arguments(name, args, params)
 
     def _blocks(self, wire: Sequence[int]) -> Any:
         groups = groups_in(wire)
@@ -266,6 +283,8 @@ class ManagerWire:
         return out
 
 
+# A replayed allocate_slots whose whole-sequence check a release makes in a method of its own (_admits).
+_GATED = "kvreplay_gated"
 # Arguments a release before the recording's names otherwise: (its name, the recording's).
 _RENAMED = {"remove_skipped_blocks": (("total_computed_tokens", "processed_computed_tokens"),)}
 # Arguments that only steer something a release without them also lacks, so any value
@@ -343,6 +362,9 @@ def ctor_args_of(manager: Any) -> dict[str, Any]:
         # the manager keeps int(watermark * num_blocks); half a block more gives that back exactly
         "watermark": (manager.watermark_blocks + 0.5) / config.num_blocks if manager.watermark_blocks else 0.0,
         "attention": attention_of(specs),
+        # which of a sliding window's blocks stay cached (None: every one; vLLM's server
+        # default, 0: only the latest boundary); the hybrid coordinator reads it
+        "retention_interval": getattr(config, "prefix_cache_retention_interval", None),
     }
 
 
@@ -368,7 +390,8 @@ class InstalledManager(ManagerWire):
     windows: one, or a hybrid model's several) and no KV tensors (replay needs none)."""
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
-                 max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
+                 max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str,
+                 retention_interval: int | None = None) -> None:
         groups = vllm_groups(attention)
         if not groups:
             raise BuildUnsupported("--build vllm builds managers of full-attention and sliding-window groups; "
@@ -388,9 +411,16 @@ class InstalledManager(ManagerWire):
             raise BuildUnloadable(f"vLLM's KV-cache manager could not be imported: {type(exc).__name__}: "
                                   f"{exc}") from None
         shape = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        retention = {}
+        if retention_interval is not None:
+            if "prefix_cache_retention_interval" in inspect.signature(KVCacheConfig).parameters:
+                retention = {"prefix_cache_retention_interval": retention_interval}
+            elif any(groups):  # only a sliding window's caching reads it
+                raise BuildUnsupported("this vLLM keeps every sliding-window block cached; the trace's manager had "
+                                       f"a retention interval of {retention_interval}")
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec([f"layer{i}"], SlidingWindowSpec(**shape, sliding_window=w) if w else FullAttentionSpec(
-                **shape)) for i, w in enumerate(groups)])
+                **shape)) for i, w in enumerate(groups)], **retention)
         wanted = dict(max_model_len=max_model_len, scheduler_block_size=block_size, hash_block_size=hash_block_size,
                       max_in_flight_tokens=max_in_flight_tokens, enable_caching=enable_caching, watermark=watermark,
                       # what releases before 0.26 called the in-flight token budget
@@ -405,4 +435,6 @@ class InstalledManager(ManagerWire):
         args = dict(num_blocks=num_blocks, block_size=block_size, hash_block_size=hash_block_size,
                     max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
                     enable_caching=enable_caching, watermark=watermark, attention=attention)
+        if retention_interval is not None:
+            args["retention_interval"] = retention_interval
         super().__init__(manager, args, status=lambda name: RequestStatus[name] if name else None)

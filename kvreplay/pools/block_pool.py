@@ -195,7 +195,9 @@ class BlockManager:
     pins_hit_before_room_check = False
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
-                 max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str) -> None:
+                 max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str,
+                 retention_interval: int | None = None) -> None:
+        # retention_interval thins a sliding window's cached blocks; full attention caches every one
         # a trace this manager cannot model is one it does not replay, not bad input
         if attention != "full":
             raise BuildUnsupported(f"the builtin vLLM manager has full attention only, not {attention}")
@@ -204,6 +206,8 @@ class BlockManager:
         self.ctor_args = dict(num_blocks=num_blocks, block_size=block_size, hash_block_size=hash_block_size,
                               max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
                               enable_caching=enable_caching, watermark=watermark, attention=attention)
+        if retention_interval is not None:
+            self.ctor_args["retention_interval"] = retention_interval
         self.pool = self.pool_class(num_blocks, enable_caching)
         self.block_size = block_size
         self.max_model_len = max_model_len

@@ -233,6 +233,10 @@ def check_ctor_args(family: str, args: dict[str, Any]) -> None:
         w = args.get("watermark")
         if type(w) not in (int, float) or not 0 <= w <= 1:
             raise ValueError(f"constructor argument watermark must be a number in 0..1, not {str(w)[:40]!r}")
+        ri = args.get("retention_interval")
+        if ri is not None and (type(ri) is not int or not 0 <= ri <= MAX_POOL_SLOTS):
+            raise ValueError(f"constructor argument retention_interval must be null or a whole number, not "
+                             f"{str(ri)[:40]!r}")
         att = args.get("attention")
         if type(att) is not str or not 0 < len(att) <= 200:
             # any KV-cache spec kinds a manager had (a hybrid model's several); the builds
