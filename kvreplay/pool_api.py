@@ -124,12 +124,9 @@ FAMILY_UNITS: dict[str, tuple[str, ...]] = {
 # The families whose calls name token slots (sglang's allocator API); the commands that
 # reason about slots (minimize, remap) take these only.
 SLOT_FAMILIES = ("token", "paged", "swa")
-# The attention kinds a vLLM manager is replayed with: one name per KV-cache group, in
-# the manager's order, joined by commas: ``full``, or ``sliding_window:W`` for a window of
-# W tokens (``full,sliding_window:128``: a hybrid model's two groups).
-VLLM_ATTENTION = ("full", "sliding_window")
-
-
+# The attention a vLLM manager is replayed with: one name per KV-cache group, in the
+# manager's order, joined by commas: ``full``, or ``sliding_window:W`` for a window of W
+# tokens (``full,sliding_window:128``: a hybrid model's two groups).
 def vllm_groups(attention: str) -> tuple[int, ...] | None:
     """The KV-cache groups a vLLM trace's ``attention`` names, each as its sliding window
     in tokens (0: full attention); None when one is a kind no build constructs (Mamba,

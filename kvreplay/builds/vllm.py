@@ -182,19 +182,23 @@ class ManagerWire:
             self._live_result = result
         else:
             args = self._arguments(name, wire)
-            result = None if not self._admits(name, args) else original(**args)
+            result = None if self._checks_first(name, wire) and not self._fits(args) else original(**args)
         if name == "free_request":
             self._sent.pop(wire.get("request_id"), None)
             self._book.forget(wire.get("request_id"))
         return result_out(name, result, self.manager)
 
-    def _admits(self, name: str, args: dict[str, Any]) -> bool:
+    def _checks_first(self, name: str, wire: dict[str, Any]) -> bool:
         """Before 0.21 the whole-sequence admission check was the manager's own method,
-        ``can_fit_full_sequence``, which the scheduler called first; a call that asks
-        allocate_slots for it asks that method on such a release (a refusal is None, as
-        allocate_slots answers one from 0.21 on)."""
-        if name != "allocate_slots" or not args.pop(_GATED, False):
-            return True
+        ``can_fit_full_sequence``, which the scheduler called first: a call that asks
+        allocate_slots for it asks that method first on such a release."""
+        return (name == "allocate_slots" and bool(wire.get("full_sequence_must_fit"))
+                and "full_sequence_must_fit" not in self._params[name]
+                and callable(getattr(self.manager, "can_fit_full_sequence", None)))
+
+    def _fits(self, args: dict[str, Any]) -> bool:
+        """can_fit_full_sequence on a replayed allocate_slots' arguments (a refusal answers
+        None, as allocate_slots answers one from 0.21 on)."""
         gate = self.manager.can_fit_full_sequence
         params = inspect.signature(gate).parameters
         return bool(gate(**{k: v for k, v in args.items() if k in params}))
@@ -212,12 +216,9 @@ class ManagerWire:
             args["block_ids"] = {b.block_id for b in blocks_by_id(self.pool, args["block_ids"])}
         if "skip_zeroing_group_ids" in args:
             args["skip_zeroing_group_ids"] = tuple(args["skip_zeroing_group_ids"])
-        params = self._params[name]
-        if (name == "allocate_slots" and args.get("full_sequence_must_fit") and "full_sequence_must_fit" not in params
-                and callable(getattr(self.manager, "can_fit_full_sequence", None))):
+        if self._checks_first(name, wire):  # asked of can_fit_full_sequence instead (_fits)
             args.pop("full_sequence_must_fit")
-            return {**fit_arguments(name, args, params), _GATED: True}
-        return fit_arguments(name, args, params)
+        return fit_arguments(name, args, self._params[name])
 
     def _blocks(self, wire: Sequence[int]) -> Any:
         groups = groups_in(wire)
@@ -283,8 +284,6 @@ class ManagerWire:
         return out
 
 
-# A replayed allocate_slots whose whole-sequence check a release makes in a method of its own (_admits).
-_GATED = "kvreplay_gated"
 # Arguments a release before the recording's names otherwise: (its name, the recording's).
 _RENAMED = {"remove_skipped_blocks": (("total_computed_tokens", "processed_computed_tokens"),)}
 # Arguments that only steer something a release without them also lacks, so any value
