@@ -73,18 +73,25 @@ class VllmServer(RecordedServer):
         return drive(DriveConfig(url=self.url, api="openai", concurrency=16, block_tokens=32), reqs)
 
 
-def test_a_vllm_server_fed_300_mooncake_requests_replays_strict_clean(tiny, tmp_path):
-    server = VllmServer(tiny, tmp_path / "out")
+def serve_then_ctrl_c(model: Path, out: Path, requests: int, block_size: int = 32) -> Path:
+    """Record a server of ``model`` serving ``requests`` Mooncake requests, stop it with
+    Ctrl-C; its trace."""
+    server = VllmServer(model, out, block_size=block_size)
     try:
-        served = server.drive(300)
+        served = server.drive(requests)
         # vLLM 0.32's Ctrl-C sends its engine core SIGTERM and SIGKILL at once (its shutdown
         # timeout is 0: "force killing remaining process EngineCore" in its log), so what its
         # trace can promise is the SIGKILL one: every call older than the recorder's second.
         time.sleep(1.5)
     finally:
         server.stop(signal.SIGINT)
-    assert served.ok == 300, served.error_kinds
-    (trace,) = finished_traces(tmp_path / "out")
+    assert served.ok == requests, served.error_kinds
+    (trace,) = finished_traces(out)
+    return trace
+
+
+def test_a_vllm_server_fed_300_mooncake_requests_replays_strict_clean(tiny, tmp_path):
+    trace = serve_then_ctrl_c(tiny, tmp_path / "out", 300)
     reader = TraceReader(trace)
     assert reader.meta.family == "vllm" and reader.meta.ctor_args["enable_caching"] is True
     top = list(reader.calls(top_level_only=True))
@@ -177,14 +184,7 @@ def test_a_hybrid_sliding_window_server_is_recorded_and_replays_on_vllm(tiny_hyb
     server's retention interval, 0), both on the wire, so the trace replays on the vLLM
     that served it with every block id again. Its one finding is vLLM 0.32's: a free
     counts the window's null entries (block-pool/null-block-ref-count); 0.33 replays clean."""
-    server = VllmServer(tiny_hybrid, tmp_path / "out", block_size=16)
-    try:
-        served = server.drive(100)
-        time.sleep(1.5)
-    finally:
-        server.stop(signal.SIGINT)
-    assert served.ok == 100, served.error_kinds
-    (trace,) = finished_traces(tmp_path / "out")
+    trace = serve_then_ctrl_c(tiny_hybrid, tmp_path / "out", 100, block_size=16)
     ctor = TraceReader(trace).meta.ctor_args
     assert ctor["attention"] == "sliding_window:64,full" and ctor["retention_interval"] == 0, ctor
     r = replay(trace, "vllm", mode="strict", device="cpu")
