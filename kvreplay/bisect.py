@@ -62,14 +62,19 @@ class Outcome:
     calls_replayed: int = 0
     failure: Failure | None = None  # the failure it shows first
     rules: list[str] = field(default_factory=list)  # invariant/rule with at least one violation
-    firsts: dict[str, str] = field(default_factory=dict)  # invariant/rule -> its first violation, one line
-    details: dict[str, str] = field(default_factory=dict)  # invariant/rule -> that violation's message
+    # invariant/rule (or divergence kind) -> its first violation (divergence): one line, and its message
+    firsts: dict[str, str] = field(default_factory=dict)
+    details: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of_report(cls, r: ReplayReport) -> Outcome:
         item = r.first_violation or r.first_divergence
+        firsts = firsts_by_rule(r.violations)
+        for d in [r.first_divergence, *r.divergences]:
+            if d is not None:
+                firsts.setdefault(d.kind, d)
         return cls(r.status, r.invariants, r.divergence_kinds, *_first(item, r.message), r.calls_replayed,
-                   Failure.first_in(r), r.rules, *_firsts(firsts_by_rule(r.violations)))
+                   Failure.first_in(r), r.rules, *_firsts(firsts))
 
     @classmethod
     def of_run(cls, run: Run) -> Outcome:
@@ -77,21 +82,28 @@ class Outcome:
         failure = None
         if item is not None:
             failure = Failure("violation", item.invariant) if run.violations else Failure("divergence", item.kind)
+        firsts = firsts_by_rule(run.violations)
+        for d in run.divergences:
+            firsts.setdefault(d.kind, d)
         return cls(run.status, invariant_ids(run.violation_counts),
                    sorted(run.divergence_counts), *_first(item, run.message or ""), run.calls_replayed, failure,
-                   sorted(run.violation_counts), *_firsts(firsts_by_rule(run.violations)))
+                   sorted(run.violation_counts), *_firsts(firsts))
+
+    @staticmethod
+    def _key(target: Failure) -> str | None:
+        # a violation of any rule of an invariant is the outcome's first one
+        if target.rule is not None:
+            return f"{target.id}/{target.rule}"
+        return target.id if target.kind == "divergence" else None
 
     def detail_of(self, target: Failure) -> str:
         """The message of the target failure's first instance here."""
-        if target.rule is not None:
-            return self.details.get(f"{target.id}/{target.rule}", self.detail)
-        return self.detail
+        return self.details.get(self._key(target) or "", self.detail)
 
     def shows(self, target: Failure) -> str:
-        """One line for the target failure as this outcome shows it."""
-        if target.rule is not None:
-            return self.firsts.get(f"{target.id}/{target.rule}", self.first)
-        return self.first
+        """One line for the target failure as this outcome shows it: a followed
+        divergence is named even where a violation came first."""
+        return self.firsts.get(self._key(target) or "", self.first)
 
 
 def _firsts(firsts: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:

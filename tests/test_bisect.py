@@ -14,6 +14,7 @@ import pytest
 from git_repos import commit_all, git, new_repo
 
 from kvreplay.bisect import bisect, build_candidates, git_candidates
+from kvreplay.replay.report import Failure
 
 N_COMMITS = 30  # after the good root commit
 BROKEN_AT = 15  # this commit does not import; the next one mends it
@@ -169,3 +170,15 @@ def test_git_bisect_run_with_kvreplay_replay(history, trace, tmp_path):
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"{commits[CULPRIT_AT]} is the first bad commit" in out.stdout
+
+
+def test_a_followed_divergence_is_named_where_a_violation_comes_first(tmp_path):
+    """--failure result follows a divergence kind: the step that shows it is described by
+    that divergence, not by the violation the replay met first (here the leak at #1174,
+    then the first admission the leaked blocks make fail, #1193, in remap mode)."""
+    trace = Path(__file__).resolve().parents[1] / "traces" / "vllm-11565-pin-before-room-check.parquet"
+    good, order = build_candidates(["builtin:vllm", "builtin:vllm@pin-before-room-check"])
+    res = bisect(trace, good, order, mode="remap", failure=Failure.parse("result"), db=str(tmp_path / "b.db"))
+    assert res.first_bad.spec == "builtin:vllm@pin-before-room-check"
+    assert "result divergence at call #1193 allocate_slots" in res.bad_shows, res.bad_shows
+    assert "None where the recording has a value" in res.bad_detail, res.bad_detail

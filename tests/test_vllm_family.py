@@ -274,3 +274,32 @@ def test_the_corpus_skips_a_sliding_window_trace_on_the_builtin_manager(tmp_path
     swa = cases["vllm-0.33-null-block-ref-count"]
     assert swa["outcome"] == "skip" and "full attention only" in " ".join(swa["problems"]), swa
     assert cases["live-vllm-0.32.0-prefix-mooncake300"]["outcome"] == "pass"
+
+
+def test_synth_takes_the_schedulers_step_budget_and_the_managers_longest_sequence(tmp_path, cli):
+    """--batch-tokens is the step's token budget (a long prompt goes in chunks of it) and
+    the manager's in-flight bound; --max-model-len the longest sequence it serves. Both
+    land in the trace's constructor arguments, and a full-attention pool too small for a
+    sequence stops the model in one line instead of waiting forever."""
+    out = tmp_path / "chunks.parquet"
+    res = cli("synth", "vllm-prefix", "-n", "12", "--block-tokens", "16", "--full-size", "4096",
+              "--max-model-len", "4096", "--batch-tokens", "256", "--workload", str(MOONCAKE), "--length-scale",
+              "0.05", "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    from kvreplay.trace.reader import TraceReader
+
+    reader = TraceReader(out)
+    assert reader.meta.ctor_args["max_in_flight_tokens"] == 256
+    assert reader.meta.ctor_args["max_model_len"] == 4096
+    chunks = [c.args["num_new_tokens"] for c in reader.calls() if c.method == "allocate_slots"]
+    assert max(chunks) == 256  # prompts longer than a step go in budget-sized chunks
+    assert replay(out, "builtin:vllm", device="cpu").status == "clean"
+    small = tmp_path / "small.parquet"
+    res = cli("synth", "vllm-prefix", "-n", "12", "--block-tokens", "16", "--full-size", "256", "--max-model-len",
+              "8192", "--workload", str(MOONCAKE), "--length-scale", "0.1", "-o", str(small))
+    assert res.returncode == 2 and "no progress" in res.stderr and not small.exists(), res.stderr
+    for bad in (["--batch-tokens", "0"], ["--max-model-len", "4"]):
+        res = cli("synth", "vllm-prefix", "-n", "4", *bad, "-o", str(small))
+        assert res.returncode == 2 and "\n" not in res.stderr.strip() and not small.exists(), res.stderr
+    res = cli("synth", "decode", "-n", "4", "--max-model-len", "4096", "-o", str(small))
+    assert res.returncode == 2 and "vLLM's manager" in res.stderr, res.stderr

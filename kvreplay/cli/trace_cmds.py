@@ -47,6 +47,12 @@ def synth(
         "full", help="vllm-prefix: the manager's KV-cache groups: full; sliding (one sliding window of --window "
         "tokens: blocks that leave it are freed as the sequence grows); hybrid (a full-attention group and a "
         "sliding-window one sharing the pool). Sliding and hybrid need --build vllm."),
+    max_model_len: int = typer.Option(
+        None, help="vllm-prefix: the longest sequence the manager serves, in tokens (default: --full-size). A "
+        "sliding window's pool can be smaller: vLLM sizes it for the window plus one step's tokens."),
+    batch_tokens: int = typer.Option(
+        2048, help="vllm-prefix: tokens the scheduler runs per step (vLLM's max_num_batched_tokens): the chunk "
+        "size of a long prompt, and the manager's in-flight token bound."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     checkpoint_every: int = typer.Option(
         0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
@@ -68,7 +74,7 @@ def synth(
         page_size=page_size, full_size=full_size, swa_size=swa_size, window=window, k=k,
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, output_scale=output_scale,
         speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching, attention=attention,
-        device=device, checkpoint_every=checkpoint_every,
+        max_model_len=max_model_len, batch_tokens=batch_tokens, device=device, checkpoint_every=checkpoint_every,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:

@@ -69,6 +69,8 @@ class SynthConfig:
     speedup: float = 1.0
     prefix_caching: bool = True  # vllm-prefix: the manager's enable_caching
     attention: str = "full"  # vllm-prefix: the manager's KV-cache groups (ATTENTION; windows of `window` tokens)
+    max_model_len: int | None = None  # vllm-prefix: longest sequence served (default: full_size)
+    batch_tokens: int = 2048  # vllm-prefix: the scheduler's token budget per step (vLLM's max_num_batched_tokens)
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
 
@@ -108,13 +110,17 @@ def validate(cfg: SynthConfig) -> Scenario:
         raise BadInput(f"--attention is vLLM's manager's (vllm-prefix); {sc.name} has its own SWA pool (radix-swa)")
     if not cfg.prefix_caching and sc.family != "vllm":
         raise BadInput(f"--no-prefix-caching is vLLM's manager's (vllm-prefix); {sc.name} has no such switch")
-    for name in ("window", "k", "max_running"):
+    if cfg.max_model_len is not None and sc.family != "vllm":
+        raise BadInput(f"--max-model-len is vLLM's manager's (vllm-prefix); {sc.name}'s pool size bounds a sequence")
+    for name in ("window", "k", "max_running", "batch_tokens"):
         if getattr(cfg, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
     if cfg.checkpoint_every < 0:
         raise BadInput("--checkpoint-every must be 0 (no checkpoints) or positive")
     if cfg.length_scale <= 0 or cfg.speedup <= 0 or (cfg.output_scale is not None and cfg.output_scale <= 0):
         raise BadInput("--length-scale, --output-scale and --speedup must be positive")
+    if cfg.max_model_len is not None and cfg.max_model_len < cfg.block_tokens:
+        raise BadInput("--max-model-len must hold at least one block of --block-tokens")
     cfg.device = resolve_device(cfg.device)
     return sc
 
@@ -127,8 +133,10 @@ def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
         raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {family} pool")
     if family == "vllm":  # a block pool of full_size tokens
         ctor: dict[str, Any] = {"num_blocks": cfg.full_size // cfg.block_tokens, "block_size": cfg.block_tokens,
-                                "hash_block_size": cfg.block_tokens, "max_model_len": cfg.full_size,
-                                "max_in_flight_tokens": cfg.full_size, "enable_caching": cfg.prefix_caching,
+                                "hash_block_size": cfg.block_tokens,
+                                "max_model_len": cfg.max_model_len or cfg.full_size,
+                                # one step in flight: a step's tokens are settled before the next is scheduled
+                                "max_in_flight_tokens": cfg.batch_tokens, "enable_caching": cfg.prefix_caching,
                                 "watermark": 0.0,
                                 "attention": ATTENTION[cfg.attention].format(window=cfg.window)}
     else:
@@ -153,7 +161,7 @@ def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
         server: Any = DecodeServer(pool, reqs, **common)
     elif sc.name == "vllm-prefix":
         server = VllmPrefixServer(pool, reqs, block_size=cfg.block_tokens, max_running=cfg.max_running,
-                                  speedup=cfg.speedup, progress=progress)
+                                  token_budget=cfg.batch_tokens, speedup=cfg.speedup, progress=progress)
     elif sc.name == "disagg-mtp":
         server = DisaggMTPServer(pool, reqs, window=cfg.window, k=cfg.k, **common)
     else:
