@@ -110,7 +110,7 @@ FAMILY_ARGS: dict[str, tuple[str, ...]] = {
     "swa": ("size", "size_swa", "page_size", "dtype", "device", "kvcache", "need_sort"),
     # vLLM: the block pool's size, the manager's block and hash sizes, what it admits.
     "vllm": ("num_blocks", "block_size", "hash_block_size", "max_model_len", "max_in_flight_tokens",
-             "enable_caching", "watermark", "attention", "retention_interval"),
+             "enable_caching", "watermark", "attention", "retention_interval", "use_eagle"),
 }
 # The whole-number constructor arguments of each family (checked against MAX_POOL_SLOTS)
 # and those of them that must be at least 1.

@@ -163,6 +163,7 @@ SLOW_CASES = {
     "test_damaged_constructor_arguments_are_one_line_errors[changes1-num_blocks must be a whole number]",
     "test_damaged_constructor_arguments_are_one_line_errors[changes2-enable_caching must be true or false]",
     "test_damaged_constructor_arguments_are_one_line_errors[changes3-watermark must be a number in 0..1]",
+    "test_damaged_constructor_arguments_are_one_line_errors[changes4-use_eagle must be true or false]",
     "test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash",
     "test_what_does_not_speak_the_family_says_so_in_one_line[args1-nothing to minimize]",
     "test_what_does_not_speak_the_family_says_so_in_one_line[args2-the minimal trace itself is the reproducer]",

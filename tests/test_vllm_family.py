@@ -109,6 +109,7 @@ def _with_ctor(src: Path, dst: Path, **changes: object) -> Path:
     ({"num_blocks": -1}, "num_blocks must be a whole number"),
     ({"enable_caching": "yes"}, "enable_caching must be true or false"),
     ({"watermark": 7}, "watermark must be a number in 0..1"),
+    ({"use_eagle": "yes"}, "use_eagle must be true or false"),
 ])
 def test_damaged_constructor_arguments_are_one_line_errors(tmp_path, changes, said):
     bad = _with_ctor(LIVE, tmp_path / "bad.parquet", **changes)
@@ -302,4 +303,29 @@ def test_synth_takes_the_schedulers_step_budget_and_the_managers_longest_sequenc
         res = cli("synth", "vllm-prefix", "-n", "4", *bad, "-o", str(small))
         assert res.returncode == 2 and "\n" not in res.stderr.strip() and not small.exists(), res.stderr
     res = cli("synth", "decode", "-n", "4", "--max-model-len", "4096", "-o", str(small))
+    assert res.returncode == 2 and "vLLM's manager" in res.stderr, res.stderr
+
+
+def test_an_eagle_drafters_hits_give_up_their_last_block(tmp_path, cli):
+    """--eagle: the manager is built with use_eagle, every allocation reserves the k draft
+    tokens, and each prefix hit is a block shorter than the same workload's without it."""
+    from kvreplay.trace.reader import TraceReader
+
+    hits = {}
+    for eagle in (False, True):
+        out = tmp_path / f"e{eagle}.parquet"
+        res = cli("synth", "vllm-prefix", "-n", "30", "--block-tokens", "16", "--full-size", "16384",
+                  "--max-running", "1", *(["--eagle"] if eagle else []), "-o", str(out))
+        assert res.returncode == 0, res.stderr
+        reader = TraceReader(out)
+        assert reader.meta.ctor_args.get("use_eagle", False) is eagle
+        calls = list(reader.calls())
+        assert all(c.args.get("num_lookahead_tokens", 0) == (3 if eagle else 0)
+                   for c in calls if c.method == "allocate_slots")
+        hits[eagle] = [c.result[0] for c in calls if c.method == "get_computed_blocks"]
+        assert replay(out, "builtin:vllm", device="cpu").status == "clean"
+    # one request at a time: the same lookups in the same order, each a block shorter with a drafter
+    assert len(hits[True]) == len(hits[False]) and any(hits[False])
+    assert all(e == max(0, p - 16) for p, e in zip(hits[False], hits[True], strict=True)), hits
+    res = cli("synth", "decode", "-n", "4", "--eagle", "-o", str(tmp_path / "x.parquet"))
     assert res.returncode == 2 and "vLLM's manager" in res.stderr, res.stderr

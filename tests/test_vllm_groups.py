@@ -55,3 +55,21 @@ def test_a_sliding_window_manager_replays_on_the_vllm_that_made_it(tmp_path, att
     assert r.first_divergence is None, r.first_divergence
     assert {v.rule for v in r.violations} == {"null-block-ref-count"}, r.violations
     assert r.first_violation.method == "free_request"
+
+
+def test_an_eagle_managers_prefix_hits_give_up_a_block_on_vllm_and_on_builtin(tmp_path):
+    """--eagle drives a manager built with an EAGLE drafter (use_eagle): every prefix hit
+    gives up its last block and every allocation reserves the draft tokens. kvreplay's
+    manager answers every call of vLLM's own, so its drop is vLLM's."""
+    out = tmp_path / "eagle.parquet"
+    synthesize(SynthConfig(scenario="vllm-prefix", out=out, requests=60, workload=WORKLOAD, build="vllm",
+                           eagle=True, length_scale=0.03, output_scale=0.5, block_tokens=16, full_size=8192,
+                           max_running=32, speedup=1e6))
+    reader = TraceReader(out)
+    assert reader.meta.ctor_args["use_eagle"] is True
+    calls = list(reader.calls())
+    assert all(c.args.get("num_lookahead_tokens") == 3 for c in calls if c.method == "allocate_slots")
+    assert sum(1 for c in calls if c.method == "get_computed_blocks" and c.result[0] > 0) >= 5
+    for build in ("vllm", "builtin:vllm"):
+        r = replay(out, build, device="cpu")
+        assert r.status == "clean", (build, r.status, r.first_divergence, r.first_violation)

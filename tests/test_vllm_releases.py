@@ -21,6 +21,7 @@ FREE_ORDER = TRACES / "vllm-0.27-caching-off-free-order.parquet"
 LIVE = TRACES / "live-vllm-0.32.0-prefix-mooncake300.parquet"
 NULL_COUNT = TRACES / "vllm-0.33-null-block-ref-count.parquet"
 ADMISSION_CAP = TRACES / "vllm-40946-swa-admission-cap.parquet"
+EAGLE_DROP = TRACES / "vllm-32802-eagle-hybrid-double-drop.parquet"
 
 
 def _kvreplay(*argv: str) -> subprocess.CompletedProcess:
@@ -93,16 +94,44 @@ def test_vllm_0_19_reserves_a_sliding_windows_whole_sequence_and_0_20_caps_it(tm
     so a prompt longer than the pool waited forever. In remap mode (0.19 reuses freed
     blocks in another order) 0.19.1 refuses the recorded admission at its call; bisect
     --fixed, following that divergence past the null block's count, names 0.20.0."""
-    bad = replay(ADMISSION_CAP, "vllm==0.19.1", mode="remap", device="cpu")
-    d = bad.first_divergence
-    assert d is not None and (d.kind, d.call, d.method) == ("result", 11, "allocate_slots"), d
-    assert d.actual is None and d.expected, d  # refused where the recording allocated
-    res = _kvreplay("bisect", str(ADMISSION_CAP), "--builds", "vllm==0.19.1..0.20.2", "--fixed", "--mode", "remap",
+    res = _kvreplay("bisect", str(ADMISSION_CAP), "--builds", "vllm==0.19.1..0.20.1", "--fixed", "--mode", "remap",
                     "--failure", "result", "--db", str(tmp_path / "b.db"), "--json")
     assert res.returncode == 0, res.stderr[-800:]
     out = json.loads(res.stdout)
     assert out["first_bad"]["spec"] == "vllm==0.20.0", out
+    # 0.19.1 refuses the admission the recording made: None against blocks
     assert "call #11 allocate_slots" in out["bad_shows"], out
+    assert "None where the recording has a value" in out["bad_detail"], out
+
+
+def test_vllm_0_19_drops_an_eagle_hit_block_once_per_group_and_0_20_once(tmp_path):
+    """An EAGLE drafter's prefix hit gives up its last block. On a hybrid model 0.19 gave
+    it up in each group in turn (the full-attention group's drop shortened the window's
+    lookup, which dropped again); 0.20 drops once. The trace was recorded on 0.20.2, so
+    0.19.1 parts at the first hit, strict."""
+    res = _kvreplay("bisect", str(EAGLE_DROP), "--builds", "vllm==0.19.1..0.20.1", "--fixed", "--failure", "result",
+                    "--db", str(tmp_path / "b.db"), "--json")
+    assert res.returncode == 0, res.stderr[-800:]
+    out = json.loads(res.stdout)
+    assert out["first_bad"]["spec"] == "vllm==0.20.0", out
+    assert "call #378 get_computed_blocks" in out["bad_shows"], out
+
+
+def test_synth_drives_a_vllm_release_in_a_child_process(tmp_path):
+    """--build vllm==X: the model runs with the release first on sys.path; the trace names
+    the release and replays on it."""
+    out = tmp_path / "r.parquet"
+    res = _kvreplay("synth", "vllm-prefix", "--build", "vllm==0.20.2", "--attention", "hybrid", "--window", "64",
+                    "-n", "10", "--workload", "workloads/mooncake/synthetic_trace.jsonl", "--length-scale", "0.03",
+                    "--block-tokens", "16", "--full-size", "4096", "-o", str(out), "--json")
+    assert res.returncode == 0, res.stderr[-800:]
+    assert json.loads(res.stdout)["build"] == "vllm==0.20.2"
+    from kvreplay.trace.reader import TraceReader
+
+    reader = TraceReader(out)
+    assert reader.meta.source_version["vllm"] == "0.20.2" and reader.count_calls() > 50
+    res = _kvreplay("synth", "decode", "--build", "sglang==0.5.23", "-n", "4", "-o", str(tmp_path / "s.parquet"))
+    assert res.returncode == 2 and "vllm-prefix only" in res.stderr and not (tmp_path / "s.parquet").exists()
 
 
 def test_the_corpus_holds_on_a_vllm_release_as_the_manifest_says(tmp_path):

@@ -87,6 +87,7 @@ class ManagerWire:
         self._real: Any = None  # live: the call in progress (original, bound arguments)
         self._block_real: dict[str, Callable[..., Any]] = {}
         self._block_args: Any = None
+        self._block_options: dict[str, Any] = {}  # a block-pool call's options besides its blocks
         self._originals = {name: getattr(manager, VLLM_MANAGER_NAMES.get(name, name)) for name in VLLM_MANAGER_METHODS
                            if callable(getattr(manager, VLLM_MANAGER_NAMES.get(name, name), None))}
         # Each method's parameters: a release older than the recording may lack some (fit_arguments).
@@ -124,7 +125,10 @@ class ManagerWire:
     def _block_shim(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         wire = self.wire_blocks
 
-        def shim(arg: Any) -> Any:
+        def shim(arg: Any, **options: Any) -> Any:
+            # 0.23's free_blocks(prepend=True) queues a window's uncached blocks at the head:
+            # the wire names the blocks freed, and the release's own call gets the option back
+            self._block_options = options
             if name == "get_new_blocks":
                 self._block_args = None
                 return self._logged(name, getattr(wire, name)(int(arg)))
@@ -135,7 +139,7 @@ class ManagerWire:
             # stopped), so the wire leaves it out and a free means the same on every release.
             ids = real_ids(blocks)
             if not ids:  # a free of placeholders only (0.24 makes them): no block changes
-                return original(blocks)
+                return original(blocks, **options)
             getattr(wire, name)(ids)
             if wire.log is not None:  # a free or touch shows as the blocks it named
                 wire.log.append((name, ids))
@@ -156,11 +160,11 @@ class ManagerWire:
         if name == "get_new_blocks":
             self._block_result = original(arg)
             return self._block_result
-        blocks = self._block_args
+        blocks, options = self._block_args, self._block_options
+        self._block_args, self._block_options = None, {}
         if blocks is None or real_ids(blocks) != tuple(arg):
-            blocks = blocks_by_id(self.pool, arg)  # a replayed top-level block call
-        self._block_args = None
-        original(blocks)
+            blocks, options = blocks_by_id(self.pool, arg), {}  # a replayed top-level block call
+        original(blocks, **options)
         return None
 
     # -- manager ------------------------------------------------------------------------
@@ -364,6 +368,8 @@ def ctor_args_of(manager: Any) -> dict[str, Any]:
         # which of a sliding window's blocks stay cached (None: every one; vLLM's server
         # default, 0: only the latest boundary); the hybrid coordinator reads it
         "retention_interval": getattr(config, "prefix_cache_retention_interval", None),
+        # a server with an EAGLE/MTP drafter: each prefix hit gives up a block (absent: none)
+        **({"use_eagle": True} if getattr(manager, "use_eagle", False) else {}),
     }
 
 
@@ -390,7 +396,7 @@ class InstalledManager(ManagerWire):
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str,
-                 retention_interval: int | None = None) -> None:
+                 retention_interval: int | None = None, use_eagle: bool | None = None) -> None:
         groups = vllm_groups(attention)
         if not groups:
             raise BuildUnsupported("--build vllm builds managers of full-attention and sliding-window groups; "
@@ -423,8 +429,10 @@ class InstalledManager(ManagerWire):
         wanted = dict(max_model_len=max_model_len, scheduler_block_size=block_size, hash_block_size=hash_block_size,
                       max_in_flight_tokens=max_in_flight_tokens, enable_caching=enable_caching, watermark=watermark,
                       # what releases before 0.26 called the in-flight token budget
-                      max_num_batched_tokens=max_in_flight_tokens)
+                      max_num_batched_tokens=max_in_flight_tokens, use_eagle=bool(use_eagle))
         params = inspect.signature(KVCacheManager).parameters
+        if use_eagle and "use_eagle" not in params:
+            raise BuildUnsupported("this vLLM's KVCacheManager has no EAGLE drafter's prefix-hit drop")
         if watermark and "watermark" not in params:
             raise BuildUnsupported(f"this vLLM's KVCacheManager keeps no watermark; the trace's was {watermark}")
         if hash_block_size != block_size and "hash_block_size" not in params:
@@ -436,4 +444,6 @@ class InstalledManager(ManagerWire):
                     enable_caching=enable_caching, watermark=watermark, attention=attention)
         if retention_interval is not None:
             args["retention_interval"] = retention_interval
+        if use_eagle:
+            args["use_eagle"] = True
         super().__init__(manager, args, status=lambda name: RequestStatus[name] if name else None)

@@ -53,6 +53,10 @@ def synth(
     batch_tokens: int = typer.Option(
         2048, help="vllm-prefix: tokens the scheduler runs per step (vLLM's max_num_batched_tokens): the chunk "
         "size of a long prompt, and the manager's in-flight token bound."),
+    eagle: bool = typer.Option(
+        False, "--eagle", help="vllm-prefix: the server runs an EAGLE drafter of --k tokens: every prefix hit gives "
+        "up its last block (the drafter's states for it are not cached) and every allocation reserves --k slots "
+        "more."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     checkpoint_every: int = typer.Option(
         0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
@@ -74,7 +78,8 @@ def synth(
         page_size=page_size, full_size=full_size, swa_size=swa_size, window=window, k=k,
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, output_scale=output_scale,
         speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching, attention=attention,
-        max_model_len=max_model_len, batch_tokens=batch_tokens, device=device, checkpoint_every=checkpoint_every,
+        max_model_len=max_model_len, batch_tokens=batch_tokens, eagle=eagle, device=device,
+        checkpoint_every=checkpoint_every,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:

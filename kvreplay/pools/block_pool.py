@@ -196,7 +196,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, hash_block_size: int, max_model_len: int,
                  max_in_flight_tokens: int, enable_caching: bool, watermark: float, attention: str,
-                 retention_interval: int | None = None) -> None:
+                 retention_interval: int | None = None, use_eagle: bool | None = None) -> None:
         # retention_interval thins a sliding window's cached blocks; full attention caches every one
         # a trace this manager cannot model is one it does not replay, not bad input
         if attention != "full":
@@ -208,6 +208,11 @@ class BlockManager:
                               enable_caching=enable_caching, watermark=watermark, attention=attention)
         if retention_interval is not None:
             self.ctor_args["retention_interval"] = retention_interval
+        if use_eagle:
+            self.ctor_args["use_eagle"] = True
+        # An EAGLE drafter runs one token ahead of the verified prefix, so a hit gives up its
+        # last block: the drafter's states for it are not cached with it.
+        self.use_eagle = bool(use_eagle)
         self.pool = self.pool_class(num_blocks, enable_caching)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -258,6 +263,8 @@ class BlockManager:
             if block is None:
                 break
             hit.append(block)
+        if self.use_eagle and hit:
+            hit.pop()
         return (len(hit) * self.block_size, 0, *self._blocks_out(hit))
 
     def allocate_slots(self, *, num_new_tokens: int, num_new_computed_tokens: int = 0,

@@ -237,6 +237,9 @@ def check_ctor_args(family: str, args: dict[str, Any]) -> None:
         if ri is not None and (type(ri) is not int or not 0 <= ri <= MAX_POOL_SLOTS):
             raise ValueError(f"constructor argument retention_interval must be null or a whole number, not "
                              f"{str(ri)[:40]!r}")
+        if args.get("use_eagle") is not None and type(args["use_eagle"]) is not bool:
+            raise ValueError(f"constructor argument use_eagle must be true or false, not "
+                             f"{str(args.get('use_eagle'))[:40]!r}")
         att = args.get("attention")
         if type(att) is not str or not 0 < len(att) <= 200:
             # any KV-cache spec kinds a manager had (a hybrid model's several); the builds

@@ -1,17 +1,28 @@
 """``kvreplay synth``: run a scenario of the decode-server model against a pool
-build under the recorder, producing a trace that looks like a production one."""
+build under the recorder, producing a trace that looks like a production one.
+
+A vLLM release (``--build vllm==X``) is driven in a child process with the release's
+package first on ``sys.path``, as a release replays (builds/worker_code.py): the child
+runs this module as ``--build vllm`` and reports progress and its result as lines on
+stdout, the trace naming the release."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvreplay.builds import resolve as builds
 from kvreplay.builds.resolve import resolve_device
-from kvreplay.errors import BadInput, BuildUnsupported, PoolFailed, one_of
+from kvreplay.builds.spec import BuildSpec
+from kvreplay.builds.worker_code import prepare
+from kvreplay.errors import BadInput, BuildUnloadable, BuildUnsupported, KvreplayError, PoolFailed, one_of
 from kvreplay.recorder.recording import record
 from kvreplay.trace.location import output_path, publish
 from kvreplay.trace.reader import TraceReader
@@ -71,6 +82,7 @@ class SynthConfig:
     attention: str = "full"  # vllm-prefix: the manager's KV-cache groups (ATTENTION; windows of `window` tokens)
     max_model_len: int | None = None  # vllm-prefix: longest sequence served (default: full_size)
     batch_tokens: int = 2048  # vllm-prefix: the scheduler's token budget per step (vLLM's max_num_batched_tokens)
+    eagle: bool = False  # vllm-prefix: an EAGLE drafter (k draft tokens a step): hits give up a block, k slots reserved
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
 
@@ -110,6 +122,8 @@ def validate(cfg: SynthConfig) -> Scenario:
         raise BadInput(f"--attention is vLLM's manager's (vllm-prefix); {sc.name} has its own SWA pool (radix-swa)")
     if not cfg.prefix_caching and sc.family != "vllm":
         raise BadInput(f"--no-prefix-caching is vLLM's manager's (vllm-prefix); {sc.name} has no such switch")
+    if cfg.eagle and sc.family != "vllm":
+        raise BadInput(f"--eagle is vLLM's manager's (vllm-prefix); {sc.name} speculates with --k on its own pool")
     if cfg.max_model_len is not None and sc.family != "vllm":
         raise BadInput(f"--max-model-len is vLLM's manager's (vllm-prefix); {sc.name}'s pool size bounds a sequence")
     for name in ("window", "k", "max_running", "batch_tokens"):
@@ -139,6 +153,8 @@ def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
                                 "max_in_flight_tokens": cfg.batch_tokens, "enable_caching": cfg.prefix_caching,
                                 "watermark": 0.0,
                                 "attention": ATTENTION[cfg.attention].format(window=cfg.window)}
+        if cfg.eagle:
+            ctor["use_eagle"] = True
     else:
         ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
                 "need_sort": sc.need_sort, "dtype": "torch.int64"}
@@ -161,7 +177,8 @@ def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
         server: Any = DecodeServer(pool, reqs, **common)
     elif sc.name == "vllm-prefix":
         server = VllmPrefixServer(pool, reqs, block_size=cfg.block_tokens, max_running=cfg.max_running,
-                                  token_budget=cfg.batch_tokens, speedup=cfg.speedup, progress=progress)
+                                  token_budget=cfg.batch_tokens, lookahead=cfg.k if cfg.eagle else 0,
+                                  speedup=cfg.speedup, progress=progress)
     elif sc.name == "disagg-mtp":
         server = DisaggMTPServer(pool, reqs, window=cfg.window, k=cfg.k, **common)
     else:
@@ -173,15 +190,21 @@ def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
 
 
 def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = None,
-               command: str | None = None) -> SynthResult:
+               command: str | None = None, as_build: str | None = None) -> SynthResult:
+    """Run the scenario on ``cfg.build`` under the recorder; ``as_build`` names the build
+    in the trace and result when it is not ``cfg.build`` (a release's child)."""
     sc = validate(cfg)
+    if cfg.build and BuildSpec.parse(cfg.build).kind == "release":
+        return _synthesize_on_release(cfg, sc, progress, command)
     pool, spec = make_pool(cfg, sc)
+    spec = as_build or spec
     out, remote = output_path(cfg.out)  # a URI: written here, then put there
     if out.is_dir():
         raise BadInput(f"{out} is a directory; give a file name for the trace")
     if not remote and not out.parent.is_dir():  # bad input writes nothing, not even a directory
         raise BadInput(f"{out.parent} does not exist; create it first or write the trace elsewhere")
     extra = {"synth": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "out"}}
+    extra["synth"]["build"] = spec
     if command:
         extra["command"] = command
     t0 = time.perf_counter()
@@ -210,3 +233,68 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
         publish(out, remote)
     return SynthResult(path=remote or out, scenario=sc.name, build=spec, calls=reader.count_calls(),
                        rows=reader.num_rows, wall_s=time.perf_counter() - t0, **asdict(stats))
+
+
+# What a release's child reports, one line each on stdout (vLLM may log there too).
+_MARK = "kvreplay-synth "
+_ERRORS: dict[str, type[KvreplayError]] = {c.__name__: c for c in (BadInput, PoolFailed, BuildUnloadable,
+                                                                     BuildUnsupported)}
+
+
+def _synthesize_on_release(cfg: SynthConfig, sc: Scenario, progress: Callable[[int, int], None] | None,
+                           command: str | None) -> SynthResult:
+    spec = BuildSpec.parse(cfg.build or "")
+    if sc.family != "vllm" or spec.engine != "vllm":
+        raise BadInput(f"synth drives a release's pool for vllm-prefix only (--build vllm==VERSION), not {spec} "
+                       f"for {sc.name}")
+    code = prepare(spec)  # fetched once; BuildUnloadable where no vLLM is installed
+    child_cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    child_cfg["build"] = "vllm"
+    request = json.dumps({"cfg": child_cfg, "command": command, "as_build": spec.text})
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen([sys.executable, "-m", "kvreplay.workload.synth"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=errors, text=True, env=code.env())
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(request)
+        proc.stdin.close()
+        outcome: dict[str, Any] = {}
+        for line in proc.stdout:
+            if not line.startswith(_MARK):
+                continue
+            msg = json.loads(line[len(_MARK):])
+            if "progress" in msg and progress:
+                progress(*msg["progress"])
+            outcome.update(msg)
+        proc.wait()
+        errors.seek(0)
+        tail = errors.read()[-2000:].strip().splitlines()
+    if "error" in outcome:
+        raise _ERRORS.get(outcome["error"], BuildUnloadable)(outcome["message"])
+    if "result" not in outcome:
+        why = tail[-1] if tail else f"exit status {proc.returncode}"
+        raise BuildUnloadable(f"{spec}: the model's process ended without a trace: {why}")
+    return SynthResult(**outcome["result"])
+
+
+def _child() -> int:
+    """A release's child: the scenario on the ``vllm`` now first on ``sys.path``."""
+    request = json.loads(sys.stdin.read())
+    cfg = SynthConfig(**request["cfg"])
+    cfg = replace(cfg, out=Path(cfg.out) if "://" not in str(cfg.out) else cfg.out,
+                  workload=Path(cfg.workload) if cfg.workload else None)
+
+    def report(**msg: Any) -> None:
+        print(_MARK + json.dumps(msg, default=str), flush=True)
+
+    try:
+        res = synthesize(cfg, progress=lambda done, total: report(progress=[done, total]),
+                         command=request["command"], as_build=request["as_build"])
+    except KvreplayError as exc:
+        report(error=type(exc).__name__, message=str(exc))
+        return 1
+    report(result={**asdict(res), "path": str(res.path)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

@@ -50,11 +50,13 @@ class _Req:
 class VllmPrefixServer(SteppedModel):
     def __init__(self, manager: Any, requests: list[Request], *, block_size: int, max_running: int = 64,
                  token_budget: int = 2048, speedup: float = 1.0,  # vLLM's OpenAI server on CPU: 2048
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 lookahead: int = 0, progress: Callable[[int, int], None] | None = None) -> None:
         super().__init__(requests, max_running=max_running, speedup=speedup, progress=progress)
         self.m = manager
         self.bs = block_size
         self.budget = token_budget
+        # an EAGLE drafter's tokens: slots every allocation reserves past the scheduled ones
+        self.extra = {"num_lookahead_tokens": lookahead} if lookahead else {}
 
     # -- the request as the wire carries it ---------------------------------------------
     def _block_key(self, r: _Req, i: int) -> bytes:
@@ -93,7 +95,8 @@ class VllmPrefixServer(SteppedModel):
             r = self.running[i]
             n = min(r.num_tokens - r.computed, budget)
             while True:
-                got = self.m.allocate_slots(num_new_tokens=n, has_scheduled_reqs=bool(scheduled), **self._wire(r))
+                got = self.m.allocate_slots(num_new_tokens=n, has_scheduled_reqs=bool(scheduled), **self.extra,
+                                            **self._wire(r))
                 if got is not None:
                     scheduled.append((r, n))
                     budget -= n
@@ -113,7 +116,7 @@ class VllmPrefixServer(SteppedModel):
             # admission reserves room for the whole sequence, not only this chunk
             got = self.m.allocate_slots(num_new_tokens=n, num_new_computed_tokens=hit_tokens,
                                         new_computed_blocks=blocks, full_sequence_must_fit=True,
-                                        has_scheduled_reqs=bool(scheduled), **self._wire(r))
+                                        has_scheduled_reqs=bool(scheduled), **self.extra, **self._wire(r))
             if got is None:
                 self.stats.none_results += 1
                 break
