@@ -329,3 +329,16 @@ def test_an_eagle_drafters_hits_give_up_their_last_block(tmp_path, cli):
     assert all(e == max(0, p - 16) for p, e in zip(hits[False], hits[True], strict=True)), hits
     res = cli("synth", "decode", "-n", "4", "--eagle", "-o", str(tmp_path / "x.parquet"))
     assert res.returncode == 2 and "vLLM's manager" in res.stderr, res.stderr
+
+
+def test_the_caching_off_free_order_variant_parts_where_vllm_0_27_does():
+    """builtin:vllm@tail-with-caching-off is 0.27's free_blocks on kvreplay's manager: with
+    caching off the trace recorded on 0.32 parts at call #35 with the coldest blocks
+    (0.27.1's own answer there; the vLLM tier compares every divergence), and with caching
+    on it is the correct manager."""
+    r = replay(ROOT / "traces" / "vllm-0.27-caching-off-free-order.parquet", "builtin:vllm@tail-with-caching-off")
+    d = r.first_divergence
+    assert (d.call, d.method, d.kind) == (35, "allocate_slots", "result") and d.actual[:4] == [1, 12, 197, 198], d
+    assert not r.violation_counts  # nothing lost or shared: other blocks only
+    assert replay(ROOT / "traces" / "vllm-11565-pin-before-room-check.parquet",
+                  "builtin:vllm@tail-with-caching-off").status == "clean"

@@ -144,9 +144,14 @@ class BlockPool:
         for b in ordered:
             b.ref_cnt -= 1
             if b.ref_cnt == 0 and not b.is_null:
-                (first if b.block_hash is None or not self.enable_caching else last).append(b)
+                (first if self._reuse_first(b) else last).append(b)
         self.free_block_queue.prepend_n(first)
         self.free_block_queue.append_n(last)
+
+    def _reuse_first(self, block: Block) -> bool:
+        """Does a freed block go to the free queue's head (handed out next)? One that holds
+        nothing a lookup could hit: the recently used, still warm in the caches."""
+        return block.block_hash is None or not self.enable_caching
 
     def reset_prefix_cache(self) -> bool:
         if len(self.blocks) - self.get_num_free_blocks() != 1:  # only the null block in use

@@ -5,7 +5,7 @@ state, on the traces vLLM's scheduler makes."""
 
 from __future__ import annotations
 
-from kvreplay.pools.block_pool import BlockManager
+from kvreplay.pools.block_pool import Block, BlockManager, BlockPool
 
 
 class PinBeforeRoomCheckManager(BlockManager):
@@ -16,3 +16,18 @@ class PinBeforeRoomCheckManager(BlockManager):
     pool on every admission that had to wait, until none were left."""
 
     pins_hit_before_room_check = True
+
+
+class _TailWithCachingOffPool(BlockPool):
+    def _reuse_first(self, block: Block) -> bool:
+        return self.enable_caching and block.block_hash is None
+
+
+class TailWithCachingOffManager(BlockManager):
+    """vLLM 0.27.0 and 0.27.1 (put back in 0.28.0): with prefix caching off, ``free_blocks``
+    appended every freed block to the free queue's tail, where its own comment asked for
+    the head, so the next allocation got the coldest blocks instead of the ones just
+    used. No block is lost or shared: a trace recorded elsewhere parts at the first
+    allocation after a free, with other block ids."""
+
+    pool_class = _TailWithCachingOffPool

@@ -47,6 +47,9 @@ BUILTINS: dict[str, BuiltinBuild] = {
                      "vLLM v1 KV-cache manager: one full-attention group, prefix caching, as vllm 0.32"),
         BuiltinBuild("vllm@pin-before-room-check", "vllm", "kvreplay.pools.block_variants:PinBeforeRoomCheckManager",
                      "vLLM #11565: allocate_slots pins a prefix hit before it knows the request fits"),
+        BuiltinBuild("vllm@tail-with-caching-off", "vllm",
+                     "kvreplay.pools.block_variants:TailWithCachingOffManager",
+                     "vLLM 0.27.0-0.27.1: with caching off, freed blocks go to the free queue's tail"),
     ]
 }
 # The correct pool of each family: what a trace of that family replays clean on.
