@@ -107,12 +107,36 @@ def test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold(corpus,
     assert "2 failed" in res.stdout and "expected violation: capacity" in res.stdout
 
 
+def test_a_divergence_expectation_holds_at_its_call_and_fails_elsewhere(tmp_path, cli):
+    """A variant that breaks no rule but hands out other blocks (vLLM 0.27's free order)
+    is held to its first divergence: kind, method and call."""
+    manifest = json.loads((CORPUS / "manifest.json").read_text())
+    manifest["traces"] = [e for e in manifest["traces"] if e["name"] == "vllm-0.27-caching-off-free-order"]
+    shutil.copy(CORPUS / manifest["traces"][0]["file"], tmp_path / manifest["traces"][0]["file"])
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(cli, tmp_path, "builtin:vllm@tail-with-caching-off")
+    assert res.returncode == 0, res.stdout + res.stderr
+    exp = next(x for x in manifest["traces"][0]["expect"] if x["build"] == "builtin:vllm@tail-with-caching-off")
+    exp["divergence"]["call"] = 36
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(cli, tmp_path, "builtin:vllm@tail-with-caching-off")
+    assert res.returncode == 1 and "expected divergence: result at call #36" in res.stdout, res.stdout
+    assert "first was result divergence at call #35" in res.stdout, res.stdout
+    # the correct manager replays it clean: a divergence expected there would be a miss
+    exp["build"] = "builtin:vllm"
+    manifest["traces"][0]["expect"] = [exp]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(cli, tmp_path, "builtin:vllm")
+    assert res.returncode == 1 and "got clean" in res.stdout, res.stdout
+
+
 def test_every_builtin_bug_variant_is_expected_to_be_caught_somewhere():
-    """Mutation score: each variant has at least one corpus trace where it must show."""
+    """Mutation score: each variant has at least one corpus trace where it must show (a
+    rule it breaks, or for one that breaks none, the call where it answers otherwise)."""
     from kvreplay.corpus.manifest import load_manifest
     from kvreplay.pools.registry import BUILTINS
 
-    caught = {x.build for e in load_manifest(CORPUS) for x in e.expect if x.status == "violation"}
+    caught = {x.build for e in load_manifest(CORPUS) for x in e.expect if x.status != "clean"}
     variants = {f"builtin:{n}" for n in BUILTINS if "@" in n}
     assert variants <= caught, variants - caught
 

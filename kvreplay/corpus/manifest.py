@@ -4,7 +4,9 @@ The manifest lists, per trace, its file, how it was made, its hash and, per
 build, what replaying it must show: ``"status": "clean"``, or the violations that
 must appear, each named by invariant and rule and optionally pinned to the method
 and the call (``call``, 1..N) of the first violation of that rule: the call that
-creates the bad state. Every command that reads a corpus reads it here."""
+creates the bad state; or, for a build that breaks no rule but answers otherwise
+(another block order), ``"status": "divergence"`` and the first divergence's kind,
+method and call. Every command that reads a corpus reads it here."""
 
 from __future__ import annotations
 
@@ -37,16 +39,30 @@ class ExpectedViolation:
 
 
 @dataclass
+class ExpectedDivergence:
+    kind: str
+    method: str | None = None
+    call: int | None = None
+
+    def describe(self) -> str:
+        where = " ".join(x for x in (f"call #{self.call}" if self.call is not None else "", self.method or "") if x)
+        return self.kind + (f" at {where}" if where else "")
+
+
+@dataclass
 class Expectation:
     build: str
-    status: str  # clean | violation
+    status: str  # clean | violation | divergence
     modes: list[str] = field(default_factory=lambda: ["strict"])
     violations: list[ExpectedViolation] = field(default_factory=list)
     capacity_assert_call: int | None = None
+    divergence: ExpectedDivergence | None = None  # status divergence: the first one
 
     def describe(self) -> str:
         if self.status == "clean":
             return "clean"
+        if self.divergence is not None:
+            return "divergence: " + self.divergence.describe()
         return "violation: " + ", ".join(v.describe() for v in self.violations)
 
 
@@ -85,8 +101,11 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 _TOP_KEYS = {"version": False, "traces": True}
 _ENTRY_KEYS = {"name": True, "file": True, "sha256": True, "expect": True, "command": False, "summary": False}
-_EXPECT_KEYS = {"build": True, "status": True, "modes": False, "violations": False, "capacity_assert_call": False}
+_EXPECT_KEYS = {"build": True, "status": True, "modes": False, "violations": False, "capacity_assert_call": False,
+                "divergence": False}
 _VIOLATION_KEYS = {"invariant": True, "rule": False, "method": False, "call": False}
+_DIVERGENCE_KEYS = {"kind": True, "method": False, "call": False}
+_STATUSES = ("clean", "violation", "divergence")
 _MODES = ("strict", "remap")
 
 
@@ -129,12 +148,30 @@ def _violation(d: Any, where: str) -> ExpectedViolation:
     return ExpectedViolation(inv, rule, method, call)
 
 
+def _divergence(d: Any, where: str) -> ExpectedDivergence:
+    from kvreplay.replay.divergence import DIVERGENCE_KINDS  # the replayer's vocabulary
+
+    d = _keys(d, _DIVERGENCE_KEYS, where)
+    kind = _of(d["kind"], str, "kind", where)
+    if kind not in DIVERGENCE_KINDS:
+        raise BadInput(f"{where}: unknown divergence kind {kind[:40]!r}{did_you_mean(kind, DIVERGENCE_KINDS)}")
+    method = d.get("method")
+    if method is not None:
+        _of(method, str, "method", where)
+    call = d.get("call")
+    if call is not None and (_of(call, int, "call", where) < 1):
+        raise BadInput(f"{where}: call numbers start at 1")
+    return ExpectedDivergence(kind, method, call)
+
+
 def _expectation(d: Any, where: str) -> Expectation:
     d = _keys(d, _EXPECT_KEYS, where)
     build = _of(d["build"], str, "build", where)
     status = d["status"]
-    if status not in ("clean", "violation"):
-        raise BadInput(f"{where}: status must be clean or violation, not {status!r}")
+    if status not in _STATUSES:
+        raise BadInput(f"{where}: status must be clean, violation or divergence, not {str(status)[:40]!r}")
+    if (status == "divergence") != ("divergence" in d):
+        raise BadInput(f"{where}: a divergence expectation, and only one, names its first divergence")
     modes = _of(d.get("modes", ["strict"]), list, "modes (a list)", where)
     if not modes or any(m not in _MODES for m in modes) or len(set(modes)) != len(modes):
         raise BadInput(f"{where}: modes must be a list of distinct modes among {', '.join(_MODES)}")
@@ -145,7 +182,9 @@ def _expectation(d: Any, where: str) -> Expectation:
     cap = d.get("capacity_assert_call")
     if cap is not None:
         _of(cap, int, "capacity_assert_call", where)
-    return Expectation(build=build, status=status, modes=list(modes), violations=vs, capacity_assert_call=cap)
+    div = _divergence(d["divergence"], f"{where}, divergence") if "divergence" in d else None
+    return Expectation(build=build, status=status, modes=list(modes), violations=vs, capacity_assert_call=cap,
+                       divergence=div)
 
 
 def _entry(t: Any, path: Path, index: int) -> CorpusEntry:
