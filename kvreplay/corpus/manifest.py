@@ -25,6 +25,12 @@ MANIFEST = "manifest.json"
 VERSION = 2  # 2: violations pinned by call number (1: by row seq)
 
 
+def _at(call: int | None, method: str | None) -> str:
+    """`` at call #N method`` for an expectation pinned to a call, a method or both."""
+    where = " ".join(x for x in (f"call #{call}" if call is not None else "", method or "") if x)
+    return f" at {where}" if where else ""
+
+
 @dataclass
 class ExpectedViolation:
     invariant: str
@@ -33,9 +39,7 @@ class ExpectedViolation:
     call: int | None = None
 
     def describe(self) -> str:
-        s = self.invariant + (f"/{self.rule}" if self.rule else "")
-        where = " ".join(x for x in (f"call #{self.call}" if self.call is not None else "", self.method or "") if x)
-        return s + (f" at {where}" if where else "")
+        return self.invariant + (f"/{self.rule}" if self.rule else "") + _at(self.call, self.method)
 
 
 @dataclass
@@ -45,8 +49,7 @@ class ExpectedDivergence:
     call: int | None = None
 
     def describe(self) -> str:
-        where = " ".join(x for x in (f"call #{self.call}" if self.call is not None else "", self.method or "") if x)
-        return self.kind + (f" at {where}" if where else "")
+        return self.kind + _at(self.call, self.method)
 
 
 @dataclass
@@ -139,13 +142,18 @@ def _violation(d: Any, where: str) -> ExpectedViolation:
     rule = d.get("rule")
     if rule is not None and f"{inv}/{_of(rule, str, 'rule', where)}" not in RULES:
         raise BadInput(f"{where}: {inv} has no rule {rule!r}")
+    return ExpectedViolation(inv, rule, *_method_and_call(d, where))
+
+
+def _method_and_call(d: dict[str, Any], where: str) -> tuple[str | None, int | None]:
+    """The optional ``method`` and ``call`` that pin an expected violation or divergence."""
     method = d.get("method")
     if method is not None:
         _of(method, str, "method", where)
     call = d.get("call")
     if call is not None and (_of(call, int, "call", where) < 1):
         raise BadInput(f"{where}: call numbers start at 1")
-    return ExpectedViolation(inv, rule, method, call)
+    return method, call
 
 
 def _divergence(d: Any, where: str) -> ExpectedDivergence:
@@ -155,13 +163,7 @@ def _divergence(d: Any, where: str) -> ExpectedDivergence:
     kind = _of(d["kind"], str, "kind", where)
     if kind not in DIVERGENCE_KINDS:
         raise BadInput(f"{where}: unknown divergence kind {kind[:40]!r}{did_you_mean(kind, DIVERGENCE_KINDS)}")
-    method = d.get("method")
-    if method is not None:
-        _of(method, str, "method", where)
-    call = d.get("call")
-    if call is not None and (_of(call, int, "call", where) < 1):
-        raise BadInput(f"{where}: call numbers start at 1")
-    return ExpectedDivergence(kind, method, call)
+    return ExpectedDivergence(kind, *_method_and_call(d, where))
 
 
 def _expectation(d: Any, where: str) -> Expectation:

@@ -203,8 +203,8 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
         raise BadInput(f"{out} is a directory; give a file name for the trace")
     if not remote and not out.parent.is_dir():  # bad input writes nothing, not even a directory
         raise BadInput(f"{out.parent} does not exist; create it first or write the trace elsewhere")
-    extra = {"synth": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "out"}}
-    extra["synth"]["build"] = spec
+    extra = {"synth": {**_plain(cfg), "build": spec}}
+    del extra["synth"]["out"]
     if command:
         extra["command"] = command
     t0 = time.perf_counter()
@@ -235,6 +235,11 @@ def synthesize(cfg: SynthConfig, progress: Callable[[int, int], None] | None = N
                        rows=reader.num_rows, wall_s=time.perf_counter() - t0, **asdict(stats))
 
 
+def _plain(cfg: SynthConfig) -> dict[str, Any]:
+    """The config as JSON values: what a trace records of it, and what a release's child gets."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+
+
 # What a release's child reports, one line each on stdout (vLLM may log there too).
 _MARK = "kvreplay-synth "
 _ERRORS: dict[str, type[KvreplayError]] = {c.__name__: c for c in (BadInput, PoolFailed, BuildUnloadable,
@@ -248,8 +253,7 @@ def _synthesize_on_release(cfg: SynthConfig, sc: Scenario, progress: Callable[[i
         raise BadInput(f"synth drives a release's pool for vllm-prefix only (--build vllm==VERSION), not {spec} "
                        f"for {sc.name}")
     code = prepare(spec)  # fetched once; BuildUnloadable where no vLLM is installed
-    child_cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    child_cfg["build"] = "vllm"
+    child_cfg = {**_plain(cfg), "build": "vllm"}
     request = json.dumps({"cfg": child_cfg, "command": command, "as_build": spec.text})
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "kvreplay.workload.synth"], stdin=subprocess.PIPE,
