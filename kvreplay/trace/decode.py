@@ -84,7 +84,26 @@ class _Values:
             rare = rare[wanted[rare]]
         if len(rare):
             f, s, dtype = fields["f"], fields["s"], fields["dtype"]
+            # A vLLM trace's values are mostly strings (request ids, statuses), flags and id
+            # lists: those come from whole columns, not from a per-value Arrow lookup.
+            kinds, strs, floats = self.kind, None, None
             for j in rare.tolist():
+                k = kinds[j]
+                if k == STR:
+                    strs = s.to_pylist() if strs is None else strs
+                    values[j] = strs[j]
+                    continue
+                if k == INTS:
+                    ids = data[data_off[j]:data_off[j + 1]].tolist()
+                    values[j] = tuple(ids) if values[j] else ids
+                    continue
+                if k == BOOL:
+                    values[j] = bool(values[j])
+                    continue
+                if k == FLOAT:
+                    floats = f.to_pylist() if floats is None else floats
+                    values[j] = floats[j]
+                    continue
                 values[j] = decode_value({
                     "kind": self.kind[j], "i": values[j], "f": f[j].as_py(), "s": s[j].as_py(),
                     "dtype": dtype[j].as_py(), "shape": shape[shape_off[j]:shape_off[j + 1]].tolist(),
