@@ -59,15 +59,18 @@ class BlockPoolChecker:
         owners = self.owners
         named: set[int] = set()
         # blocks this call freed before handing blocks out: a sliding window lets go of the
-        # blocks that left it and may get one of them straight back in the same call
-        released: Counter[int] = Counter()
+        # blocks that left it and may get one of them straight back in the same call (a plain
+        # dict, made only when a call frees: a Counter's missing keys cost a Python call each)
+        released: dict[int, int] = {}
         for m, ids in nested:
-            ids = ids or ()
+            if not ids:
+                continue
             named.update(ids)
             if m == "free_blocks":
-                released.update(ids)
+                for b in ids:
+                    released[b] = released.get(b, 0) + 1
             elif m == "get_new_blocks":
-                held = [b for b in ids if owners.get(b, 0) > released[b]]
+                held = [b for b in ids if owners.get(b, 0) > released.get(b, 0)]
                 if held:
                     self._flag(call, method, "block-pool/handout-while-held", held,
                                f"get_new_blocks handed out block(s) a request still holds: {held[:8]}")

@@ -227,11 +227,13 @@ class BlockManager:
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.num_cached_block: dict[str, int] = {}
         self._book = RequestBook()
+        # a replay reads the free count after every call: one frame, not two
+        self.available_size = self.pool.get_num_free_blocks  # type: ignore[method-assign]
         for name, real in VLLM_MANAGER_NAMES.items():  # the wire's names for this manager's methods
             setattr(self, name, getattr(self, f"_{real}"))
 
     # -- what the checker and the trace counters read --------------------------------------
-    def available_size(self) -> int:
+    def available_size(self) -> int:  # replaced per instance by the pool's own method (__init__)
         return self.pool.get_num_free_blocks()
 
     def held_blocks(self, request_id: str) -> list[int]:

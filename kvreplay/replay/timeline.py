@@ -10,6 +10,7 @@ went wrong must not be averaged away."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 MAX_BUCKETS = 2000
@@ -46,6 +47,23 @@ class Timeline:
                 lo[b] = used
             elif used > hi[b]:
                 hi[b] = used
+
+    def seer(self, name: str) -> Callable[[int, int], None]:
+        """``see`` for a timeline of one sub-pool, taking its free count alone: a replay
+        calls it after every call, so it makes no dict and walks no list."""
+        size, lo, hi, stride = self.sizes[name], self.lo[name], self.hi[name], self.stride
+
+        def see_one(call: int, avail: int) -> None:
+            b = (call - 1) // stride
+            used = size - avail
+            low = lo[b]
+            if low is None:
+                lo[b] = hi[b] = used
+            elif used < low:
+                lo[b] = used
+            elif used > hi[b]:
+                hi[b] = used
+        return see_one
 
     def mark(self, group: str, key: str, call: int) -> None:
         """A finding of ``group`` (violation: key ``invariant/rule``; divergence: its kind)."""
