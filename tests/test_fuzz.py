@@ -73,9 +73,9 @@ def _check(res, argv, what, wrote: Path | None) -> None:
             assert not wrote.exists(), (where, "bad input wrote a database")
 
 
-def _fuzz_traces(cases: int, seed: int, bases, tmp_path: Path, cli) -> dict[int, int]:
+def _fuzz_traces(cases: int, seed: int, bases, tmp_path: Path, cli, first: int = 0) -> dict[int, int]:
     exits: dict[int, int] = {}
-    for i in range(cases):
+    for i in range(first, first + cases):
         rng = random.Random(seed * 1_000_003 + i)
         name, table, build = rng.choice(bases)
         path = tmp_path / f"case-{i}.parquet"
@@ -100,10 +100,16 @@ def test_damaged_traces_fast(bases, tmp_path, cli):
     assert exits.get(2, 0) > 0 and exits.get(0, 0) + exits.get(1, 0) > 0, exits  # both kinds were reached
 
 
-def test_damaged_traces_many(bases, tmp_path, cli):
-    exits = _fuzz_traces(SLOW_TRACES, SEED + 1, bases, tmp_path, cli)
-    print(f"fuzz: {SLOW_TRACES} damaged traces, replay exits {dict(sorted(exits.items()))}")
-    assert sum(exits.values()) == SLOW_TRACES
+# The many cases in shards, so that the slow tier's two workers share them.
+SHARDS = 4
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_damaged_traces_many(bases, tmp_path, cli, shard):
+    first, last = SLOW_TRACES * shard // SHARDS, SLOW_TRACES * (shard + 1) // SHARDS
+    exits = _fuzz_traces(last - first, SEED + 1, bases, tmp_path, cli, first)
+    print(f"fuzz: damaged traces {first}..{last - 1}, replay exits {dict(sorted(exits.items()))}")
+    assert sum(exits.values()) == last - first
 
 
 @pytest.fixture
@@ -116,10 +122,10 @@ def corpus(tmp_path):
     return tmp_path, doc
 
 
-def _fuzz_manifests(cases: int, seed: int, corpus, cli) -> dict[int, int]:
+def _fuzz_manifests(cases: int, seed: int, corpus, cli, first: int = 0) -> dict[int, int]:
     root, doc = corpus
     exits: dict[int, int] = {}
-    for i in range(cases):
+    for i in range(first, first + cases):
         rng = random.Random(seed * 7919 + i)
         damaged, what = mutate_manifest(rng, doc)
         (root / "manifest.json").write_text(json.dumps(damaged))
@@ -139,9 +145,10 @@ def test_damaged_manifests_fast(corpus, cli):
     assert exits.get(2, 0) > 0, exits
 
 
-def test_damaged_manifests_many(corpus, cli):
-    exits = _fuzz_manifests(500, SEED + 1, corpus, cli)
-    print(f"fuzz: 500 damaged manifests, exits {dict(sorted(exits.items()))}")
+@pytest.mark.parametrize("shard", range(2))
+def test_damaged_manifests_many(corpus, cli, shard):
+    exits = _fuzz_manifests(250, SEED + 1, corpus, cli, first=250 * shard)
+    print(f"fuzz: damaged manifests {250 * shard}..{250 * shard + 249}, exits {dict(sorted(exits.items()))}")
 
 
 def _fuzz_dashboard(cases: int, seed: int, db: str) -> dict[int, int]:
