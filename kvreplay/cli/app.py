@@ -6,10 +6,11 @@ every command that reports something takes ``--json`` (docs/json.md)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 
@@ -209,6 +210,14 @@ def _stop_and_fail(message: str, code: int) -> NoReturn:
     _fail(message, code)
 
 
+@functools.cache
+def _command() -> Any:
+    """The click command typer builds from the app: once per process (typer would build
+    it again for every call, some 40 ms, which a program or test calling main() repeatedly
+    pays each time)."""
+    return typer.main.get_command(app)
+
+
 def _run(argv: list[str], interrupted: Callable[[str, int], NoReturn]) -> None:
     def stopped() -> NoReturn:
         interrupted("terminated" if _terminated else "interrupted", 143 if _terminated else 130)
@@ -216,7 +225,7 @@ def _run(argv: list[str], interrupted: Callable[[str, int], NoReturn]) -> None:
     try:
         # Not standalone: click hands usage errors back instead of printing a box,
         # and returns the code of typer.Exit.
-        rc = app(args=argv, standalone_mode=False, prog_name="kvreplay")
+        rc = _command().main(args=argv, standalone_mode=False, prog_name="kvreplay")
     except typer.Abort:
         stopped()
     except UsageError as exc:
