@@ -120,11 +120,10 @@ def test_console_script_exit_codes():
     assert r.returncode == 2  # usage error
 
 
-def test_synth_keeps_the_trace_when_the_pool_asserts(tmp_path):
+def test_synth_keeps_the_trace_when_the_pool_asserts(tmp_path, cli):
     out = tmp_path / "t.parquet"
-    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "synth", "radix-swa", "--requests", "20",
-                          "--seed", "1", "--build", "builtin:swa@unfiltered-page0", "-o", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    res = cli("synth", "radix-swa", "--requests", "20", "--seed", "1", "--build", "builtin:swa@unfiltered-page0",
+              "-o", str(out))
     assert res.returncode == 1
     assert res.stderr.startswith("kvreplay: error: builtin:swa@unfiltered-page0 failed after")
     assert "AssertionError" in res.stderr and res.stderr.count("\n") == 1
@@ -223,11 +222,11 @@ def test_synth_into_a_directory_that_does_not_exist_writes_nothing(tmp_path, cli
     assert not (tmp_path / "no").exists()
 
 
-def test_a_piped_table_keeps_whole_names_and_help_keeps_its_brackets(tmp_path, swa_trace_80):
+def test_a_piped_table_keeps_whole_names_and_help_keeps_its_brackets(tmp_path, swa_trace_80, cli):
     db = str(tmp_path / "k.db")
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(swa_trace_80), "--build",
-                    "builtin:swa@page-partial-clear", "--db", db], capture_output=True, timeout=120, env=env)
+    # the run to list is stored in this process; the commands whose output is piped run apart
+    cli("replay", str(swa_trace_80), "--build", "builtin:swa@page-partial-clear", "--db", db)
     listed = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "runs", "--db", db], capture_output=True,
                             text=True, timeout=120, env=env).stdout
     assert "builtin:swa@page-partial-clear" in listed and "…" not in listed
@@ -292,15 +291,14 @@ def test_help_shows_flags_as_they_are_typed(cli):
     assert "<str>" in next(ln for ln in shown.splitlines() if "--mode" in ln)
 
 
-def test_tables_on_a_narrow_terminal_wrap_and_never_cut_a_name(tmp_path):
+def test_tables_on_a_narrow_terminal_wrap_and_never_cut_a_name(tmp_path, cli):
     import os
     import subprocess
 
     page0 = str(Path(__file__).resolve().parents[1] / "traces" / "sglang-0.5.23-swa-page0.parquet")
     db = str(tmp_path / "k.db")
     env = {**os.environ, "COLUMNS": "70"}
-    subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", page0, "-b", "builtin:swa@unfiltered-page0",
-                    "--db", db], capture_output=True, env=env)
+    cli("replay", page0, "-b", "builtin:swa@unfiltered-page0", "--db", db)  # the run to list, stored here
     got = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "runs", "--db", db], capture_output=True,
                          text=True, env=env).stdout
     assert max(len(ln) for ln in got.splitlines()) <= 70

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from git_repos import commit_all, new_repo
@@ -55,16 +53,13 @@ def test_two_revisions_replay_in_their_own_processes(repo, trace):
     assert any(v is not None for v in good.timeline["hi"]["full"])
 
 
-def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace, tmp_path):
+def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace, tmp_path, cli):
     db = tmp_path / "k.db"
-    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(trace), "--build",
-                          f"git:{repo}@broken:mypool:Pool", "--db", str(db), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = cli("replay", str(trace), "--build", f"git:{repo}@broken:mypool:Pool", "--db", str(db), "--json")
     assert res.returncode == 125, res.stderr
     d = json.loads(res.stdout)
     assert d["status"] == "unloadable" and "no_such_module_kvreplay" in d["message"]
-    shown = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "runs", "--db", str(db), "--json"],
-                           capture_output=True, text=True, timeout=60)
+    shown = cli("runs", "--db", str(db), "--json")
     assert json.loads(shown.stdout)[0]["status"] == "unloadable"
 
 

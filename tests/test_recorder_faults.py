@@ -4,8 +4,6 @@ with the same results, and the trace marks the calls it lost."""
 from __future__ import annotations
 
 import errno
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -167,7 +165,7 @@ def test_a_disk_that_stays_full_leaves_no_unreadable_file(tmp_path, monkeypatch,
     assert not path.exists() and not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_recorder_that_stops_says_so_at_the_end_of_its_trace(tmp_path, monkeypatch):
+def test_a_recorder_that_stops_says_so_at_the_end_of_its_trace(tmp_path, monkeypatch, cli):
     from kvreplay.recorder.writer import TraceWriter
 
     pool = SWAPool(64, 32, 4, need_sort=False)
@@ -187,8 +185,7 @@ def test_a_recorder_that_stops_says_so_at_the_end_of_its_trace(tmp_path, monkeyp
     rec.close()
     gaps = _gaps(tmp_path / "t.parquet")
     assert len(gaps) == 1 and gaps[0].args["lost_calls"] == -1 and "writer gone" in gaps[0].args["reason"]
-    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(tmp_path / "t.parquet"),
-                          "--build", "builtin:swa", "--no-store"], capture_output=True, text=True, timeout=120)
+    res = cli("replay", str(tmp_path / "t.parquet"), "--build", "builtin:swa", "--no-store")
     assert res.returncode == 2 and "gap" in res.stderr and res.stderr.count("\n") == 1
 
 

@@ -44,9 +44,14 @@ def profiles(model_trace):
     return profile(LIVE), profile(model_trace)
 
 
-def kvreplay(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvreplay.cli.app", *args], capture_output=True, text=True,
-                          cwd=cwd)
+@pytest.fixture
+def kvreplay(cli, monkeypatch):
+    """``kvreplay(*args, cwd=None)``: the command run in this process (the cli fixture)."""
+    def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        return cli(*args)
+    return run
 
 
 def test_the_model_replays_strict_clean_on_the_builtin_manager(model_trace):
@@ -111,20 +116,20 @@ def _with_ctor(src: Path, dst: Path, **changes: object) -> Path:
     ({"watermark": 7}, "watermark must be a number in 0..1"),
     ({"use_eagle": "yes"}, "use_eagle must be true or false"),
 ])
-def test_damaged_constructor_arguments_are_one_line_errors(tmp_path, changes, said):
+def test_damaged_constructor_arguments_are_one_line_errors(tmp_path, changes, said, kvreplay):
     bad = _with_ctor(LIVE, tmp_path / "bad.parquet", **changes)
     out = kvreplay("replay", str(bad), "--build", "builtin:vllm", "--no-store")
     assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-def test_a_hybrid_managers_trace_reads_and_says_which_builds_cannot_take_it(tmp_path):
+def test_a_hybrid_managers_trace_reads_and_says_which_builds_cannot_take_it(tmp_path, kvreplay):
     hybrid = _with_ctor(LIVE, tmp_path / "hybrid.parquet", attention="FullAttentionSpec,SlidingWindowSpec")
     assert kvreplay("inspect", str(hybrid)).returncode == 0
     out = kvreplay("replay", str(hybrid), "--build", "builtin:vllm", "--no-store")
     assert out.returncode == 125 and "full attention only" in out.stderr, out.stderr
 
 
-def test_block_ids_outside_the_pool_are_a_divergence_not_another_block(tmp_path):
+def test_block_ids_outside_the_pool_are_a_divergence_not_another_block(tmp_path, kvreplay):
     small = tmp_path / "small.parquet"  # the seeded stream: shared prefixes from the start
     synthesize(SynthConfig(scenario="vllm-prefix", out=small, requests=40, block_tokens=16, full_size=16384,
                            max_running=16))
@@ -143,7 +148,7 @@ def test_block_ids_outside_the_pool_are_a_divergence_not_another_block(tmp_path)
     assert out.returncode == 1 and json.loads(out.stdout)["divergence_counts"].get("exception"), out.stdout
 
 
-def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_path):
+def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_path, kvreplay):
     table = pq.read_table(LIVE).slice(0, 40)
     rows = table.to_pylist()
     for r in rows:
@@ -163,7 +168,7 @@ def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_pat
     (["minimize", str(LIVE), "-b", "builtin:vllm@pin-before-room-check", "-o", "small.parquet", "--emit-test",
       "t.py"], "the minimal trace itself is the reproducer"),
 ])
-def test_what_does_not_speak_the_family_says_so_in_one_line(args, said, tmp_path):
+def test_what_does_not_speak_the_family_says_so_in_one_line(args, said, tmp_path, kvreplay):
     out = kvreplay(*args, *(["--no-store"] if args[0] == "replay" else []), cwd=tmp_path)
     assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not list(tmp_path.iterdir())  # nothing written
