@@ -213,6 +213,7 @@ def count_instructions(trace: Path, build: str, n: int) -> None:
             if desc and total:
                 dumps[desc.group(1)] = int(total.group(1))
         counts[side] = dumps[side] - dumps["empty"]  # the toggling's own instructions, measured alone
+    shutil.rmtree(out)  # the counts are read; a failed side's files stay for its log
     print(f"trace {trace.name}: {n} top-level calls on {build}, instructions counted by callgrind "
           f"({time.perf_counter() - t0:.0f} s)")
     for side in SIDES:

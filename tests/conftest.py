@@ -93,7 +93,9 @@ SLOW_TESTS = {
     "test_demo_writes_the_bug_runs_report_and_it_opens",
     "test_a_hive_partitioned_dump_is_a_corpus",
     "test_ci_on_s3_with_ray_stores_the_same_runs",
-    # the README's tour on a vLLM trace (its minimize is half a minute), a vLLM minimize
+    # the README's tour, as written and on a vLLM trace (eleven commands, each its own
+    # interpreter: 35-40 s apiece, the fast tier's longest), a vLLM minimize
+    "test_the_readme_tour_runs_in_order",
     "test_the_readme_tour_runs_on_a_vllm_trace",
     "test_minimize_shrinks_a_vllm_trace_to_calls_that_still_leak",
     # the docs pages' commands, run as written (the production-size synth among them)
