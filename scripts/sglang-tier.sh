@@ -36,9 +36,7 @@ if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
     echo "sglang-tier: could not install kvreplay into $VENV" >&2
     exit 3
 fi
-# Two workers; the docs pages' commands stay together on one (they share a store: loadgroup).
-"$PY" -m pytest -m sglang -n 2 --dist loadgroup tests/test_sglang_parity.py tests/test_sglang_releases.py \
-    tests/test_docs_sglang.py || exit 1
+"$PY" -m pytest -m sglang -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py tests/test_docs_sglang.py || exit 1
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
 # One server at a time (each takes a core); bounded as a whole.

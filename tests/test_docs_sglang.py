@@ -25,9 +25,7 @@ from git_repos import commit_all, new_repo
 
 sglang = pytest.importorskip("sglang", reason="sglang not installed")
 
-# One worker runs the page's commands in order (scripts/sglang-tier.sh: --dist loadgroup), on
-# one stage and store, so the second release matrix reuses the first's runs as a reader's would.
-pytestmark = [pytest.mark.sglang, pytest.mark.xdist_group("docs-sglang")]
+pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("sglang-0.5.12-swa-tail-prealloc.parquet", "sglang-0.5.23-swa-page0.parquet")
 
