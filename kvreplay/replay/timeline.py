@@ -34,23 +34,15 @@ class Timeline:
         self.lo: dict[str, list[int | None]] = {name: [None] * n for name in sizes}
         self.hi: dict[str, list[int | None]] = {name: [None] * n for name in sizes}
         self.marks: dict[str, dict[str, list[int]]] = {"violation": {}, "divergence": {}}
-        self._subs = [(name, size, self.lo[name], self.hi[name]) for name, size in sizes.items()]
+        self._seers = [(name, self.seer(name)) for name in sizes]
 
     def see(self, call: int, avail: dict[str, int]) -> None:
-        b = (call - 1) // self.stride
-        for name, size, lo, hi in self._subs:
-            used = size - avail[name]
-            low = lo[b]
-            if low is None:
-                lo[b] = hi[b] = used
-            elif used < low:
-                lo[b] = used
-            elif used > hi[b]:
-                hi[b] = used
+        for name, see_one in self._seers:
+            see_one(call, avail[name])
 
     def seer(self, name: str) -> Callable[[int, int], None]:
-        """``see`` for a timeline of one sub-pool, taking its free count alone: a replay
-        calls it after every call, so it makes no dict and walks no list."""
+        """``see`` for one sub-pool, taking its free count alone: a replay of a one-pool
+        family calls it after every call, so it makes no dict and walks no list."""
         size, lo, hi, stride = self.sizes[name], self.lo[name], self.hi[name], self.stride
 
         def see_one(call: int, avail: int) -> None:
