@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import textwrap
 
-import pyarrow as pa
 import pytest
 from conftest import kill_a_second_after_its_mark
+from unfolded import unfolded
 
 from kvreplay.errors import TraceFormatError
 from kvreplay.pools.swa import SWAPool
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
-from kvreplay.trace.format import CALL_COLUMNS
 from kvreplay.trace.hashing import content_hash as file_hash
 from kvreplay.trace.reader import TraceReader
 from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
@@ -20,8 +19,8 @@ from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 CFG = SynthConfig(scenario="disagg-mtp", out="unused.parquet", requests=60, full_size=512, swa_size=256)
 
 
-def _table(path) -> pa.Table:
-    return pa.Table.from_batches(list(TraceReader(path).iter_batches(columns=CALL_COLUMNS)))
+def _table(path) -> list:
+    return unfolded(path)
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
@@ -34,8 +33,8 @@ def test_a_rotated_trace_reads_as_the_same_trace_in_parts(tmp_path, writer):
         rec.close()
     reader = TraceReader(parts)
     assert len(reader.parts) > 3 and [p.name for p in reader.parts][0] == "part-000000.parquet"
-    assert _table(parts).equals(_table(one))
-    assert reader.num_rows == TraceReader(one).num_rows
+    assert _table(parts) == _table(one)
+    assert reader.count_calls() == TraceReader(one).count_calls()  # rows may differ: folds follow batches
     assert replay(parts, "builtin:swa", device="cpu").status == "clean"
     assert file_hash(parts) == file_hash(parts) != file_hash(one)
 

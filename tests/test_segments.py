@@ -118,7 +118,7 @@ def test_rotated_parts_start_at_checkpoints(tmp_path):
     cfg = SynthConfig(scenario="disagg-mtp", out=out, requests=150)
     sc = validate(cfg)
     pool, _ = make_pool(cfg, sc)
-    rec = record(pool, out, snapshot=False, rotate_rows=1500, checkpoint_every=500)
+    rec = record(pool, out, snapshot=False, rotate_rows=1000, checkpoint_every=500)
     run_model(pool, cfg, sc)
     rec.close()
     reader = TraceReader(out)

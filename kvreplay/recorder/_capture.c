@@ -21,7 +21,8 @@
 #include <time.h>
 
 /* From layout.py, through setup.py: never written here by hand. */
-#if !defined(VALUE_WIDTH) || !defined(ROW_WIDTH) || !defined(K_OPAQUE) || !defined(FINISH_GROUP_END)
+#if !defined(VALUE_WIDTH) || !defined(ROW_WIDTH) || !defined(K_OPAQUE) || !defined(FINISH_GROUP_END) \
+    || !defined(ROW_FOLD_COUNT) || !defined(FOLD_MAX)
 #error "build _capture.c through setup.py, which defines the layout constants from kvreplay/recorder/layout.py"
 #endif
 #define MAX_DEPTH 64
@@ -91,6 +92,14 @@ typedef struct {
     int64_t code_dtype[MAX_SCALAR_CODE]; /* shim scalar type code -> dtype id, -1: not an index dtype */
     int code_elem[MAX_SCALAR_CODE];
     int use_shim;
+    /* Folding counter reads (layout.py): the counters' values as last seen since the
+     * pool's state last changed, the row folds go into (its offset in rows, -1: none,
+     * e.g. right after a take), and that row's pattern so far. */
+    int fold_reads; /* 0: every read is a row (format version 1's way) */
+    int64_t cur[3];
+    int cur_ok[3];
+    Py_ssize_t anchor;
+    int pat[FOLD_MAX], plen, cycling;
 } Capture;
 
 typedef struct {
@@ -101,6 +110,7 @@ typedef struct {
     PyObject *name;
     int64_t target, method;
     int finish;
+    int slot; /* a counter read: its counter (0..2), else -1 */
     vectorcallfunc vectorcall;
 } Wrapped;
 
@@ -380,6 +390,8 @@ static void capture_reset(Capture *c) {
     c->args.head.len = c->args.shape.len = c->args.data.len = 0;
     c->result.head.len = c->result.shape.len = c->result.data.len = 0;
     c->rows.len = c->arg_count.len = 0;
+    c->anchor = -1;
+    c->cur_ok[0] = c->cur_ok[1] = c->cur_ok[2] = 0;
     if (c->args.objs) PyList_SetSlice(c->args.objs, 0, PY_SSIZE_T_MAX, NULL);
     if (c->result.objs) PyList_SetSlice(c->result.objs, 0, PY_SSIZE_T_MAX, NULL);
     if (c->excs) PyList_SetSlice(c->excs, 0, PY_SSIZE_T_MAX, NULL);
@@ -425,6 +437,53 @@ static int read_counters(Capture *c, int64_t out[3]) {
     return rc;
 }
 
+/* Can a read of counter `slot` go into the anchor row's fold? It can when it extends
+ * the pattern (a counter not in it yet, before the pattern repeats) or is the next
+ * read of the repeating pattern. Updates the fold when it does. */
+static int fold(Capture *c, int slot) {
+    int64_t *row = c->rows.p + c->anchor;
+    int64_t n = row[ROW_FOLD_COUNT];
+    if (n == 0) {
+        c->plen = 0;
+        c->cycling = 0;
+    }
+    if (c->cycling) {
+        if (c->pat[n % c->plen] != slot) return 0;
+    } else if (c->plen && c->pat[0] == slot) {
+        c->cycling = 1;
+    } else {
+        for (int k = 0; k < c->plen; k++)
+            if (c->pat[k] == slot) return 0;
+        if (c->plen == FOLD_MAX) return 0;
+        c->pat[c->plen++] = slot;
+        int64_t packed = 0;
+        for (int k = c->plen - 1; k >= 0; k--) packed = packed * 4 + c->pat[k] + 1;
+        row[ROW_FOLD_PATTERN] = packed;
+    }
+    row[ROW_FOLD_COUNT] = n + 1;
+    return 1;
+}
+
+/* What the recorder knows of the counters after a top-level row: a clean read tells
+ * one counter; any other call changed the state, and only the counters read after it
+ * (if any) are known. */
+static void learn(Capture *c, Wrapped *w, PyObject *result, PyObject *exc, const int64_t counters[3]) {
+    if (w->slot >= 0 && !exc && result && PyLong_CheckExact(result)) {
+        int overflow = 0;
+        int64_t v = PyLong_AsLongLongAndOverflow(result, &overflow);
+        if (!overflow && !PyErr_Occurred()) {
+            c->cur[w->slot] = v;
+            c->cur_ok[w->slot] = 1;
+            return;
+        }
+        PyErr_Clear();
+    }
+    for (int k = 0; k < 3; k++) {
+        c->cur[k] = counters[k];
+        c->cur_ok[k] = counters[k] != NULL_COUNTER;
+    }
+}
+
 static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64_t t0, PyObject *result,
                       PyObject *exc) {
     int64_t t1 = now_ns();
@@ -455,10 +514,12 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
         if (bad < 0) return -1;
     }
     int64_t row[ROW_WIDTH] = {seq, parent, c->depth, w->target, w->method, t0, t1, exc_id,
-                              counters[0], counters[1], counters[2]};
+                              counters[0], counters[1], counters[2], 0, 0};
     if (c->rows.len == 0) c->batch_t0 = t1;
     if (buf_push(&c->rows, row, ROW_WIDTH) < 0) return -1;
     if (!top) return 0;
+    c->anchor = c->rows.len - ROW_WIDTH;
+    learn(c, w, result, exc, counters);
     if (exc && c->raised && c->raised != Py_None) {
         PyObject *r = PyObject_CallNoArgs(c->raised);
         if (!r) return -1;
@@ -484,6 +545,9 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
     }
     int64_t seq = c->next_seq++;
     int64_t parent = c->depth ? c->stack_seq[c->depth - 1] : -1;
+    /* A top-level counter read that may fold: it needs no arguments and no row unless
+     * its value turns out to be news. */
+    int may_fold = c->fold_reads && w->slot >= 0 && c->depth == 0 && nargs == 0 && !kwnames && c->anchor >= 0 && c->cur_ok[w->slot];
     /* From its first argument to its finished row a call is in flight: take_if_idle
      * from another thread must not split it (counter reads in finish_row run Python
      * code, where the GIL can pass to that thread). */
@@ -502,6 +566,17 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
     if (!c->active) { /* disabled while this call was in progress */
         c->in_flight--;
         return result;
+    }
+    if (may_fold && result && PyLong_CheckExact(result) && c->anchor >= 0 && c->cur_ok[w->slot]
+        && c->next_seq == seq + 1) {
+        int overflow = 0;
+        int64_t v = PyLong_AsLongLongAndOverflow(result, &overflow);
+        if (!overflow && v == c->cur[w->slot] && fold(c, w->slot)) {
+            c->arg_count.len--; /* its (empty) arguments were put: a folded read has none */
+            c->in_flight--;
+            return result;
+        }
+        if (PyErr_Occurred()) PyErr_Clear();
     }
     if (result) {
         int bad = finish_row(c, w, seq, parent, t0, result, NULL) < 0;
@@ -603,13 +678,14 @@ static int fill_codes(Capture *c) {
 
 static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dtypes", "cpu_id", "name_ids", "name_id", "slow_put", "counters", "flush",
-                             "flush_rows", "fail", "flush_ns", "raised", "counters_every", NULL};
+                             "flush_rows", "fail", "flush_ns", "raised", "counters_every", "fold_reads", NULL};
     PyObject *dtypes, *name_ids, *name_id, *slow_put, *counters, *flush, *fail, *raised = Py_None;
     long long cpu_id, flush_ns = 0;
     Py_ssize_t flush_rows, counters_every = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!LO!OOOOnO|LOn", kwlist, &PyDict_Type, &dtypes, &cpu_id,
+    int fold_reads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!LO!OOOOnO|LOnp", kwlist, &PyDict_Type, &dtypes, &cpu_id,
                                      &PyDict_Type, &name_ids, &name_id, &slow_put, &counters, &flush, &flush_rows,
-                                     &fail, &flush_ns, &raised, &counters_every))
+                                     &fail, &flush_ns, &raised, &counters_every, &fold_reads))
         return -1;
     if (counters != Py_None && (!PyTuple_Check(counters) || PyTuple_GET_SIZE(counters) != 3)) {
         PyErr_SetString(PyExc_TypeError, "counters must be a 3-tuple or None");
@@ -633,6 +709,8 @@ static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     c->flush_rows = flush_rows;
     c->flush_ns = flush_ns;
     c->active = 1;
+    c->anchor = -1;
+    c->fold_reads = fold_reads;
     return 0;
 }
 
@@ -679,8 +757,13 @@ static void capture_dealloc(Capture *c) {
 static PyObject *capture_wrap(Capture *c, PyObject *args) {
     PyObject *fn, *pids, *name;
     long long target, method;
-    int finish;
-    if (!PyArg_ParseTuple(args, "OLLO!iU", &fn, &target, &method, &PyTuple_Type, &pids, &finish, &name)) return NULL;
+    int finish, slot = -1;
+    if (!PyArg_ParseTuple(args, "OLLO!iU|i", &fn, &target, &method, &PyTuple_Type, &pids, &finish, &name, &slot))
+        return NULL;
+    if (slot < -1 || slot > 2) {
+        PyErr_SetString(PyExc_ValueError, "slot must be -1 or a counter 0..2");
+        return NULL;
+    }
     Wrapped *w = PyObject_GC_New(Wrapped, &WrappedType);
     if (!w) return NULL;
     w->cap = (Capture *)Py_NewRef(c);
@@ -690,6 +773,7 @@ static PyObject *capture_wrap(Capture *c, PyObject *args) {
     w->target = target;
     w->method = method;
     w->finish = finish;
+    w->slot = slot;
     w->vectorcall = wrapped_vectorcall;
     PyObject_GC_Track(w);
     return (PyObject *)w;
@@ -707,6 +791,10 @@ static PyObject *capture_take(Capture *c, PyObject *unused) {
     PyObject *excs = PyList_GetSlice(c->excs, 0, PY_SSIZE_T_MAX);
     if (!excs) return NULL;
     PyList_SetSlice(c->excs, 0, PY_SSIZE_T_MAX, NULL);
+    /* A batch stands alone (a part of a rotated trace, a replay from a checkpoint):
+     * nothing after it folds into its rows or leans on what they told. */
+    c->anchor = -1;
+    c->cur_ok[0] = c->cur_ok[1] = c->cur_ok[2] = 0;
     return Py_BuildValue("(NNNNN)", buf_bytes(&c->rows), buf_bytes(&c->arg_count), values_take(&c->args),
                          values_take(&c->result), excs);
 }
@@ -738,7 +826,7 @@ static int capture_set_active(Capture *c, PyObject *v, void *closure) {
 
 static PyMethodDef capture_methods[] = {
     {"wrap", (PyCFunction)capture_wrap, METH_VARARGS,
-     "wrap(fn, target_id, method_id, param_ids, finish, name) -> a recording callable"},
+     "wrap(fn, target_id, method_id, param_ids, finish, name[, slot]) -> a recording callable"},
     {"take", (PyCFunction)capture_take, METH_NOARGS, "take() -> captured buffers as bytes, emptied"},
     {"take_if_idle", (PyCFunction)capture_take_if_idle, METH_NOARGS,
      "take() between top-level calls with rows pending, else None (atomic under the GIL)"},
@@ -860,8 +948,9 @@ PyMODINIT_FUNC PyInit__capture(void) {
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Capture", (PyObject *)&CaptureType) < 0) return NULL;
     /* What it was built with, so capture.py can refuse a module built from another layout. */
-    PyObject *layout = Py_BuildValue("{sisisisisisisisisisisisisisisi}",
-        "VALUE_WIDTH", VALUE_WIDTH, "ROW_WIDTH", ROW_WIDTH, "K_NONE", K_NONE, "K_BOOL", K_BOOL, "K_INT", K_INT,
+    PyObject *layout = Py_BuildValue("{sisisisisisisisisisisisisisisisisisi}",
+        "VALUE_WIDTH", VALUE_WIDTH, "ROW_WIDTH", ROW_WIDTH, "ROW_FOLD_PATTERN", ROW_FOLD_PATTERN,
+        "ROW_FOLD_COUNT", ROW_FOLD_COUNT, "FOLD_MAX", FOLD_MAX, "K_NONE", K_NONE, "K_BOOL", K_BOOL, "K_INT", K_INT,
         "K_FLOAT", K_FLOAT, "K_STR", K_STR, "K_TENSOR", K_TENSOR, "K_INTS", K_INTS, "K_SEGMENTS", K_SEGMENTS,
         "K_OPAQUE", K_OPAQUE, "FINISH_CALL", FINISH_CALL, "FINISH_READ", FINISH_READ,
         "FINISH_GROUP_BEGIN", FINISH_GROUP_BEGIN, "FINISH_GROUP_END", FINISH_GROUP_END);

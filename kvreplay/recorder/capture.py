@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from kvreplay.recorder import layout, tensor_shim
-from kvreplay.recorder.layout import FINISH_GROUP_BEGIN, FINISH_READ, ROW_WIDTH
+from kvreplay.recorder.layout import (
+    FINISH_GROUP_BEGIN,
+    FINISH_READ,
+    FOLD_MAX,
+    ROW_FOLD_COUNT,
+    ROW_FOLD_PATTERN,
+    ROW_WIDTH,
+)
 from kvreplay.recorder.py_buffers import Names, RowBatch, encode
 from kvreplay.recorder.raw_batch import NULL, RawBatch, RawValues
 
@@ -56,7 +63,7 @@ class Engine:
 
     def __init__(self, backend: str, names: Names, counters: Counters, flush: Callable[[], None],
                  flush_rows: int, fail: Callable[[BaseException], None], *, flush_ns: int = 0,
-                 raised: Callable[[], None] | None = None, counters_every: int = 1) -> None:
+                 raised: Callable[[], None] | None = None, counters_every: int = 1, fold_reads: bool = True) -> None:
         if backend == "native" and _capture is None:
             raise RuntimeError("the native recorder is not built; reinstall kvreplay with a C compiler")
         self.backend = backend
@@ -66,12 +73,13 @@ class Engine:
                       cpu_id=names.device(torch.device("cpu")), name_ids=names.ids, name_id=names.id,
                       slow_put=lambda v: encode(v, names), counters=counters, flush=flush,
                       flush_rows=flush_rows, fail=fail, flush_ns=flush_ns, raised=raised,
-                      counters_every=counters_every)
+                      counters_every=counters_every, fold_reads=fold_reads)
         self.impl: Any = _capture.Capture(**kwargs) if backend == "native" else PyCapture(**kwargs)
 
     def wrap(self, fn: Callable[..., Any], target: int, method: int, params: tuple[int, ...], finish: int,
-             name: str) -> Callable[..., Any]:
-        return self.impl.wrap(fn, target, method, params, finish, name)
+             name: str, slot: int = -1) -> Callable[..., Any]:
+        """``slot``: for a top-level counter read, which counter (0..2): such reads fold."""
+        return self.impl.wrap(fn, target, method, params, finish, name, slot)
 
     @property
     def active(self) -> bool:
@@ -114,7 +122,9 @@ class PyCapture:
     def __init__(self, *, dtypes: dict[Any, tuple[int, int]], cpu_id: int, name_ids: dict[str, int],
                  name_id: Callable[[str], int], slow_put: Callable[[Any], Any], counters: Counters | None,
                  flush: Callable[[], None], flush_rows: int, fail: Callable[[BaseException], None],
-                 flush_ns: int = 0, raised: Callable[[], None] | None = None, counters_every: int = 1) -> None:
+                 flush_ns: int = 0, raised: Callable[[], None] | None = None, counters_every: int = 1,
+                 fold_reads: bool = True) -> None:
+        self.fold_reads = fold_reads
         self.names: Names = name_id.__self__  # type: ignore[attr-defined]
         self.counters_every = counters_every
         self.counter_tick = 0
@@ -131,11 +141,52 @@ class PyCapture:
         self.next_seq = 0
         self.in_group = False
         self.active = True
+        # Folding counter reads, as the native engine does (layout.py): what the counters
+        # were last seen to be since the state last changed, the row folds go into (its
+        # index in the batch's rows, -1: none) and that row's pattern so far.
+        self.cur: list[int | None] = [None, None, None]
+        self.anchor = -1
+        self.pat: list[int] = []
+        self.cycling = False
         self.busy = threading.Lock()  # held by the recorded thread for the length of a top-level call
 
     def take(self) -> RowBatch:
         b, self.batch = self.batch, RowBatch(self.names)
+        self._forget()  # a batch stands alone: nothing after it folds into it or leans on it
         return b
+
+    def _forget(self) -> None:
+        self.anchor = -1
+        self.cur = [None, None, None]
+
+    def _fold(self, slot: int) -> bool:
+        rows = self.batch.rows
+        at = self.anchor + ROW_FOLD_COUNT
+        n = rows[at]
+        if n == 0:
+            self.pat, self.cycling = [], False
+        pat = self.pat
+        if self.cycling:
+            if pat[n % len(pat)] != slot:
+                return False
+        elif pat and pat[0] == slot:
+            self.cycling = True
+        else:
+            if slot in pat or len(pat) == FOLD_MAX:
+                return False
+            pat.append(slot)
+            packed = 0
+            for k in reversed(pat):
+                packed = packed * 4 + k + 1
+            rows[self.anchor + ROW_FOLD_PATTERN] = packed
+        rows[at] = n + 1
+        return True
+
+    def _learn(self, slot: int, result: Any, exc: BaseException | None, counters: tuple[int, int, int]) -> None:
+        if slot >= 0 and exc is None and type(result) is int and -(2**63) <= result < 2**63:
+            self.cur[slot] = result
+        else:
+            self.cur = [None if v == NULL else v for v in counters]
 
     def take_if_idle(self) -> RowBatch | None:
         if not self.busy.acquire(blocking=False):
@@ -147,6 +198,7 @@ class PyCapture:
 
     def reset(self) -> None:
         self.batch = RowBatch(self.names)  # a half-appended row would misalign the columns
+        self._forget()
 
     def _fail(self, exc: BaseException) -> None:
         was = self.active
@@ -156,7 +208,7 @@ class PyCapture:
             self.fail_cb(exc)
 
     def wrap(self, fn: Callable[..., Any], tid: int, mid: int, pids: tuple[int, ...], finish: int,
-             name: str) -> Callable[..., Any]:
+             name: str, slot: int = -1) -> Callable[..., Any]:
         cap = self
         targets, seqs = self.targets, self.seqs
         time_ns = time.time_ns
@@ -176,6 +228,9 @@ class PyCapture:
             seq = cap.next_seq
             cap.next_seq = seq + 1
             parent = seqs[-1] if seqs else -1
+            if (slot >= 0 and cap.fold_reads and not seqs and not args and not kwargs and cap.anchor >= 0
+                    and cap.cur[slot] is not None):
+                return read_call(seq)
             try:
                 if len(args) > len(pids):
                     names = cap.names
@@ -194,11 +249,35 @@ class PyCapture:
             except BaseException as exc:
                 targets.pop()
                 seqs.pop()
-                end(finish, seq, parent, tid, mid, t0, None, exc)
+                end(finish, seq, parent, tid, mid, t0, None, exc, slot)
                 raise
             targets.pop()
             seqs.pop()
-            end(finish, seq, parent, tid, mid, t0, result, None)
+            end(finish, seq, parent, tid, mid, t0, result, None, slot)
+            return result
+
+        def read_call(seq: int) -> Any:
+            # A counter read that folds when its value is no news; else an ordinary row.
+            cap.batch.arg_count.append(0)
+            targets.append(tid)
+            seqs.append(seq)
+            t0 = time_ns()
+            try:
+                result = fn()
+            except BaseException as exc:
+                targets.pop()
+                seqs.pop()
+                end(finish, seq, -1, tid, mid, t0, None, exc, slot)
+                raise
+            targets.pop()
+            seqs.pop()
+            if not cap.active:
+                return result
+            if (type(result) is int and cap.anchor >= 0 and result == cap.cur[slot] and cap.next_seq == seq + 1
+                    and cap._fold(slot)):
+                cap.batch.arg_count.pop()
+                return result
+            end(finish, seq, -1, tid, mid, t0, result, None, slot)
             return result
 
         recorded.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -213,7 +292,7 @@ class PyCapture:
         return self.counters is not None
 
     def _end(self, finish: int, seq: int, parent: int, tid: int, mid: int, t0: int, result: Any,
-             exc: BaseException | None) -> None:
+             exc: BaseException | None, slot: int = -1) -> None:
         if not self.active:
             return  # disabled while this call was in progress
         try:
@@ -236,6 +315,8 @@ class PyCapture:
             b.add(seq, parent, depth, tid, mid, t0, t1, result, exc, counters)
             if depth:
                 return
+            self.anchor = len(b.rows) - ROW_WIDTH
+            self._learn(slot, result, exc, counters)
             if exc is not None and self.raised is not None:
                 self.raised()
             elif len(b.rows) >= self.flush_at or (self.flush_ns and t1 - self.batch_t0 >= self.flush_ns):

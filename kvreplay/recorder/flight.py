@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvreplay.recorder.layout import ROW_FOLD_COUNT
 from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
 from kvreplay.recorder.recording import Recording, is_fresh, log
 from kvreplay.recorder.writer import ParquetSink
@@ -43,7 +44,8 @@ class Segment:
 
 def top_level_calls(batch: RawBatch) -> int:
     rows = np.frombuffer(batch.rows, dtype=np.int64)
-    return int((rows[2::ROW_WIDTH] == 0).sum())  # column 2 is depth
+    # top-level rows (column 2 is depth), and the counter reads folded into them
+    return int((rows[2::ROW_WIDTH] == 0).sum()) + int(rows[ROW_FOLD_COUNT::ROW_WIDTH].sum())
 
 
 class FlightRecorder(Recording):

@@ -247,5 +247,5 @@ class RowBatch:
         if exc is not None:
             e = len(self.excs)
             self.excs.append((type(exc).__name__, str(exc)[:1000]))
-        self.rows.extend((seq, parent, depth, target, method, t0, t1, e, *counters))
+        self.rows.extend((seq, parent, depth, target, method, t0, t1, e, *counters, 0, 0))
 

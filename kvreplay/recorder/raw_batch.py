@@ -24,6 +24,8 @@ from kvreplay.recorder.layout import (
     K_OPAQUE,
     K_STR,
     K_TENSOR,
+    ROW_FOLD_COUNT,
+    ROW_FOLD_PATTERN,
     ROW_WIDTH,
     VALUE_WIDTH,
 )
@@ -229,4 +231,6 @@ class RawBatch:
         for k, name in enumerate(("available", "full_available", "swa_available")):
             c = r[:, 8 + k]
             cols[name] = _arr(c, mask=c == NULL)
+        cols["folded_reads"] = _arr(np.ascontiguousarray(r[:, ROW_FOLD_COUNT]))
+        cols["folded_pattern"] = _arr(r[:, ROW_FOLD_PATTERN].astype(np.int32))
         return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)

@@ -41,7 +41,7 @@ from kvreplay.recorder.capture import Engine, default_backend
 from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ
 from kvreplay.recorder.py_buffers import Names
 from kvreplay.recorder.raw_batch import RawBatch
-from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of
+from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of, span_of
 from kvreplay.recorder.writer_child import unpin
 from kvreplay.recorder.writer_process import ProcessTraceWriter
 from kvreplay.trace import snapshot as pool_snapshot
@@ -96,6 +96,7 @@ class Recording:
         rotate_s: float = 0.0,
         counters_every: int = 1,
         checkpoint_every: int = 0,
+        fold_reads: bool = True,
     ) -> None:
         self.pool = pool
         if snapshot is None:  # attach: a pool already in use starts its trace with its state
@@ -125,7 +126,7 @@ class Recording:
         self.lost_calls = 0
         self._engine = Engine(backend or default_backend(), self._names, self._counter_readers(pool),
                               self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
-                              raised=self._raised, counters_every=counters_every)
+                              raised=self._raised, counters_every=counters_every, fold_reads=fold_reads)
         self._patched: list[tuple[Any, str]] = []
         self._methods = methods_of(self.meta.family)
         # Checkpoints need a writer (the flight recorder keeps its own snapshots).
@@ -170,8 +171,9 @@ class Recording:
             except (TypeError, ValueError):
                 params = ()
             ids = self._names
+            slot = COUNTER_READS.index(name) if target == "root" and name in COUNTER_READS else -1
             wrapped = self._engine.wrap(fn, ids.id(target), ids.id(name), tuple(ids.id(p) for p in params),
-                                        _FINISH.get(name, FINISH_CALL), name)
+                                        _FINISH.get(name, FINISH_CALL), name, slot)
             if target == "root" and self._checkpoints is not None:
                 wrapped = self._checkpoints.wrap(wrapped, name, params)
             setattr(obj, name, wrapped)
@@ -188,28 +190,29 @@ class Recording:
         """Hand a batch to the writer without ever waiting for it. When its queue is
         full the batch is dropped, and a gap row (with the pool's state now, right
         after the dropped calls) goes in ahead of the next batch that fits."""
-        seq, depth = rows_of(batch)
-        top = seq[depth == 0]
-        if not len(top):
+        rows = rows_of(batch)
+        if not (rows[1] == 0).any():
             return
+        span = span_of(*rows)
         if self._gap is not None:
             if not self._writer.offer(self._gap):
-                self._drop(top, "the trace writer's queue was full")
+                self._drop(span, "the trace writer's queue was full")
                 return
             self._gap = None
         if self._writer.offer(batch):
-            self._last_delivered = int(top[-1])
+            self._last_delivered = span[1]
         else:
-            self._drop(top, "the trace writer's queue was full")
+            self._drop(span, "the trace writer's queue was full")
 
-    def _drop(self, top_seqs: Any, reason: str) -> None:
+    def _drop(self, span: tuple[int, int, int], reason: str) -> None:
         try:  # device copies only: the writer's side encodes them (GapRecord.settled)
             pending = functools.partial(_state_json, pool_snapshot.capture(self.pool))
         except Exception:  # a pool the snapshot cannot read: the gap is still marked
             pending = None
-        gap = GapRecord(int(top_seqs[0]), int(top_seqs[-1]), len(top_seqs), reason, "", time.time_ns(), pending)
+        first, last, lost = span
+        gap = GapRecord(first, last, lost, reason, "", time.time_ns(), pending)
         self._gap = gap if self._gap is None else self._gap.merged(gap)
-        self.lost_calls += len(top_seqs)
+        self.lost_calls += lost
 
     def _checkpoint(self, calls: int, checker_state: str) -> None:
         """Write a checkpoint row after top-level call ``calls``: the rows so far go to

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvreplay.recorder.layout import ROW_FOLD_COUNT
 from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
 from kvreplay.trace.format import (
     GAP_TARGET,
@@ -34,19 +35,28 @@ from kvreplay.trace.format import (
 STOP = object()  # the queue item that ends a writer thread
 
 
-def rows_of(item: RawBatch | GapRecord) -> tuple[np.ndarray, np.ndarray]:
-    """(seq, depth) of a batch's rows, read straight from its buffer."""
-    if isinstance(item, GapRecord):
-        return np.array([item.last_seq]), np.array([1])  # a lost gap row loses no call of its own
+def rows_of(item: RawBatch | GapRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seq, depth, counter reads folded in) of a batch's rows, read straight from its buffer."""
+    if isinstance(item, GapRecord):  # a lost gap row loses no call of its own
+        return np.array([item.last_seq]), np.array([1]), np.array([0])
     rows = np.frombuffer(item.rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
-    return rows[:, 0], rows[:, 2]
+    return rows[:, 0], rows[:, 2], rows[:, ROW_FOLD_COUNT]
 
 
-def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-    """(seq, depth) of a written table's rows, gap rows given depth 1: they are not calls."""
+def span_of(seq: np.ndarray, depth: np.ndarray, folded: np.ndarray) -> tuple[int, int, int]:
+    """(first call, last call, calls) of rows that hold at least one top-level call:
+    counter reads folded into a row came after it, and a fold into the last one after
+    every row."""
+    top = depth == 0
+    return int(seq[top][0]), int(seq.max()) + int(folded[top][-1]), int(top.sum()) + int(folded.sum())
+
+
+def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seq, depth, folded reads) of a written table's rows, gap rows given depth 1: they are not calls."""
     depth = table.column("depth").to_numpy().astype(np.int64)
     depth[pc.equal(table.column("target"), GAP_TARGET).to_numpy(zero_copy_only=False)] = 1
-    return table.column("seq").to_numpy(), depth
+    folded = table.column("folded_reads").fill_null(0).to_numpy()
+    return table.column("seq").to_numpy(), depth, folded
 
 
 class ParquetSink:
@@ -165,14 +175,12 @@ class ParquetSink:
         if not self._checkpointed:
             self._rotate_if_due()
 
-    def _lose(self, seqs_depths: tuple[np.ndarray, np.ndarray], exc: BaseException) -> None:
-        seq, depth = seqs_depths
-        top = seq[depth == 0]
-        if not len(top):
+    def _lose(self, rows: tuple[np.ndarray, np.ndarray, np.ndarray], exc: BaseException) -> None:
+        if not (rows[1] == 0).any():
             return  # only a gap row was lost, and its caller keeps that gap
-        gap = GapRecord(int(top[0]), int(top[-1]), len(top), f"trace writer: {type(exc).__name__}: {exc}", "",
-                        time.time_ns())
-        self.lost_calls += len(top)
+        first, last, n = span_of(*rows)
+        gap = GapRecord(first, last, n, f"trace writer: {type(exc).__name__}: {exc}", "", time.time_ns())
+        self.lost_calls += n
         self._gap = gap if self._gap is None else self._gap.merged(gap)
 
     def _flush(self) -> None:
@@ -195,12 +203,12 @@ class ParquetSink:
             return
         self.rows_written += table.num_rows
         self._part_rows_written += table.num_rows
-        seq, depth = _table_rows(table)
-        top = seq[depth == 0]
+        seq, depth, folded = _table_rows(table)
         held = gap
-        if len(top):
-            self._part_calls += len(top)
-            calls = GapRecord(int(top[0]), int(top[-1]), len(top), "", "", time.time_ns())
+        if (depth == 0).any():
+            first, last, n = span_of(seq, depth, folded)
+            self._part_calls += n
+            calls = GapRecord(first, last, n, "", "", time.time_ns())
             held = calls if held is None else held.merged(calls)
         if held is not None:
             self._part_holds = held if self._part_holds is None else self._part_holds.merged(held)

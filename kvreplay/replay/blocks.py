@@ -66,7 +66,7 @@ class BlockReplayer:
         self._log: list[tuple[str, Any]] = []
         self.remap = BlockRemap(int(self.meta.ctor_args["block_size"])) if self.mode == "remap" else None
         self.pool.wire_blocks.log = self._log
-        self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_rows)
+        self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_entries)
         self._see = self.timeline.seer("blocks")
         if self.checker is not None:
             tl = self.timeline
@@ -181,7 +181,7 @@ class BlockReplayer:
             calls = self.reader.top_calls(device="cpu", nested_args=True)
         with few_collections():
             for tc in calls:
-                rows += 1 + len(tc.nested)
+                rows += tc.rows
                 if tc.call.target == GAP_TARGET:
                     continue
                 self.step(tc)

@@ -74,7 +74,7 @@ def diff_builds(trace: str | Path, base: str, candidate: str, *, mode: str = "st
     n = rows = 0
     total = a.reader.num_rows
     for tc in a.reader.top_calls(device=a.device):
-        rows += 1 + len(tc.nested)
+        rows += tc.rows
         if not tc.number:
             continue  # a gap row: no call to make
         n += 1

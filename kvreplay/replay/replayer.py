@@ -175,7 +175,7 @@ class Replayer:
             self.remap = Remapper(PageTable(main.num_pages, main.page_size),
                                   PageTable(swa.num_pages, swa.page_size) if swa else None)
         self.calls = 0
-        self.timeline = Timeline({name: sub.size for name, sub in self.view.subs.items()}, self.reader.num_rows)
+        self.timeline = Timeline({name: sub.size for name, sub in self.view.subs.items()}, self.reader.num_entries)
         if self.checker is not None:
             tl = self.timeline
             self.checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
@@ -353,9 +353,9 @@ class Replayer:
                             and self.at_checkpoint(c)):
                         self.ended_at = first_row + rows
                         break
-                    rows += 1 + len(tc.nested)
+                    rows += tc.rows
                     continue
-                rows += 1 + len(tc.nested)
+                rows += tc.rows
                 if c.seq <= start_after:
                     continue
                 step(tc)

@@ -41,16 +41,18 @@ def recorded_occupancy(reader: TraceReader, stride: int | None = None) -> dict[s
     the recording saw in each bucket of ``stride`` calls (None where no counter was
     recorded, inside free groups)."""
     sizes = sizes_of(reader)
-    stride = stride or stride_for(reader.num_rows)
-    cols = ["depth", "target"] + [SUB_POOL_COUNTER[s] for s in sizes]
+    stride = stride or stride_for(reader.num_entries)
+    cols = ["depth", "target"] + [SUB_POOL_COUNTER[s] for s in sizes] + ["folded_reads"]
     buckets: list[np.ndarray] = []
     used: dict[str, list[np.ndarray]] = {s: [] for s in sizes}
     calls = 0
     for batch in reader.iter_batches(columns=cols):
         top = pc.and_(pc.equal(batch.column(0), 0), pc.not_equal(batch.column(1), GAP_TARGET))
         top_np = top.to_numpy(zero_copy_only=False)
-        number = calls + np.cumsum(top_np)  # the call number of each top-level row
-        calls = int(number[-1]) if len(number) else calls
+        folded = batch.column(2 + len(sizes)).fill_null(0).to_numpy(zero_copy_only=False)
+        # the call number of each top-level row: reads folded into a row come after it
+        number = calls + np.cumsum(top_np + folded) - folded
+        calls = int(number[-1] + folded[-1]) if len(number) else calls
         buckets.append(((number - 1) // stride)[top_np])
         for i, s in enumerate(sizes):
             col = batch.column(2 + i).to_numpy(zero_copy_only=False)

@@ -18,7 +18,9 @@ import pyarrow as pa
 
 from kvreplay.pool_api import FAMILY_ARGS, FAMILY_SIZES, FAMILY_UNITS
 
-SCHEMA_VERSION = 1
+# 2: counter reads that told nothing new are folded into the row before them
+# (``folded_reads``, ``folded_pattern``); a version 1 trace reads as one without folds.
+SCHEMA_VERSION = 2
 META_PREFIX = "kvreplay."
 # The pools a row can target: the allocator itself, its sub-allocators, and the recorder (gap rows).
 TARGETS = frozenset({"root", "full", "swa", "blocks", "recorder"})
@@ -40,6 +42,10 @@ MAX_GROUP_VALUES = _limit("KVREPLAY_MAX_GROUP_VALUES", 1 << 26)
 # Element types a recorded tensor may name (a segment list joins one per segment with ","):
 # the reader refuses any other, the decoder maps these, and nothing else, to torch's.
 TENSOR_DTYPES = ("torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.bool")
+# Counter reads one row may fold (format version 2): a live server reads its counters
+# ~10,000 times a second, and its recorder starts a new row at least every flush.
+MAX_FOLDED_READS = _limit("KVREPLAY_MAX_FOLDED_READS", 1 << 24)
+FOLD_MAX = 8  # distinct counter reads in a fold's pattern (recorder/layout.py's)
 MAX_JSON_DEPTH = 32  # of any JSON a trace or manifest holds; real ones nest 4 deep
 SCHEMA_VERSION_TEXT = re.compile(r"^[1-9][0-9]{0,5}$")
 
@@ -108,8 +114,17 @@ SCHEMA = pa.schema(
         pa.field("available", pa.int64()),
         pa.field("full_available", pa.int64()),
         pa.field("swa_available", pa.int64()),
+        # Counter reads after this row that returned what was already known (the pool's
+        # state had not changed since): how many, and which counters in what order, as
+        # base-4 digits (1 available_size, 2 full_available_size, 3 swa_available_size;
+        # the first read in the lowest digit), the pattern repeating up to the count.
+        # Null or 0: none. Readers hand them back as calls (reader.py).
+        pa.field("folded_reads", pa.int64()),
+        pa.field("folded_pattern", pa.int32()),
     ]
 )
+# Columns added after version 1, and how to read a version 1 part without them.
+ADDED_COLUMNS = {"folded_reads": 2, "folded_pattern": 2}
 
 # Columns that must be identical for two runs of the same seeded workload.
 CALL_COLUMNS = [f.name for f in SCHEMA if f.name not in ("t_start_ns", "t_end_ns")]
@@ -265,6 +280,9 @@ class Call:
     t_start_ns: int
     t_end_ns: int
     has_opaque: bool = False  # an argument could not be recorded losslessly
+    folded_reads: int = 0  # counter reads folded after this call (the reader hands them back as calls)
+    folded_pattern: int | None = None
+    from_fold: bool = False  # one of those reads: a call with no row of its own
 
     @property
     def top_level(self) -> bool:
@@ -279,6 +297,11 @@ class TopCall:
     call: Call
     number: int
     nested: list[Call] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        """The trace rows this call takes (a folded read takes none)."""
+        return 0 if self.call.from_fold else 1 + len(self.nested)
 
 
 # A trace recorded with rotation is a directory of closed parts, read in name order

@@ -20,12 +20,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.pool_api import API_METHODS, sub_pool_sizes
+from kvreplay.pool_api import API_METHODS, COUNTER_READS, sub_pool_sizes
 from kvreplay.trace.footer import row_group_counts
 from kvreplay.trace.format import (
+    ADDED_COLUMNS,
     CHECKPOINT_METHOD,
+    FOLD_MAX,
     GAP_METHOD,
     GAP_TARGET,
+    MAX_FOLDED_READS,
     MAX_GROUP_VALUES,
     PART_GLOB,
     SCHEMA,
@@ -105,6 +108,7 @@ class TraceReader:
         self.source = str(path)
         self.path = local_path(path)
         self._layout: tuple[list[Checkpoint], int, bool] | None = None  # checkpoints, calls, gaps? (one scan)
+        self._entries: int | None = None
         if not self.path.exists():
             raise TraceFormatError(f"{self.path}: no such file")
         if self.path.is_dir():
@@ -119,16 +123,19 @@ class TraceReader:
         self._files = [self._open(p) for p in self.parts]
         metas = [self._meta(part, f) for part, f in zip(self.parts, self._files, strict=True)]
         self.meta = metas[0]
+        # Per part, the columns its schema version predates: read as null (no folds).
+        self._absent: list[list[str]] = []
         for part, f, meta in zip(self.parts, self._files, metas, strict=True):
             if meta.schema_version > SCHEMA_VERSION:
                 raise TraceFormatError(
                     f"{part}: trace schema version {meta.schema_version} is newer than this "
                     f"kvreplay reads (up to {SCHEMA_VERSION}); upgrade kvreplay")
+            self._absent.append([c for c, since in ADDED_COLUMNS.items() if meta.schema_version < since])
             if (meta.family, meta.pool_class, meta.ctor_args) != (self.meta.family, self.meta.pool_class,
                                                                   self.meta.ctor_args):
                 raise TraceFormatError(f"{part}: a part of another pool ({meta.pool_class}, {meta.family}) than "
                                        f"the trace's first part ({self.meta.pool_class}, {self.meta.family})")
-            _check_schema(part, f.schema_arrow)
+            _check_schema(part, f.schema_arrow, self._absent[-1])
             _check_sizes(part, f, self.meta)
 
     def _meta(self, part: Path, f: pq.ParquetFile) -> TraceMeta:
@@ -153,10 +160,11 @@ class TraceReader:
         first = True
         names = API_METHODS | {GAP_METHOD, CHECKPOINT_METHOD}
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
-                                                "result.dtype"]):
-            if batch.num_columns != 6:  # damaged bytes can leave a batch without some of them
+                                                "result.dtype", "folded_reads", "folded_pattern"]):
+            if batch.num_columns != 8:  # damaged bytes can leave a batch without some of them
                 raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
-            seq, depth, target, method, arg_dtypes, result_dtypes = (batch.column(i) for i in range(6))
+            seq, depth, target, method, arg_dtypes, result_dtypes, folded, pattern = (batch.column(i) for i in range(8))
+            calls += _check_folds(self.path, folded, pattern, depth)
             _check_dtypes(self.path, arg_dtypes.flatten().field(0), result_dtypes.field(0))
             recorded = pc.filter(depth, pc.not_equal(target, GAP_TARGET))
             if first and len(recorded):
@@ -189,14 +197,23 @@ class TraceReader:
         return sum(f.metadata.num_rows for f in self._files)
 
     @property
+    def num_entries(self) -> int:
+        """Rows plus the counter reads folded into them: what a replay walks through, and
+        a bound on its call numbers. A scan of one small column, once."""
+        if self._entries is None:
+            self._entries = self.num_rows + sum(int(pc.sum(b.column(0)).as_py() or 0)
+                                                for b in self.iter_batches(columns=["folded_reads"]))
+        return self._entries
+
+    @property
     def file_size(self) -> int:
         return sum(p.stat().st_size for p in self.parts)
 
     def iter_batches(self, columns: list[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         try:
-            for f in self._files:
-                for batch in f.iter_batches(batch_size=batch_size, columns=columns):
-                    yield _valid(batch)
+            for f, absent in zip(self._files, self._absent, strict=True):
+                for batch in f.iter_batches(batch_size=batch_size, columns=_present(columns, absent)):
+                    yield _upgraded(_valid(batch), columns, absent)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
 
@@ -206,16 +223,17 @@ class TraceReader:
         groups that hold them."""
         offset = 0
         try:
-            for f in self._files:
+            for f, absent in zip(self._files, self._absent, strict=True):
                 for g in range(f.metadata.num_row_groups):
                     n = f.metadata.row_group(g).num_rows
                     lo, hi = max(start - offset, 0), min(end - offset, n)
                     if lo < hi:
                         at = 0
-                        for batch in f.iter_batches(batch_size=batch_size, row_groups=[g], columns=columns):
+                        for batch in f.iter_batches(batch_size=batch_size, row_groups=[g],
+                                                    columns=_present(columns, absent)):
                             b_lo, b_hi = max(lo - at, 0), min(hi - at, batch.num_rows)
                             if b_lo < b_hi:
-                                yield _valid(batch).slice(b_lo, b_hi - b_lo)
+                                yield _upgraded(_valid(batch), columns, absent).slice(b_lo, b_hi - b_lo)
                             at += batch.num_rows
                     offset += n
                     if offset >= end:
@@ -223,14 +241,22 @@ class TraceReader:
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
 
+    def fold_methods(self, count: int, packed: int | None) -> dict[str, int]:
+        """How many reads of each counter a fold of ``count`` reads with this pattern holds."""
+        pattern = _fold_pattern(self.path, count, packed)
+        per, extra = divmod(count, len(pattern))
+        return {COUNTER_READS[s]: per + (k < extra) for k, s in enumerate(pattern)}
+
     def count_calls(self) -> int:
-        """Top-level calls (reports number them 1..N), by a scan of two columns."""
+        """Top-level calls (reports number them 1..N), folded counter reads among them,
+        by a scan of three columns."""
         if self._layout is not None:
             return self._layout[1]
         n = 0
-        for batch in self.iter_batches(columns=["depth", "target"]):
+        for batch in self.iter_batches(columns=["depth", "target", "folded_reads"]):
             top = pc.equal(batch.column(0), 0)
             n += int(pc.sum(pc.and_(top, pc.not_equal(batch.column(1), GAP_TARGET))).as_py() or 0)
+            n += int(pc.sum(batch.column(2)).as_py() or 0)
         return n
 
     def gaps(self) -> list[Call]:
@@ -258,12 +284,13 @@ class TraceReader:
         if self._layout is not None:
             return self._layout[0]
         out, offset, calls, gaps = [], 0, 0, False
-        for batch in self.iter_batches(columns=["method", "target", "depth"]):
-            method, target, depth = (batch.column(i) for i in range(3))
+        for batch in self.iter_batches(columns=["method", "target", "depth", "folded_reads"]):
+            method, target, depth, folded = (batch.column(i) for i in range(4))
             gap = pc.equal(target, GAP_TARGET)
             hit = pc.and_(pc.equal(method, CHECKPOINT_METHOD), gap).to_numpy(zero_copy_only=False)
             gaps = gaps or bool(pc.any(pc.and_(pc.equal(method, GAP_METHOD), gap)).as_py())
-            call = pc.and_(pc.equal(depth, 0), pc.invert(gap)).to_numpy(zero_copy_only=False)
+            call = pc.and_(pc.equal(depth, 0), pc.invert(gap)).to_numpy(zero_copy_only=False).astype(np.int64)
+            call += folded.fill_null(0).to_numpy(zero_copy_only=False)  # folded reads are calls too
             before = calls + np.cumsum(call) - call  # calls before each row
             out.extend(Checkpoint(offset + int(i), int(before[i])) for i in np.flatnonzero(hit))
             offset += batch.num_rows
@@ -305,13 +332,109 @@ class TraceReader:
         from kvreplay.trace.decode import decode_batch
 
         batches = self.iter_batches(batch_size=batch_size) if rows is None else self.row_range(*rows, batch_size)
+        folds = _Unfolder(self.path)
         for batch in batches:
             try:
-                yield from decode_batch(batch, top_level_only, device, nested_args)
+                # Nested rows are decoded (without arguments) even when not wanted: the
+                # reads folded after a call take their numbers after its nested rows'.
+                for c in decode_batch(batch, False, device, nested_args and not top_level_only):
+                    if not c.depth:
+                        yield from folds.pending()
+                        folds.after(c)
+                    else:
+                        folds.nested(c)
+                        if top_level_only:
+                            continue
+                    yield c
             except Exception as exc:  # whatever damaged data makes decoding raise, it is the data's fault
                 if isinstance(exc, TraceFormatError):
                     raise
                 raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
+        yield from folds.pending()
+
+
+class _Unfolder:
+    """Hands back the counter reads a recorder folded into rows (format.py) as the calls
+    they were: after a row's nested rows, numbered on from them, each returning what
+    the counter was last known to be. What is known follows the recorder's rule: a
+    clean read row tells its counter, any other call sets all three to the counters
+    read after it (unknown where none were read)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cur: list[int | None] = [None, None, None]
+        self.anchor: Call | None = None
+        self.last_seq = -1
+
+    def after(self, c: Call) -> None:
+        self.last_seq = c.seq
+        if c.target == GAP_TARGET:
+            self.cur, self.anchor = [None, None, None], None
+            return
+        slot = COUNTER_READS.index(c.method) if c.method in COUNTER_READS else -1
+        if slot >= 0 and c.exc_type is None and type(c.result) is int:
+            self.cur[slot] = c.result
+        else:
+            self.cur = [c.counters.get(k) for k in ("available", "full_available", "swa_available")]
+        self.anchor = c if c.folded_reads else None
+
+    def nested(self, c: Call) -> None:
+        self.last_seq = max(self.last_seq, c.seq)
+
+    def pending(self) -> Iterator[Call]:
+        a = self.anchor
+        if a is None:
+            return
+        self.anchor = None
+        pattern = _fold_pattern(self.path, a.folded_reads, a.folded_pattern)
+        seq = self.last_seq
+        for i in range(a.folded_reads):
+            slot = pattern[i % len(pattern)]
+            value = self.cur[slot]
+            if value is None:
+                raise TraceFormatError(f"{self.path}: row {a.seq} folds reads of {COUNTER_READS[slot]} whose value "
+                                       "the trace never gave")
+            seq += 1
+            yield Call(seq, -1, 0, "root", COUNTER_READS[slot], {}, value, None, None,
+                       {"available": None, "full_available": None, "swa_available": None}, a.t_end_ns, a.t_end_ns,
+                       from_fold=True)
+        self.last_seq = seq
+
+
+def _fold_pattern(path: Path, count: int, packed: int | None) -> list[int]:
+    """The counter slots a fold reads, in order, from its packed pattern; damaged ones refused."""
+    if not 0 < count <= MAX_FOLDED_READS:
+        raise TraceFormatError(f"{path}: a row folds {count:,} counter reads, outside 1..{MAX_FOLDED_READS:,} "
+                               "(KVREPLAY_MAX_FOLDED_READS raises the limit)")
+    out: list[int] = []
+    p = packed or 0
+    while p and len(out) <= FOLD_MAX:
+        digit = p % 4
+        if digit == 0 or digit - 1 in out:
+            break
+        out.append(digit - 1)
+        p //= 4
+    if not out or p or len(out) > FOLD_MAX:
+        raise TraceFormatError(f"{path}: a row's folded-read pattern {packed!r} names no counters in order")
+    return out
+
+
+def _check_folds(path: Path, folded: pa.Array, pattern: pa.Array, depth: pa.Array) -> int:
+    """Counter reads folded into these rows, once each fold is known to be sane: on
+    top-level rows only, counts in range, patterns that decode."""
+    if not len(folded) or not folded.null_count < len(folded):
+        return 0
+    n = folded.fill_null(0).to_numpy(zero_copy_only=False)
+    some = np.flatnonzero(n != 0)
+    if not len(some):
+        return 0
+    d = depth.to_numpy(zero_copy_only=False)
+    if (d[some] != 0).any():
+        raise TraceFormatError(f"{path}: a nested row folds counter reads (only top-level calls can)")
+    pats = pattern.to_numpy(zero_copy_only=False)
+    for i in some:  # one per fold, not per read: a few thousand an hour of a live server
+        _fold_pattern(path, int(n[i]), None if pattern[int(i)].as_py() is None else int(pats[i]))
+    return int(n.sum())
 
 
 @dataclass(frozen=True)
@@ -335,9 +458,33 @@ def _increasing(seq: pa.Array) -> bool:
     return bool((values[1:] > values[:-1]).all())
 
 
-def _check_schema(part: Path, schema: pa.Schema) -> None:
-    """Every column of the trace contract, with exactly its type."""
+def _present(columns: list[str] | None, absent: list[str]) -> list[str] | None:
+    """The columns to ask a part for: those it has (its schema version may predate some)."""
+    if not absent:
+        return columns
+    return [c for c in (SCHEMA.names if columns is None else columns) if c not in absent]
+
+
+def _upgraded(batch: pa.RecordBatch, columns: list[str] | None, absent: list[str]) -> pa.RecordBatch:
+    """A batch of an older part as the current schema has it: the columns added since
+    its version, where asked for, as nulls (a version 1 trace folds no reads)."""
+    if not absent:
+        return batch
+    want = SCHEMA.names if columns is None else columns
+    added = [name for name in want if name in absent]
+    # The added columns are the schema's last, and callers ask for them last, so they
+    # go at the end (a nested path like args.list.element.dtype is one column of the batch).
+    assert want[len(want) - len(added):] == added, "ask for the columns added since version 1 last"
+    arrays = [*batch.columns, *(pa.nulls(batch.num_rows, SCHEMA.field(n).type) for n in added)]
+    fields = [*batch.schema, *(SCHEMA.field(n) for n in added)]
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=batch.schema.metadata))
+
+
+def _check_schema(part: Path, schema: pa.Schema, absent: list[str]) -> None:
+    """Every column of the trace contract (less those its version predates), with exactly its type."""
     for want in SCHEMA:
+        if want.name in absent:
+            continue
         if want.name not in schema.names:
             raise TraceFormatError(f"{part}: trace lacks column {want.name}")
         got = schema.field(want.name).type

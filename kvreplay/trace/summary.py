@@ -17,7 +17,7 @@ from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace
 from kvreplay.trace.reader import TraceReader
 
 _COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
-            "available", "full_available", "swa_available"]
+            "available", "full_available", "swa_available", "folded_reads", "folded_pattern"]
 
 
 @dataclass
@@ -36,6 +36,7 @@ class TraceSummary:
     recorded_indices: int
     bytes_per_index: float | None
     notes: list[str] = field(default_factory=list)
+    folded_reads: int = 0  # counter reads among the calls that have no row of their own (schema version 2)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,7 +47,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     meta = reader.meta
     sizes = sub_pool_sizes(meta.family, meta.ctor_args)
     methods: Counter[str] = Counter()
-    rows = top = exceptions = nones = indices = 0
+    rows = top = exceptions = nones = indices = folded = 0
     t_min: int | None = None
     t_max: int | None = None
     min_avail: dict[str, int] = {}
@@ -56,6 +57,9 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         is_top = pc.equal(batch["depth"], 0)
         top += int(pc.sum(is_top).as_py() or 0)
         methods.update(_value_counts(pc.filter(batch["method"], is_top)))
+        for n, packed in _folds(batch):
+            methods.update(reader.fold_methods(n, packed))
+            folded += n
         exceptions += batch.num_rows - batch["exc_type"].null_count
         result = batch["result"]
         kinds = pc.struct_field(result, "kind")
@@ -85,7 +89,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         notes.append(f"{checkpoints} checkpoint(s): replay --jobs N replays the segments between them in parallel")
     size = reader.file_size
     return TraceSummary(
-        path=reader.source, meta=asdict(meta), rows=rows, calls=top - methods.get(GAP_METHOD, 0) - checkpoints,
+        path=reader.source, meta=asdict(meta), rows=rows,
+        calls=top + folded - methods.get(GAP_METHOD, 0) - checkpoints, folded_reads=folded,
         nested_rows=rows - top,
         calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
         time_span_s=((t_max or 0) - (t_min or 0)) / 1e9,
@@ -93,6 +98,15 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         file_bytes=size, recorded_indices=indices,
         bytes_per_index=(size / indices) if indices else None, notes=notes,
     )
+
+
+def _folds(batch: pa.RecordBatch) -> list[tuple[int, int | None]]:
+    """(count, pattern) of each row that folds counter reads."""
+    n = batch["folded_reads"]
+    if n.null_count == len(n):
+        return []
+    at = pc.indices_nonzero(n.fill_null(0))
+    return list(zip(pc.take(n, at).to_pylist(), pc.take(batch["folded_pattern"], at).to_pylist(), strict=True))
 
 
 def _out_of_memory_answers(batch: pa.RecordBatch, is_top: pa.Array, kinds: pa.Array) -> int:
