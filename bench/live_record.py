@@ -1,7 +1,15 @@
 """What recording costs a real server: the same sglang server on CPU, the same requests,
-with and without ``kvreplay record``, in one run.
+bare, under ``kvreplay record``, and under sglang's own busy-time pool check as the
+peer, in interleaved rounds of one run.
 
-    ~/.cache/kvreplay/venvs/sglang-0.5.23/bin/python bench/live_record.py --requests 300 [--page-size 16] [--swa 128]
+    ~/.cache/kvreplay/venvs/sglang-0.5.23/bin/python bench/live_record.py --requests 300 [--page-size 16] [--swa 128] \
+        [--rounds 5] [--modes bare,recorded,unfolded,peer]
+
+Modes: ``bare``; ``recorded`` (kvreplay record, counter reads folded); ``unfolded``
+(kvreplay record with KVREPLAY_FOLD_READS=0: every read a row, as trace format 1 had
+it); ``peer`` (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1, sglang's own per-iteration
+pool check). Each round runs every mode once, in that order; the table gives each
+mode's median and range over the rounds, and its rows per served request.
 
 Per run: the scheduler process's CPU seconds (user + system, read from /proc before the
 server stops; they do not move with the machine's load the way wall time does), the
@@ -15,6 +23,7 @@ import argparse
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import pyarrow.parquet as pq  # noqa: E402
 from tiny_model import make  # noqa: E402
 
 from kvreplay.workload.drive import DriveConfig, drive  # noqa: E402
@@ -50,7 +60,14 @@ def _named(name: bytes) -> list[int]:
     return out
 
 
-def run(model: Path, out: Path, record: bool, n: int, page_size: int) -> dict[str, float]:
+def run(model: Path, out: Path, mode: str, n: int, page_size: int) -> dict[str, float]:
+    record = mode in ("recorded", "unfolded")
+    env = dict(os.environ)
+    if mode == "unfolded":
+        env["KVREPLAY_FOLD_READS"] = "0"
+    if mode == "peer":
+        env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
+    out.mkdir(parents=True, exist_ok=True)
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -59,8 +76,8 @@ def run(model: Path, out: Path, record: bool, n: int, page_size: int) -> dict[st
               "--device", "cpu", "--model-impl", "transformers", "--page-size", str(page_size), "--port", str(port),
               "--disable-cuda-graph", "--mem-fraction-static", "0.05", "--log-level", "warning"]
     cmd = ([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), "--"] if record else []) + server
-    log = open(out.parent / f"server-{'rec' if record else 'bare'}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(out / "server.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         for _ in range(900):
             try:
@@ -80,33 +97,60 @@ def run(model: Path, out: Path, record: bool, n: int, page_size: int) -> dict[st
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=180)
-    size = sum(p.stat().st_size for p in out.glob("*.parquet"))
+    traces = sorted(out.glob("*.parquet"))
+    size = sum(p.stat().st_size for p in traces)
+    rows = sum(pq.ParquetFile(p).metadata.num_rows for p in traces)
     return {"scheduler_cpu_s": c1 - c0, "writer_cpu_s": w1 - w0, "wall_s": res.elapsed_s, "ok": res.ok,
-            "trace_mb": size / 1e6}
+            "trace_mb": size / 1e6, "rows": rows}
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):7.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--modes", default="bare,recorded,unfolded,peer")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--swa", type=int, default=0, help="a hybrid sliding-window model with this window")
     ap.add_argument("--keep", type=Path, help="copy the recorded trace here (e.g. for kvreplay profile)")
     a = ap.parse_args()
+    modes = a.modes.split(",")
+    got: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as d:
         base = Path(d)
         model = make(base / "model", a.swa)
-        bare = run(model, base / "bare", False, a.requests, a.page_size)
-        rec = run(model, base / "rec", True, a.requests, a.page_size)
-        if a.keep:
-            import shutil
+        for k in range(a.rounds):
+            for m in modes:
+                r = run(model, base / f"{m}-{k}", m, a.requests, a.page_size)
+                got[m].append(r)
+                print(f"round {k + 1} {m:9s} scheduler {r['scheduler_cpu_s']:6.1f} CPU s, writer "
+                      f"{r['writer_cpu_s']:5.1f} CPU s, {r['wall_s']:6.1f} s wall for {r['ok']:.0f} requests, "
+                      f"{r['rows']:,} rows, {r['trace_mb']:.2f} MB", flush=True)
+                if a.keep and m == "recorded" and k == 0:
+                    import shutil
 
-            for p in (base / "rec").glob("*.parquet"):
-                shutil.copy(p, a.keep)
-    for name, r in (("bare", bare), ("recorded", rec)):
-        print(f"{name:9s} scheduler {r['scheduler_cpu_s']:6.1f} CPU s, writer {r['writer_cpu_s']:5.1f} CPU s, "
-              f"{r['wall_s']:6.1f} s wall for {r['ok']:.0f} requests, trace {r['trace_mb']:.1f} MB")
-    print(f"ratio recorded/bare: scheduler CPU {rec['scheduler_cpu_s'] / bare['scheduler_cpu_s']:.3f}, "
-          f"wall {rec['wall_s'] / bare['wall_s']:.3f}")
+                    for p in (base / f"{m}-{k}").glob("*.parquet"):
+                        shutil.copy(p, a.keep)
+    print(f"\n{a.rounds} rounds, {a.requests} requests each, page {a.page_size}"
+          f"{f', SWA window {a.swa}' if a.swa else ''}: median [min-max]")
+    print(f"{'mode':9s} {'scheduler CPU s':>22s} {'request wall s':>22s} {'rows/request':>22s} {'MB':>8s}")
+    for m in modes:
+        rs = got[m]
+        print(f"{m:9s} {_spread([r['scheduler_cpu_s'] for r in rs]):>22s} {_spread([r['wall_s'] for r in rs]):>22s} "
+              f"{_spread([r['rows'] / max(r['ok'], 1) for r in rs]):>22s} "
+              f"{statistics.median(r['trace_mb'] for r in rs):8.2f}")
+    if "bare" in got:
+        for m in modes:
+            if m != "bare":
+                cpu = [r["scheduler_cpu_s"] / b["scheduler_cpu_s"] for r, b in zip(got[m], got["bare"], strict=True)]
+                wall = [r["wall_s"] / b["wall_s"] for r, b in zip(got[m], got["bare"], strict=True)]
+                print(f"{m}/bare per round: scheduler CPU {_spread(cpu)}, request wall {_spread(wall)}")
+    if "recorded" in got and "unfolded" in got:
+        per = [u["rows"] / max(r["rows"], 1) for r, u in zip(got["recorded"], got["unfolded"], strict=True)]
+        print(f"rows unfolded/folded per round: {_spread(per)}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from kvreplay.recorder.switches import (
     COUNTERS_ENV,
     DIR_ENV,
     FLIGHT_ENV,
+    FOLD_ENV,
     RANK_ENV,
 )
 
@@ -184,15 +185,16 @@ def _start_recording(pool: Any) -> None:
         pool = recordable(pool)
         flight = int(os.environ.get(FLIGHT_ENV, "0") or 0)
         every = int(os.environ.get(COUNTERS_ENV, "1") or 1)
+        fold = os.environ.get(FOLD_ENV, "1").strip() != "0"
         if flight > 0:
             from kvreplay.recorder.flight import flight_recorder
 
-            flight_recorder(pool, _out, calls=flight, rank=rank, extra=extra, counters_every=every)
+            flight_recorder(pool, _out, calls=flight, rank=rank, extra=extra, counters_every=every, fold_reads=fold)
             return
         name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
         checkpoints = int(os.environ.get(CHECKPOINT_ENV, "0") or 0)
         record(pool, _out / name, rank=rank, extra=extra, counters_every=every, checkpoint_every=checkpoints,
-               snapshot=False)  # recorded from its constructor: nothing happened before
+               snapshot=False, fold_reads=fold)  # recorded from its constructor: nothing happened before
         _chain_sigterm()
     except Exception:
         _fail()

@@ -10,6 +10,7 @@ CLASSES_ENV = "KVREPLAY_RECORD_CLASSES"
 RANK_ENV = "KVREPLAY_RANK"
 FLIGHT_ENV = "KVREPLAY_FLIGHT"  # N: flight recorders keeping the last N calls, dumped on a raise or SIGUSR2
 COUNTERS_ENV = "KVREPLAY_COUNTERS_EVERY"  # N: read the pool's counters after every Nth call (0: never)
+FOLD_ENV = "KVREPLAY_FOLD_READS"  # 0: every counter read a row of its own (as trace format 1 had them)
 CHECKPOINT_ENV = "KVREPLAY_CHECKPOINT_EVERY"  # N: a checkpoint every N calls (replay --jobs splits there)
 CPUS_ENV = "KVREPLAY_CPUS"  # the CPUs kvreplay record may use: its recorder threads go back to them
 SITE_DIR = Path(__file__).with_name("_site")
