@@ -44,7 +44,10 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone (another program's writer that ended): it took nothing of this run
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -88,7 +91,7 @@ def run(model: Path, out: Path, mode: str, n: int, page_size: int) -> dict[str, 
                     raise SystemExit(f"server exited while starting (see {log.name})") from None
                 time.sleep(1)
         (sched,) = _named(b"sglang::scheduler") or [0]
-        writers = _named(b"kvreplay.recorder.writer_child")
+        writers = _named(b"kvreplay.recorder.writer_child") if record else []
         c0, w0 = _cpu_s(sched), sum(_cpu_s(w) for w in writers)
         reqs = load_requests(ROOT / "workloads/mooncake/synthetic_trace.jsonl", count=n, seed=0, block_tokens=16,
                              length_scale=0.03, output_scale=1.0)

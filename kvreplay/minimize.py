@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.errors import BadInput
+from kvreplay.errors import BadInput, KvreplayError
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, SLOT_FAMILIES, VLLM_HOUSEKEEPING, method_kind
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
@@ -408,7 +407,7 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     rebase(subject, kept, out, failure)
     check = replay(out, spec, mode="strict", device=device)
     shows, failing_call = _shown(check, failure)
-    total = sum(int(pc.equal(b.column(0), 0).true_count) for b in subject.reader.iter_batches(columns=["depth"]))
+    total = subject.reader.count_calls()
     if remote:
         publish(out, remote)
     result = MinimizeResult(str(trace), build, out_uri if remote else str(out), failure, total, len(kept),
@@ -449,4 +448,36 @@ def rebase(subject: Subject, kept: Sequence[int], out: Path, failure: Failure) -
     return out
 
 
-__all__ = ["Dependencies", "MinimizeResult", "RequestDependencies", "Subject", "ddmin", "minimize", "rebase"]
+def reproduce_findings(findings: list[dict[str, Any]], out: Path, timeout_s: float = 60.0,
+                       progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Beside each watched trace with a violation (``kvreplay record --watch``), a
+    minimized reproducer of the first violation of each rule it found, on the class that
+    recorded it: ``repro-TRACE-N.parquet``, at most ``timeout_s`` seconds of delta
+    debugging each (what it has by then is written)."""
+    from kvreplay.trace.reader import TraceReader
+    from kvreplay.watch import watch_build
+
+    done: list[dict[str, Any]] = []
+    seen: set[tuple[str, str]] = set()
+    for f in findings:
+        name, rule = str(f.get("trace", "")), str(f.get("rule", ""))
+        trace = out / name
+        if f.get("kind") != "violation" or (name, rule) in seen or "/" in name or not trace.exists():
+            continue
+        seen.add((name, rule))
+        target = out / f"repro-{trace.stem}-{len([k for k in seen if k[0] == name])}.parquet"
+        if progress is not None:
+            progress(f"minimizing {rule} in {name} (at most {timeout_s:.0f} s)")
+        try:
+            build = watch_build(TraceReader(trace).meta)
+            res = minimize(trace, build, target, invariant=rule, timeout_s=timeout_s)
+        except KvreplayError as exc:
+            done.append({"trace": name, "rule": rule, "error": str(exc)})
+            continue
+        done.append({"trace": name, "rule": rule, "reproducer": str(target), "build": build, "calls": res.calls_after,
+                     "from_calls": res.calls_before, "timed_out": res.timed_out})
+    return done
+
+
+__all__ = ["Dependencies", "MinimizeResult", "RequestDependencies", "Subject", "ddmin", "minimize", "rebase",
+           "reproduce_findings"]

@@ -22,7 +22,7 @@ LAYERS: list[list[str]] = [
     ["cli"],
     ["corpus"],
     ["bisect", "minimize", "demo", "matrix", "dashboard"],
-    ["stored_replay", "reproducer", "report"],
+    ["stored_replay", "reproducer", "report", "watch"],
     ["workload"],
     ["recorder", "replay", "checked_pool"],
     ["check", "store"],

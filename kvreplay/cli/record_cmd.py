@@ -30,6 +30,18 @@ def record(
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", metavar="N",
                                          help="Write a checkpoint every N calls (0: none): replay --jobs splits "
                                          "the trace there. Costs the invariant checker's time per call."),
+    watch: bool = typer.Option(False, "--watch", help="Check the pool's invariants on the calls as they are "
+                               "written, in the trace writer's process (off the server's core): each rule broken "
+                               "is printed within a second of its call, and a minimized reproducer of it is "
+                               "written beside the trace when the server stops (repro-TRACE-N.parquet). A "
+                               "violation makes the exit code 1."),
+    stop_on_violation: bool = typer.Option(False, "--stop-on-violation", help="With --watch: send the server "
+                                           "SIGTERM at the first violation (CI of a server build)."),
+    metrics_port: int = typer.Option(0, "--metrics-port", metavar="PORT", help="Serve the recorders' counters "
+                                     "(calls, rows, bytes, calls dropped and unchecked, violations by rule, writer "
+                                     "lag) at http://127.0.0.1:PORT/metrics in Prometheus's text format."),
+    minimize_s: float = typer.Option(60.0, "--minimize-s", metavar="SECONDS", help="With --watch: time to spend "
+                                     "minimizing each finding after the server stops (0: no reproducers)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Run a decode server with every allocator it builds recorded.
@@ -46,6 +58,10 @@ def record(
     Launching servers your own way: kvreplay record --out DIR --print-env
     prints the variables (KVREPLAY_RECORD_DIR, PYTHONPATH) to export
     instead.
+
+    Always on, watched: kvreplay record --out DIR --watch --metrics-port
+    9400 -- python -m sglang.launch_server ...  prints each invariant
+    violation as it happens and serves the counters on /metrics.
     """
     from kvreplay.recorder.live import record_command, record_env
 
@@ -53,6 +69,12 @@ def record(
         raise KvreplayError("--checkpoint-every N needs N >= 0 (0: no checkpoints)")
     if counters_every < 0:
         raise KvreplayError("--counters-every N needs N >= 0 (0: never read the counters)")
+    if stop_on_violation and not watch:
+        raise KvreplayError("--stop-on-violation needs --watch (it stops at what the watch finds)")
+    if not 0 <= metrics_port <= 65535:
+        raise KvreplayError(f"--metrics-port must be a port number (1-65535; 0: none), not {metrics_port}")
+    if not 0 <= minimize_s <= 86400 or minimize_s != minimize_s:
+        raise KvreplayError(f"--minimize-s must be 0..86400 seconds, not {minimize_s}")
     if print_env:
         from kvreplay.recorder.switches import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV
 
@@ -69,8 +91,25 @@ def record(
         return
     if flight < 0:
         raise KvreplayError("--flight N needs N > 0 (the number of calls to keep)")
+    def found(f: dict) -> None:
+        if as_json:
+            return
+        if f.get("kind") == "watch-stopped":
+            say(f"kvreplay watch: {f.get('trace')}: no longer checking: {f.get('reason')}", "yellow", to_err=True)
+            return
+        req = f" (request {f['request']})" if f.get("request") else ""
+        say(f"kvreplay watch: {f.get('kind')} {f.get('rule')} at call #{f.get('call')} {f.get('method')}{req} "
+            f"in {f.get('trace')}: {f.get('message')}", "red", to_err=True)
+
     res = record_command(command or [], out_dir, classes, flight=flight, counters_every=counters_every,
-                         checkpoint_every=checkpoint_every)
+                         checkpoint_every=checkpoint_every, watch="check" if watch else "",
+                         stop_on_violation=stop_on_violation, metrics_port=metrics_port, on_finding=found,
+                         on_metrics=lambda url: say(f"kvreplay: counters at {url}", to_err=True))
+    if watch and minimize_s > 0 and any(f.get("kind") == "violation" for f in res.findings):
+        from kvreplay.minimize import reproduce_findings
+
+        res.reproducers = reproduce_findings(res.findings, res.out, minimize_s,
+                                             progress=None if as_json else lambda m: say(m, to_err=True))
     if as_json:
         emit_json(res.to_dict())
     else:
@@ -80,6 +119,15 @@ def record(
             say(f"  {p}", to_err=True)
         for p in res.unfinished:
             say(f"  unfinished: {p}", to_err=True)
+        if res.stopped_on:
+            say(f"stopped the command at {res.stopped_on.get('rule')} (call #{res.stopped_on.get('call')})",
+                to_err=True)
+        for r in res.reproducers:
+            if r.get("reproducer"):
+                say(f"  reproducer of {r['rule']}: {r['reproducer']} ({r['calls']} of {r['from_calls']} calls; "
+                    f"kvreplay replay it --build {r['build']})", to_err=True)
+            else:
+                say(f"  no reproducer of {r['rule']} in {r['trace']}: {r.get('error')}", to_err=True)
     raise typer.Exit(res.exit_code)
 
 

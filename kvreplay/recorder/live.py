@@ -6,13 +6,17 @@ Ctrl-C and SIGTERM passed on to it, and report the traces it left."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 from kvreplay.errors import BadInput
 from kvreplay.recorder.switches import (
@@ -21,8 +25,11 @@ from kvreplay.recorder.switches import (
     COUNTERS_ENV,
     CPUS_ENV,
     DIR_ENV,
+    FINDINGS_FILE,
     FLIGHT_ENV,
+    METRICS_GLOB,
     SITE_DIR,
+    WATCH_ENV,
 )
 
 TRACE_GLOB = "kvreplay-*.parquet"
@@ -35,19 +42,26 @@ class LiveRecording:
     exit_code: int
     traces: list[Path] = field(default_factory=list)
     unfinished: list[Path] = field(default_factory=list)  # .tmp files still there at the end
+    findings: list[dict[str, Any]] = field(default_factory=list)  # what --watch found, as it came
+    stopped_on: dict[str, Any] | None = None  # the violation --stop-on-violation ended the command for
+    reproducers: list[dict[str, Any]] = field(default_factory=list)  # minimized findings (kvreplay record)
 
     def to_dict(self) -> dict[str, object]:
         return {"command": self.command, "out": str(self.out), "exit_code": self.exit_code,
-                "traces": [str(p) for p in self.traces], "unfinished": [str(p) for p in self.unfinished]}
+                "traces": [str(p) for p in self.traces], "unfinished": [str(p) for p in self.unfinished],
+                "findings": self.findings, "stopped_on": self.stopped_on, "reproducers": self.reproducers}
 
 
 def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | None = None,
-               flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0) -> dict[str, str]:
+               flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0, watch: str = "") -> dict[str, str]:
     """The environment that makes every Python process record into ``out`` (with
     ``flight`` > 0: keep the last ``flight`` calls, dump on a raise or SIGUSR2;
-    ``counters_every`` N: read the pool's counters after every Nth call, 0 never)."""
+    ``counters_every`` N: read the pool's counters after every Nth call, 0 never;
+    ``watch`` "check": writers check invariants as they write, "metrics": they count)."""
     env = dict(os.environ if base is None else base)
     env[DIR_ENV] = str(Path(out).resolve())
+    if watch:
+        env[WATCH_ENV] = watch
     if flight > 0:
         env[FLIGHT_ENV] = str(flight)
     if counters_every != 1:
@@ -64,10 +78,18 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
 
 def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (),
                    settle_s: float = 30.0, flight: int = 0, counters_every: int = 1,
-                   checkpoint_every: int = 0) -> LiveRecording:
+                   checkpoint_every: int = 0, watch: str = "", stop_on_violation: bool = False,
+                   metrics_port: int = 0, on_finding: Callable[[dict[str, Any]], None] | None = None,
+                   on_metrics: Callable[[str], None] | None = None) -> LiveRecording:
     """Run ``command`` recording its allocators into ``out``; returns its exit code and
     the traces it wrote. Traces still being finished by a writer process when the
-    command ends (a process that was killed) get ``settle_s`` seconds to appear."""
+    command ends (a process that was killed) get ``settle_s`` seconds to appear.
+
+    ``watch`` ("check" or "metrics", see kvreplay.watch): the writers check (or only
+    count) what they write; each finding is passed to ``on_finding`` within about a
+    second of its call, and ``stop_on_violation`` sends the command SIGTERM at the first
+    violation. ``metrics_port``: the writers' counters are served at
+    http://127.0.0.1:PORT/metrics (``on_metrics`` is told the address)."""
     if not command:
         raise BadInput("nothing to run: give the server command after --, e.g. "
                        "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
@@ -80,11 +102,18 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     except OSError as exc:
         raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     before = set(out.glob(TRACE_GLOB))
+    if watch or metrics_port:
+        for old in out.glob(METRICS_GLOB):  # a last run's counters are not this run's
+            old.unlink(missing_ok=True)
+    server = _serve_metrics(out, metrics_port) if metrics_port else None
+    if server is not None and on_metrics is not None:
+        on_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
     _adopt_orphans()
     try:
         proc = subprocess.Popen(list(command), env=record_env(out, classes, flight=flight,
                                                               counters_every=counters_every,
-                                                              checkpoint_every=checkpoint_every))
+                                                              checkpoint_every=checkpoint_every,
+                                                              watch=watch or ("metrics" if metrics_port else "")))
     except FileNotFoundError:
         raise BadInput(f"command not found: {command[0]}") from None
     except PermissionError:
@@ -95,6 +124,17 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     def forward(signum: int, frame: object) -> None:
         proc.send_signal(signum)
 
+    result = LiveRecording(list(command), out, 0)
+
+    def found(finding: dict[str, Any]) -> None:
+        result.findings.append(finding)
+        if on_finding is not None:
+            on_finding(finding)
+        if stop_on_violation and finding.get("kind") == "violation" and result.stopped_on is None:
+            result.stopped_on = finding
+            proc.send_signal(signal.SIGTERM)
+
+    follower = _Follower(out / FINDINGS_FILE, found) if watch == "check" else None
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = proc.wait()
@@ -106,10 +146,128 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         _reap()
         time.sleep(0.1)
     _reap()
+    if follower is not None:
+        follower.stop()  # after the writers finished: every finding they wrote is read
+    if server is not None:
+        server.shutdown()
+        server.server_close()
     if code < 0:  # killed by a signal: report it the way a shell does
         code = 128 - code
-    traces = sorted(set(out.glob(TRACE_GLOB)) - before)
-    return LiveRecording(list(command), out, code, traces, sorted(out.glob(TRACE_GLOB + ".tmp")))
+    if any(f.get("kind") == "violation" for f in result.findings) and (code == 0 or result.stopped_on):
+        code = 1  # the server did its job, its pool did not: a CI of a server build fails
+    result.exit_code = code
+    result.traces = sorted(set(out.glob(TRACE_GLOB)) - before)
+    result.unfinished = sorted(out.glob(TRACE_GLOB + ".tmp"))
+    return result
+
+
+class _Follower:
+    """Reads the findings file as watching writers append to it (from its end at the
+    start: an earlier run's lines are not this run's) and passes each line on."""
+
+    def __init__(self, path: Path, found: Callable[[dict[str, Any]], None], every_s: float = 0.1) -> None:
+        self.path, self.found, self.every_s = path, found, every_s
+        self.at = path.stat().st_size if path.exists() else 0
+        self.partial = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvreplay-watch-follower", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.at)
+                data = f.read(1 << 20)
+        except OSError:
+            return
+        self.at += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for line in lines:
+            try:
+                finding = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(finding, dict):
+                self.found(finding)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+
+def metrics_text(out: Path) -> str:
+    """The watching writers' counters (their latest), in Prometheus's text format."""
+    docs = []
+    for p in sorted(out.glob(METRICS_GLOB)):
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced: the next scrape has it
+        if isinstance(doc, dict):
+            docs.append(doc)
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float]]) -> None:
+        lines.append(f"# HELP kvreplay_{name} {help_}")
+        lines.append(f"# TYPE kvreplay_{name} {kind}")
+        for labels, value in samples:
+            text = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+            lines.append(f"kvreplay_{name}{{{text}}} {value}")
+
+    def per_trace(key: str) -> list[tuple[dict[str, str], float]]:
+        return [({"trace": str(d.get("trace", "?"))}, float(d.get(key, 0) or 0)) for d in docs]
+
+    family("calls_recorded_total", "counter", "Allocator calls recorded (counter reads folded into rows included).",
+           per_trace("calls"))
+    family("rows_written_total", "counter", "Trace rows handed to the file.", per_trace("rows"))
+    family("trace_bytes", "gauge", "Bytes of the trace on disk.", per_trace("bytes"))
+    family("calls_dropped_total", "counter", "Calls the recorder lost (its queue was full, or a write failed).",
+           per_trace("dropped"))
+    family("calls_unchecked_total", "counter", "Calls the watch could not check.", per_trace("unchecked"))
+    family("writer_lag_seconds", "gauge", "Age of the newest call the writer has.", per_trace("lag_s"))
+    family("watching", "gauge", "1 while the watch checks the calls, else 0.",
+           [({"trace": str(d.get("trace", "?"))}, 1.0 if d.get("watching") else 0.0) for d in docs])
+    family("violations_total", "counter", "Invariant violations the watch found, by rule.",
+           [({"trace": str(d.get("trace", "?")), "rule": str(r)}, float(n)) for d in docs
+            for r, n in (d.get("violations") or {}).items()])
+    family("divergences_total", "counter", "Divergences the watch found, by kind.",
+           [({"trace": str(d.get("trace", "?")), "kind": str(k)}, float(n)) for d in docs
+            for k, n in (d.get("divergences") or {}).items()])
+    return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")[:200]
+
+
+def _serve_metrics(out: Path, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            if self.path.split("?")[0] != "/metrics":
+                self.send_error(404, "only /metrics here")
+                return
+            body = metrics_text(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    try:
+        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    except OSError as exc:
+        raise BadInput(f"--metrics-port {port}: cannot listen there ({exc.strerror or exc})") from None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="kvreplay-metrics", daemon=True).start()
+    return server
 
 
 def _adopt_orphans() -> None:

@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,9 @@ class ParquetSink:
     a full disk can cost to one part."""
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
-                 part_rows: int = 0, part_s: float = 0.0) -> None:
+                 part_rows: int = 0, part_s: float = 0.0, observe: Callable[[pa.Table], None] | None = None) -> None:
         self.path = Path(path)
+        self.observe = observe  # shown every table the file takes, in order (kvreplay record --watch)
         self.meta = meta
         self.rows_per_group = rows_per_group
         self.part_rows = part_rows
@@ -170,6 +172,8 @@ class ParquetSink:
             return
         self._pending.append(table)
         self._rows += table.num_rows
+        if self.observe is not None:
+            self.observe(table)
         if self._rows >= self.rows_per_group:
             self._flush()
         if not self._checkpointed:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 LEN = struct.Struct("<Q")
@@ -91,7 +92,10 @@ def read_frame(src: BinaryIO) -> tuple[bytes, list[bytearray]] | None:
     return bytes(payload), buffers
 
 
-def write_trace(path: str, src: BinaryIO) -> None:
+def write_trace(path: str, src: BinaryIO, watch: Callable[[Any], Any] | None = None) -> None:
+    """Write the frames of ``src`` to ``path``. ``watch(meta)``, when given, makes an
+    observer whose ``feed`` sees every table the file takes and whose ``finish`` is
+    called at the end (kvreplay.watch)."""
     import pickle
 
     from kvreplay.recorder.writer import ParquetSink
@@ -100,7 +104,9 @@ def write_trace(path: str, src: BinaryIO) -> None:
     if first is None:
         return  # the recording never started
     meta, rows_per_group, part_rows, part_s = pickle.loads(first[0])
-    sink = ParquetSink(path, meta, rows_per_group, part_rows, part_s)
+    observer = watch(meta) if watch is not None else None
+    sink = ParquetSink(path, meta, rows_per_group, part_rows, part_s,
+                       observe=observer.feed if observer is not None else None)
     frames = _drained(src)
     try:
         while (frame := frames.get()) is not None and frame[0]:
@@ -109,6 +115,9 @@ def write_trace(path: str, src: BinaryIO) -> None:
     except BaseException:
         sink.abort()
         raise
+    finally:
+        if observer is not None:
+            observer.finish()
 
 
 def _drained(src: BinaryIO, max_bytes: int = 1 << 30) -> Any:
@@ -150,7 +159,7 @@ def _drained(src: BinaryIO, max_bytes: int = 1 << 30) -> Any:
     return Frames()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], watch: Callable[[Any], Any] | None = None) -> int:
     if argv[:1] == ["--detach"]:
         detach()
         argv = argv[1:]
@@ -158,7 +167,7 @@ def main(argv: list[str]) -> int:
     # (calls a second old are with this process) holds only while it keeps up.
     unpin()
     try:
-        write_trace(argv[0], sys.stdin.buffer)
+        write_trace(argv[0], sys.stdin.buffer, watch)
     except BaseException as exc:
         print(f"{FAILED}{type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

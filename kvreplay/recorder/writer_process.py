@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvreplay.recorder.switches import DIR_ENV, SITE_DIR
+from kvreplay.recorder.switches import DIR_ENV, SITE_DIR, WATCH_ENV
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, settled
 from kvreplay.recorder.writer_child import DONE, FAILED, LEN, unpin
 from kvreplay.trace.format import TraceMeta
@@ -32,8 +32,12 @@ class ProcessTraceWriter(QueuedWriter):
                  max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, part_rows: int = 0, part_s: float = 0.0) -> None:
         super().__init__(path, max_queued_rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Watched (kvreplay record --watch), the writer also checks what it writes: the
+        # same writer, started as kvreplay.watch, which runs it with a watcher attached.
+        watched = os.environ.get(WATCH_ENV) in ("check", "metrics")
+        module = "kvreplay.watch" if watched else "kvreplay.recorder.writer_child"
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvreplay.recorder.writer_child", "--detach", str(self.path)],
+            [sys.executable, "-m", module, "--detach", str(self.path)],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             start_new_session=True, close_fds=True, env=_writer_env(),
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -305,22 +305,7 @@ class TraceReader:
         rows start..end-1 (a segment from a checkpoint), numbered from ``number_from``+1.
         ``nested_args=False``: sub-allocator calls without their arguments (a replay's
         need; decoding them is a third of the work)."""
-        current: TopCall | None = None
-        number = number_from
-        for c in self._decoded(False, device, REPLAY_BATCH_ROWS, rows, nested_args):
-            if c.depth:
-                if current is not None:
-                    current.nested.append(c)
-                continue
-            if current is not None:
-                yield current
-            if c.target != GAP_TARGET:
-                number += 1
-                current = TopCall(c, number, [])
-            else:
-                current = TopCall(c, 0, [])
-        if current is not None:
-            yield current
+        return grouped(self._decoded(False, device, REPLAY_BATCH_ROWS, rows, nested_args), number_from)
 
     def calls(self, *, top_level_only: bool = False, device: str | torch.device = "cpu",
               batch_size: int = 4096, rows: tuple[int, int] | None = None) -> Iterator[Call]:
@@ -329,28 +314,65 @@ class TraceReader:
 
     def _decoded(self, top_level_only: bool, device: str | torch.device, batch_size: int,
                  rows: tuple[int, int] | None = None, nested_args: bool = True) -> Iterator[Call]:
-        from kvreplay.trace.decode import decode_batch
-
         batches = self.iter_batches(batch_size=batch_size) if rows is None else self.row_range(*rows, batch_size)
-        folds = _Unfolder(self.path)
-        for batch in batches:
-            try:
-                # Nested rows are decoded (without arguments) even when not wanted: the
-                # reads folded after a call take their numbers after its nested rows'.
-                for c in decode_batch(batch, False, device, nested_args and not top_level_only):
-                    if not c.depth:
-                        yield from folds.pending()
-                        folds.after(c)
-                    else:
-                        folds.nested(c)
-                        if top_level_only:
-                            continue
-                    yield c
-            except Exception as exc:  # whatever damaged data makes decoding raise, it is the data's fault
-                if isinstance(exc, TraceFormatError):
-                    raise
-                raise TraceFormatError(f"{self.path}: corrupt trace data ({_first_line(exc)})") from None
-        yield from folds.pending()
+        return decoded(batches, self.path, top_level_only, device, nested_args)
+
+
+def decoded(batches: Iterable[pa.RecordBatch], path: Path, top_level_only: bool = False,
+            device: str | torch.device = "cpu", nested_args: bool = True) -> Iterator[Call]:
+    """Decoded calls of trace rows in order (nested rows follow their parent), the
+    counter reads folded into rows handed back as calls; any trouble with the data is a
+    TraceFormatError naming ``path``."""
+    from kvreplay.trace.decode import decode_batch
+
+    folds = _Unfolder(path)
+    for batch in batches:
+        try:
+            # Nested rows are decoded (without arguments) even when not wanted: the
+            # reads folded after a call take their numbers after its nested rows'.
+            for c in decode_batch(batch, False, device, nested_args and not top_level_only):
+                if not c.depth:
+                    yield from folds.pending()
+                    folds.after(c)
+                else:
+                    folds.nested(c)
+                    if top_level_only:
+                        continue
+                yield c
+        except Exception as exc:  # whatever damaged data makes decoding raise, it is the data's fault
+            if isinstance(exc, TraceFormatError):
+                raise
+            raise TraceFormatError(f"{path}: corrupt trace data ({_first_line(exc)})") from None
+    yield from folds.pending()
+
+
+def calls_in(table: pa.Table) -> tuple[int, int]:
+    """(calls, latest end in ns) of a table of trace rows: its top-level rows that are
+    not gaps or checkpoints, and the counter reads folded into them."""
+    top = pc.and_(pc.equal(table.column("depth"), 0), pc.not_equal(table.column("target"), GAP_TARGET))
+    n = int(pc.sum(top).as_py() or 0) + int(pc.sum(table.column("folded_reads")).as_py() or 0)
+    return n, int(pc.max(table.column("t_end_ns")).as_py() or 0)
+
+
+def grouped(calls: Iterable[Call], number_from: int = 0) -> Iterator[TopCall]:
+    """Top-level calls with their nested ones, numbered from ``number_from`` + 1 (gap
+    and checkpoint rows unnumbered)."""
+    current: TopCall | None = None
+    number = number_from
+    for c in calls:
+        if c.depth:
+            if current is not None:
+                current.nested.append(c)
+            continue
+        if current is not None:
+            yield current
+        if c.target != GAP_TARGET:
+            number += 1
+            current = TopCall(c, number, [])
+        else:
+            current = TopCall(c, 0, [])
+    if current is not None:
+        yield current
 
 
 class _Unfolder:
