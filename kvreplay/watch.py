@@ -35,7 +35,8 @@ from kvreplay.recorder import writer_child
 from kvreplay.recorder.switches import FINDINGS_FILE, WATCH_ENV
 from kvreplay.trace.format import GAP_METHOD, GAP_TARGET, TraceMeta
 
-MAX_BEHIND = 256  # batches waiting for the checker before it gives up
+MAX_BEHIND = 262_144  # rows waiting for the checker before it gives up (the recorder's own queue bound)
+HOLE = object()  # in the checker's queue: batches were left out here
 REQUEST_ARGS = ("request_id", "req_id", "rid")
 
 
@@ -75,7 +76,9 @@ class Watcher:
         self.divergences: Counter[str] = Counter()
         self.reported: set[str] = set()
         self.status = "watching" if check else "metrics only"
-        self._queue: queue.Queue[pa.Table | None] = queue.Queue(MAX_BEHIND)
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._behind = 0  # rows in the queue (bounded by MAX_BEHIND)
+        self._hole = False
         self._replayer: Any = None
         self._number = 0
         self._lock = threading.Lock()
@@ -96,14 +99,20 @@ class Watcher:
             self.calls += n
             self.last_t_ns = max(self.last_t_ns, t_end)
             self.dropped += _lost(table)
-        if self._replayer is None:
-            self.unchecked += n
+        # A batch the checker has no room for is not checked, and neither is anything
+        # after it until a gap's snapshot gives a state to go on from: the HOLE tells it.
+        with self._lock:
+            room = self._behind + table.num_rows <= MAX_BEHIND
+            if room:
+                self._behind += table.num_rows
+        if not room:
+            self._hole = True
+            self.unchecked += n + _lost(table)
         else:
-            try:
-                self._queue.put_nowait(table)
-            except queue.Full:
-                self._give_up(f"the checker fell {MAX_BEHIND} batches behind the writer")
-                self.unchecked += n
+            if self._hole:
+                self._queue.put(HOLE)
+                self._hole = False
+            self._queue.put(table)
         self.metrics()
 
     def finish(self) -> None:
@@ -131,20 +140,24 @@ class Watcher:
                 self._violation(v)
             r.checker.log.listener = listener
         self._replayer = r
+        self.status = "watching"
 
     def _run(self) -> None:
         while (table := self._queue.get()) is not None:
-            r = self._replayer
-            if r is None:
+            if table is HOLE:
+                self._give_up(f"the checker fell {MAX_BEHIND:,} rows behind the writer")
                 continue
+            with self._lock:
+                self._behind -= table.num_rows
             try:
-                self._check(r, table)
+                self._check(table)
             except Exception as exc:
                 self._give_up(f"the checker failed ({type(exc).__name__}: {exc})")
 
-    def _check(self, r: Any, table: pa.Table) -> None:
+    def _check(self, table: pa.Table) -> None:
         from kvreplay.trace.reader import decoded, grouped
 
+        r = self._replayer
         for tc in grouped(decoded(table.to_batches(), self.path, nested_args=False), self._number):
             c = tc.call
             if c.target == GAP_TARGET:
@@ -155,13 +168,14 @@ class Watcher:
                     if not state:
                         self._give_up(f"the recorder lost {lost} calls at call #{self._number + 1}, with no "
                                       "snapshot to go on from")
-                        return
-                    self._restart(state)
+                    else:  # the state right after the lost calls: checking goes on from there
+                        self._restart(state)
                     r = self._replayer
-                    if r is None:
-                        return
                 continue
             self._number = tc.number
+            if r is None:
+                self.unchecked += 1
+                continue
             before = len(r.divergences)
             r.step(tc)
             self.checked += 1

@@ -123,6 +123,7 @@ class Recording:
         self._gap: GapRecord | None = None  # calls dropped, not yet marked in the trace
         self._stopped_by: GapRecord | None = None
         self._last_delivered = -1
+        self._held: list[RawBatch] = []  # batches the idle flusher could not hand over (_deliver)
         self.lost_calls = 0
         self._engine = Engine(backend or default_backend(), self._names, self._counter_readers(pool),
                               self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
@@ -186,27 +187,41 @@ class Recording:
         with self._lock:
             self._deliver(self._engine.take())
 
-    def _deliver(self, batch: RawBatch) -> None:
+    def _deliver(self, batch: RawBatch, idle: bool = False) -> None:
         """Hand a batch to the writer without ever waiting for it. When its queue is
         full the batch is dropped, and a gap row (with the pool's state now, right
-        after the dropped calls) goes in ahead of the next batch that fits."""
-        rows = rows_of(batch)
-        if not (rows[1] == 0).any():
-            return
-        span = span_of(*rows)
-        if self._gap is not None:
-            if not self._writer.offer(self._gap):
-                self._drop(span, "the trace writer's queue was full")
-                return
-            self._gap = None
-        if self._writer.offer(batch):
-            self._last_delivered = span[1]
-        else:
-            self._drop(span, "the trace writer's queue was full")
+        after the dropped calls) goes in ahead of the next batch that fits.
 
-    def _drop(self, span: tuple[int, int, int], reason: str) -> None:
+        ``idle``: the idle flusher's batch, taken between two calls of the recorded
+        thread, which may have gone on since: the pool's state now is not the state
+        right after the batch. So a batch it cannot hand over is held (up to the
+        queue's size) for the recorded thread's next delivery to send or drop."""
+        pending, self._held = [*self._held, *([batch] if (rows_of(batch)[1] == 0).any() else [])], []
+        if not pending:
+            return
+        sent = 0
+        while sent < len(pending):
+            if self._gap is not None:
+                if not self._writer.offer(self._gap):
+                    break
+                self._gap = None
+            if not self._writer.offer(pending[sent]):
+                break
+            self._last_delivered = span_of(*rows_of(pending[sent]))[1]
+            sent += 1
+        rest = pending[sent:]
+        if not rest:
+            return
+        if idle and sum(len(b) for b in rest) <= self.max_queued_rows:
+            self._held = rest
+            return
+        spans = [span_of(*rows_of(b)) for b in rest]
+        self._drop((spans[0][0], spans[-1][1], sum(s[2] for s in spans)), "the trace writer's queue was full",
+                   snapshot=not idle)
+
+    def _drop(self, span: tuple[int, int, int], reason: str, snapshot: bool = True) -> None:
         try:  # device copies only: the writer's side encodes them (GapRecord.settled)
-            pending = functools.partial(_state_json, pool_snapshot.capture(self.pool))
+            pending = functools.partial(_state_json, pool_snapshot.capture(self.pool)) if snapshot else None
         except Exception:  # a pool the snapshot cannot read: the gap is still marked
             pending = None
         first, last, lost = span
@@ -241,7 +256,7 @@ class Recording:
             with self._lock:
                 batch = self._engine.take_if_idle()
                 if batch is not None:
-                    self._deliver(batch)
+                    self._deliver(batch, idle=True)
 
     def _failed(self, exc: BaseException) -> None:
         log.error("kvreplay recorder failed; recording disabled", exc_info=exc)
@@ -267,9 +282,7 @@ class Recording:
     def close(self) -> Path:
         """Stop recording, restore the instance's methods, flush and finish the file."""
         self._stop_capture()
-        batch = self._engine.take()
-        if len(batch):
-            self._deliver(batch)
+        self._deliver(self._engine.take())  # with whatever the idle flusher held
         if self._gap is not None:
             self._writer.submit(self._gap)
         if self._stopped_by is not None:

@@ -340,9 +340,10 @@ class GapRecord:
 
     def merged(self, later: GapRecord) -> GapRecord:
         n = -1 if self.lost_calls < 0 or later.lost_calls < 0 else self.lost_calls + later.lost_calls
-        newest = later if later.state or later.pending_state else self
-        return GapRecord(self.first_seq, later.last_seq, n, later.reason, newest.state, later.t_ns,
-                         newest.pending_state)
+        # The state after both is the later one's: an earlier snapshot misses what the
+        # later lost calls did, so none is better than it.
+        return GapRecord(self.first_seq, later.last_seq, n, later.reason, later.state, later.t_ns,
+                         later.pending_state)
 
     def settled(self) -> GapRecord:
         """This gap with its state encoded (off the recorded program's thread)."""

@@ -1,0 +1,190 @@
+"""``kvreplay record --watch``: the invariant checker runs on the calls as the writer
+writes them, the violation is printed within a second of its call, a reproducer is
+left beside the trace, the counters are served on /metrics; and a writer that stalls
+never slows the recorded program."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvreplay.recorder.switches import FINDINGS_FILE, WATCH_ENV
+from kvreplay.replay.dispatch import replay
+from kvreplay.trace.reader import TraceReader
+
+PROG = """
+import sys, time
+from kvreplay.pools.swa import SWAPool
+from kvreplay.pools.variants import StaleTailSWAPool
+from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
+cls = StaleTailSWAPool if sys.argv[1] == "buggy" else SWAPool
+cfg = SynthConfig(scenario="disagg-mtp", out="unused.parquet", requests=int(sys.argv[2]), full_size=4096,
+                  swa_size=2048)
+pool = cls(4096, 2048, 16, need_sort=True)
+time.sleep(3)  # a server loads its model after its pool: the watch starts meanwhile
+run_model(pool, cfg, SCENARIOS["disagg-mtp"])
+for _ in range(int(float(sys.argv[3]) * 10)):  # an idle server still polls its counters
+    pool.full_available_size(); pool.swa_available_size()
+    time.sleep(0.1)
+"""
+
+
+def _record(tmp_path: Path, kind: str, requests: int, idle_s: float, *extra: str, **kw) -> subprocess.Popen:
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(PROG))
+    return subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path / "out"),
+                             "--class", "kvreplay.pools.swa:SWAPool", *extra, "--", sys.executable, str(prog),
+                             kind, str(requests), str(idle_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_a_watched_buggy_pool_is_named_at_its_call_within_a_second_with_a_reproducer(tmp_path):
+    port = _free_port()
+    proc = _record(tmp_path, "buggy", 300, 3, "--watch", "--metrics-port", str(port), "--minimize-s", "30",
+                   "--json")
+    metrics = ""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "kvreplay_violations_total{" not in metrics:
+        time.sleep(0.3)
+        try:
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        except OSError:
+            pass
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err  # the program exited 0; its pool broke the rules
+    # /metrics answered while the program ran, in Prometheus's text format
+    assert "# TYPE kvreplay_calls_recorded_total counter" in metrics
+    assert 'kvreplay_violations_total{trace="kvreplay-' in metrics and 'rule="swa-mapping/' in metrics
+    res = json.loads(out)
+    (trace,) = res["traces"]
+    offline = replay(trace, "py:kvreplay.pools.variants:StaleTailSWAPool", device="cpu")
+    firsts = {}
+    for v in offline.violations:
+        firsts.setdefault(f"{v.invariant}/{v.rule}", v)
+    seen = [f for f in res["findings"] if f["kind"] == "violation"]
+    # the first of each rule, at the call an offline replay names
+    assert {f["rule"]: (f["call"], f["method"]) for f in seen} == {r: (v.call, v.method) for r, v in firsts.items()}
+    # printed within a second of the call that broke the rule
+    ends = {c_number: c.t_end_ns for c_number, c in _numbered(trace)}
+    for f in seen:
+        assert f["t"] - ends[f["call"]] / 1e9 < 1.0, f
+    # a reproducer beside the trace for each, which fails there on the class that recorded it
+    assert [r["rule"] for r in res["reproducers"]] == [f["rule"] for f in seen]
+    first = res["reproducers"][0]
+    assert Path(first["reproducer"]).parent == Path(trace).parent and first["calls"] < first["from_calls"]
+    again = replay(first["reproducer"], first["build"], device="cpu")
+    assert first["rule"] in {f"{v.invariant}/{v.rule}" for v in again.violations}
+
+
+def _numbered(trace: str):
+    return [(tc.number, tc.call) for tc in TraceReader(trace).top_calls() if tc.number]
+
+
+def test_a_watched_correct_pool_prints_nothing_and_exits_as_its_program(tmp_path):
+    proc = _record(tmp_path, "clean", 150, 0, "--watch")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "kvreplay watch" not in err
+    assert not (tmp_path / "out" / FINDINGS_FILE).exists() or not (tmp_path / "out" / FINDINGS_FILE).read_text()
+    (metrics,) = (tmp_path / "out").glob(".kvreplay-metrics-*.json")
+    doc = json.loads(metrics.read_text())
+    assert doc["violations"] == {} and doc["unchecked"] == 0 and doc["checked"] == doc["calls"] > 1000
+
+
+def test_stop_on_violation_ends_the_program_at_the_first_violation(tmp_path):
+    proc = _record(tmp_path, "buggy", 300, 600, "--watch", "--stop-on-violation", "--minimize-s", "0", "--json")
+    out, err = proc.communicate(timeout=120)  # 600 s of polling would outlast this: the watch stopped it
+    res = json.loads(out)
+    assert proc.returncode == 1 and res["stopped_on"]["rule"] == "swa-mapping/released-page-keeps-peer"
+    assert res["traces"] and not res["reproducers"]
+
+
+def test_stop_on_violation_needs_watch(cli, tmp_path):
+    res = cli("record", "--out", str(tmp_path), "--stop-on-violation", "--", "true")
+    assert res.returncode == 2 and "needs --watch" in res.stderr
+
+
+def _writer_of(trace_dir: Path) -> int:
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"kvreplay.watch" in cmd and str(trace_dir).encode() in cmd:
+                return int(d)
+    raise AssertionError("no watching writer found")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the writer in /proc")
+def test_a_stalled_writer_never_slows_the_program_and_the_watch_counts_what_it_lost(tmp_path, monkeypatch):
+    """SIGSTOP the writer for seconds: the recorded calls take no longer, the queue to
+    the writer stays bounded, the lost calls are a gap in the trace, and the watch
+    (which goes on from the gap's snapshot) counts them as unchecked."""
+    from kvreplay.pools.swa import SWAPool
+    from kvreplay.recorder.recording import record
+
+    monkeypatch.setenv(WATCH_ENV, "check")
+    path = tmp_path / "t.parquet"
+    pool = SWAPool(4096, 2048, 16, need_sort=True)
+    rec = record(pool, path, max_queued_rows=8192, rows_per_batch=512)
+
+    def burst(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            pool.free(pool.alloc_extend(*_one_page()))
+            times.append(time.perf_counter() - t0)
+        return times
+
+    before = burst(3000)
+    writer = _writer_of(tmp_path)
+    os.kill(writer, signal.SIGSTOP)
+    queued = []
+    try:
+        stalled = []
+        for _ in range(30):  # far more rows than the pipe and the queue hold
+            stalled += burst(1000)
+            queued.append(rec._writer._queued_rows)
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    after = burst(3000)
+    rec.close()
+    assert max(queued) <= 8192 + 512
+    assert rec.lost_calls > 0
+    # the program's calls did not wait for the stopped writer (medians: this machine is shared)
+    med = sorted(before)[len(before) // 2]
+    assert sorted(stalled)[len(stalled) // 2] < 3 * med + 20e-6, (med, sorted(stalled)[len(stalled) // 2])
+    assert len(after) == 3000
+    gaps = TraceReader(path).gaps()
+    assert gaps and sum(g.args["lost_calls"] for g in gaps) == rec.lost_calls
+    (metrics,) = tmp_path.glob(".kvreplay-metrics-*.json")
+    doc = json.loads(metrics.read_text())
+    assert doc["dropped"] == rec.lost_calls and doc["unchecked"] >= rec.lost_calls
+    assert doc["watching"] and doc["violations"] == {}  # it went on from the gap's snapshot
+
+
+def _one_page():
+    import torch
+
+    def t(*v):
+        return torch.tensor(v, dtype=torch.int64)
+    return t(0), t(0), t(16), t(16), t(-1), 16
