@@ -213,13 +213,14 @@ class RecordedServer:
     this with their own command line (``server(port)``) and load."""
 
     def __init__(self, out: Path, server: Callable[[int], list[str]], *, start_s: float, name: str = "server",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, record_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.out = out
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = out.parent / f"{name}-{self.port}.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - kept for the test's life
-        cmd = [sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), "--", *server(self.port)]
+        cmd = [sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), *record_args, "--",
+               *server(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})
         deadline = time.monotonic() + start_s

@@ -48,13 +48,14 @@ def models(tmp_path_factory):
 class Server(RecordedServer):
     """A recorded ``python -m sglang.launch_server`` of a tiny model on CPU."""
 
-    def __init__(self, model: Path, out: Path, page_size: int, *extra: str, small: bool = True) -> None:
+    def __init__(self, model: Path, out: Path, page_size: int, *extra: str, small: bool = True,
+                 record_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         super().__init__(out, lambda port: [
             sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
             "--device", "cpu", "--model-impl", "transformers", "--page-size", str(page_size),
             "--port", str(port), "--disable-cuda-graph", "--mem-fraction-static", "0.05",
             *(("--max-total-tokens", "65536") if small else ()), "--log-level", "warning", *extra],
-            start_s=START_S)
+            start_s=START_S, record_args=record_args, env=env)
 
     def drive(self, n: int, **kw) -> object:
         reqs = load_requests(MOONCAKE, count=n, seed=0, block_tokens=16, length_scale=0.03,
@@ -74,12 +75,13 @@ class Server(RecordedServer):
 @pytest.mark.parametrize("page_size, builtin", [(1, "builtin:token")])
 def test_ctrl_c_leaves_a_trace_per_allocator_that_replays_strict_clean(models, tmp_path, page_size, builtin):
     n = 300 if page_size == 16 else 80
-    server = Server(models["llama"], tmp_path / "out", page_size)
+    server = Server(models["llama"], tmp_path / "out", page_size, record_args=("--watch",))
     try:
         served = server.drive(n)
     finally:
-        server.stop(signal.SIGINT)
+        code = server.stop(signal.SIGINT)
     assert served.ok == n, served.error_kinds
+    assert "kvreplay watch" not in server.tail() and code != 1  # watched, a correct pool: nothing to say
     (trace,) = finished_traces(tmp_path / "out")
     meta = TraceReader(trace).meta
     assert meta.family == ("paged" if page_size > 1 else "token") and meta.ctor_args["dtype"] == "torch.bfloat16"
@@ -159,3 +161,75 @@ def test_the_recording_page_block_runs_as_written(tmp_path):
     assert meta.family == "paged" and meta.ctor_args["dtype"] == "torch.bfloat16"
     replays = [said for line, (_, said) in ran.items() if line.startswith("kvreplay replay")]
     assert len(replays) == 2 and all("clean" in out for out in replays), replays
+
+
+# The project's way to load a bug into a real server: a sitecustomize of the user's,
+# which kvreplay record's own start-up runs after itself. This one makes sglang's paged
+# allocator give every 25th released page list back twice (a double free).
+DOUBLE_FREE = '''
+import importlib.abc, importlib.machinery, sys
+
+class _Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "sglang.srt.mem_cache.allocator.paged":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        sys.meta_path.insert(0, self)
+        inner = spec.loader
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, s):
+                return inner.create_module(s)
+
+            def exec_module(self, module):
+                inner.exec_module(module)
+                cls = module.PagedTokenToKVPoolAllocator
+                release = cls._release_page_ids
+                seen = [0]
+
+                def twice(self, page_ids):
+                    release(self, page_ids)
+                    seen[0] += 1
+                    if seen[0] % 25 == 0 and len(page_ids):
+                        release(self, page_ids)
+                cls._release_page_ids = twice
+        spec.loader = Loader()
+        return spec
+
+import importlib.util
+sys.meta_path.insert(0, _Patch())
+'''
+
+
+def test_watch_names_a_patched_allocators_double_free_within_a_second(models, tmp_path):
+    import json
+    import urllib.request
+
+    from servers import free_port
+
+    bug = tmp_path / "bug"
+    bug.mkdir()
+    (bug / "sitecustomize.py").write_text(DOUBLE_FREE)
+    port = free_port()
+    out = tmp_path / "out"
+    server = Server(models["llama"], out, 16, env={"PYTHONPATH": str(bug)},
+                    record_args=("--watch", "--metrics-port", str(port), "--minimize-s", "60"))
+    try:
+        served = server.drive(60)
+        time.sleep(2)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        code = server.stop(signal.SIGINT)
+    assert served.ok == 60, served.error_kinds
+    log = server.tail()
+    assert "kvreplay watch: violation" in log and code == 1, log
+    assert 'kvreplay_violations_total{trace="kvreplay-' in metrics
+    findings = [json.loads(line) for line in (out / "kvreplay-watch.jsonl").read_text().splitlines()]
+    first = next(f for f in findings if f["kind"] == "violation")
+    trace = out / first["trace"]
+    ends = {tc.number: tc.call.t_end_ns for tc in TraceReader(trace).top_calls() if tc.number}
+    assert first["t"] - ends[first["call"]] / 1e9 < 1.0, first
+    offline = replay(trace, "sglang", device="cpu")  # this process has no patch: the release is correct...
+    assert offline.status != "clean"  # ...and the recorded double free diverges from it
+    assert list(out.glob("repro-*.parquet"))
