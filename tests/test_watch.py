@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import pids
 
 from kvreplay.recorder.switches import FINDINGS_FILE, WATCH_ENV
 from kvreplay.replay.dispatch import replay
@@ -123,15 +124,8 @@ def test_stop_on_violation_needs_watch(cli, tmp_path):
 
 
 def _writer_of(trace_dir: Path) -> int:
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"kvreplay.watch" in cmd and str(trace_dir).encode() in cmd:
-                return int(d)
-    raise AssertionError("no watching writer found")
+    (pid,) = pids("cmdline", b"kvreplay.watch", str(trace_dir).encode())
+    return pid
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the writer in /proc")

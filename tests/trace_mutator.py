@@ -49,7 +49,7 @@ def _cell(rng: random.Random, table: pa.Table) -> tuple[pa.Table, str]:
     r = rng.randrange(len(rows))
     row = rows[r]
     what = rng.choice(["method", "target", "depth", "seq", "parent", "arg-data", "arg-shape", "arg-kind",
-                       "arg-dtype", "arg-name", "arg-drop", "arg-none", "result", "counter", "exc"])
+                       "arg-dtype", "arg-name", "arg-drop", "arg-none", "result", "counter", "exc", "fold"])
     if what in ("method", "target"):
         row[what] = rng.choice(WILD_STRINGS)
     elif what in ("depth",):
@@ -60,6 +60,11 @@ def _cell(rng: random.Random, table: pa.Table) -> tuple[pa.Table, str]:
         row[rng.choice(["available", "full_available", "swa_available"])] = rng.choice(WILD_INTS)
     elif what == "exc":
         row["exc_type"] = rng.choice(WILD_STRINGS)
+    elif what == "fold":  # counter reads folded into the row: how many, which (trace format 2)
+        if "folded_reads" not in row:
+            return table, "no fold columns (format 1)"
+        row["folded_reads"] = rng.choice([*WILD_INTS, 3, 1 << 24, None])
+        row["folded_pattern"] = rng.choice([0, 1, 2, 14, 57, 5, 10, -3, 2**31 - 1, None])
     elif what == "result":
         res = row["result"] or {"kind": "none"}
         res["kind"] = rng.choice(["none", "int", "tensor", "opaque", "segments", "ints", "bogus"])

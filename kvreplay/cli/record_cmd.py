@@ -76,13 +76,22 @@ def record(
     if not 0 <= minimize_s <= 86400 or minimize_s != minimize_s:
         raise KvreplayError(f"--minimize-s must be 0..86400 seconds, not {minimize_s}")
     if print_env:
-        from kvreplay.recorder.switches import CHECKPOINT_ENV, CLASSES_ENV, COUNTERS_ENV, DIR_ENV, FLIGHT_ENV
+        from kvreplay.recorder.switches import (
+            CHECKPOINT_ENV,
+            CLASSES_ENV,
+            COUNTERS_ENV,
+            DIR_ENV,
+            FLIGHT_ENV,
+            WATCH_ENV,
+        )
 
+        # (a server launched this way is watched by its writers; kvreplay record is not there to print)
         env = record_env(out_dir, classes, flight=flight, counters_every=counters_every,
-                         checkpoint_every=checkpoint_every)
+                         checkpoint_every=checkpoint_every, watch="check" if watch else "")
         keys = [DIR_ENV, "PYTHONPATH"] + [k for k, asked in ((CLASSES_ENV, bool(classes)), (FLIGHT_ENV, flight > 0),
                                                               (COUNTERS_ENV, counters_every != 1),
-                                                              (CHECKPOINT_ENV, checkpoint_every > 0)) if asked]
+                                                              (CHECKPOINT_ENV, checkpoint_every > 0),
+                                                              (WATCH_ENV, watch)) if asked]
         if as_json:
             emit_json({k: env[k] for k in keys})
         else:

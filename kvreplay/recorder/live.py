@@ -220,7 +220,7 @@ def metrics_text(out: Path) -> str:
             lines.append(f"kvreplay_{name}{{{text}}} {value}")
 
     def per_trace(key: str) -> list[tuple[dict[str, str], float]]:
-        return [({"trace": str(d.get("trace", "?"))}, float(d.get(key, 0) or 0)) for d in docs]
+        return [({"trace": str(d.get("trace", "?"))}, _number(d.get(key))) for d in docs]
 
     family("calls_recorded_total", "counter", "Allocator calls recorded (counter reads folded into rows included).",
            per_trace("calls"))
@@ -233,12 +233,20 @@ def metrics_text(out: Path) -> str:
     family("watching", "gauge", "1 while the watch checks the calls, else 0.",
            [({"trace": str(d.get("trace", "?"))}, 1.0 if d.get("watching") else 0.0) for d in docs])
     family("violations_total", "counter", "Invariant violations the watch found, by rule.",
-           [({"trace": str(d.get("trace", "?")), "rule": str(r)}, float(n)) for d in docs
-            for r, n in (d.get("violations") or {}).items()])
+           [({"trace": str(d.get("trace", "?")), "rule": str(r)}, _number(n)) for d in docs
+            for r, n in _items(d.get("violations"))])
     family("divergences_total", "counter", "Divergences the watch found, by kind.",
-           [({"trace": str(d.get("trace", "?")), "kind": str(k)}, float(n)) for d in docs
-            for k, n in (d.get("divergences") or {}).items()])
+           [({"trace": str(d.get("trace", "?")), "kind": str(k)}, _number(n)) for d in docs
+            for k, n in _items(d.get("divergences"))])
     return "\n".join(lines) + "\n"
+
+
+def _number(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+def _items(v: Any) -> list[tuple[Any, Any]]:
+    return list(v.items()) if isinstance(v, dict) else []
 
 
 def _label(value: str) -> str:

@@ -45,6 +45,9 @@ TENSOR_DTYPES = ("torch.int64", "torch.int32", "torch.int16", "torch.int8", "tor
 # Counter reads one row may fold (format version 2): a live server reads its counters
 # ~10,000 times a second, and its recorder starts a new row at least every flush.
 MAX_FOLDED_READS = _limit("KVREPLAY_MAX_FOLDED_READS", 1 << 24)
+# ...and a whole trace: each folded read is a call replay makes (an hour of an idle
+# server polling is ~35 million), so a few rows cannot ask for days of replay.
+MAX_TRACE_FOLDED_READS = _limit("KVREPLAY_MAX_TRACE_FOLDED_READS", 1 << 28)
 FOLD_MAX = 8  # distinct counter reads in a fold's pattern (recorder/layout.py's)
 MAX_JSON_DEPTH = 32  # of any JSON a trace or manifest holds; real ones nest 4 deep
 SCHEMA_VERSION_TEXT = re.compile(r"^[1-9][0-9]{0,5}$")

@@ -30,6 +30,7 @@ from kvreplay.trace.format import (
     GAP_TARGET,
     MAX_FOLDED_READS,
     MAX_GROUP_VALUES,
+    MAX_TRACE_FOLDED_READS,
     PART_GLOB,
     SCHEMA,
     SCHEMA_VERSION,
@@ -155,7 +156,7 @@ class TraceReader:
         """Scan what the rows name, before any of them is replayed: known methods and
         targets, sane nesting, row numbers that only grow, and at least one call.
         Returns the number of calls (top-level, not gaps)."""
-        calls = 0
+        calls = folds = 0
         last_seq = -1
         first = True
         names = API_METHODS | {GAP_METHOD, CHECKPOINT_METHOD}
@@ -164,7 +165,10 @@ class TraceReader:
             if batch.num_columns != 8:  # damaged bytes can leave a batch without some of them
                 raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
             seq, depth, target, method, arg_dtypes, result_dtypes, folded, pattern = (batch.column(i) for i in range(8))
-            calls += _check_folds(self.path, folded, pattern, depth)
+            folds += _check_folds(self.path, folded, pattern, depth)
+            if folds > MAX_TRACE_FOLDED_READS:
+                raise TraceFormatError(f"{self.path}: the rows fold more than {MAX_TRACE_FOLDED_READS:,} counter "
+                                       "reads in all (KVREPLAY_MAX_TRACE_FOLDED_READS raises the limit)")
             _check_dtypes(self.path, arg_dtypes.flatten().field(0), result_dtypes.field(0))
             recorded = pc.filter(depth, pc.not_equal(target, GAP_TARGET))
             if first and len(recorded):
@@ -190,7 +194,7 @@ class TraceReader:
             calls += int(pc.sum(pc.and_(top, pc.not_equal(target, GAP_TARGET))).as_py() or 0)
         if calls == 0:
             raise TraceFormatError(f"{self.path}: the trace holds no call to replay")
-        return calls
+        return calls + folds
 
     @property
     def num_rows(self) -> int:
