@@ -59,7 +59,7 @@ def _free_port() -> int:
 
 def test_a_watched_buggy_pool_is_named_at_its_call_within_a_second_with_a_reproducer(tmp_path):
     port = _free_port()
-    proc = _record(tmp_path, "buggy", 300, 3, "--watch", "--metrics-port", str(port), "--minimize-s", "30",
+    proc = _record(tmp_path, "buggy", 300, 3, "--watch", "--metrics-port", str(port), "--minimize-s", "3",
                    "--json")
     metrics = ""
     deadline = time.monotonic() + 120
@@ -155,7 +155,7 @@ def test_a_stalled_writer_never_slows_the_program_and_the_watch_counts_what_it_l
     queued = []
     try:
         stalled = []
-        for _ in range(30):  # far more rows than the pipe and the queue hold
+        for _ in range(12):  # far more rows than the pipe and the queue hold
             stalled += burst(1000)
             queued.append(rec._writer._queued_rows)
     finally:

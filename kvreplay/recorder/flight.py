@@ -76,13 +76,15 @@ class FlightRecorder(Recording):
             except ValueError:  # not the main thread: dumps on demand and on raise only
                 self._signal = None
 
-    def _deliver(self, batch: RawBatch) -> None:
+    def _deliver(self, batch: RawBatch, idle: bool = False) -> None:
         n = top_level_calls(batch)
         current = self._segments[-1]
         current.batches.append(batch)
         current.calls += n
         self._kept_calls += n
-        if current.calls >= self.snapshot_every:
+        # Not from the idle flusher: the recorded thread may have gone on since its batch
+        # was taken, and the snapshot would be of a later state than the segment's start.
+        if current.calls >= self.snapshot_every and not idle:
             self._segments.append(Segment(pool_snapshot.capture(self.pool)))
         while len(self._segments) > 1 and self._kept_calls - self._segments[0].calls >= self.keep_calls:
             self._kept_calls -= self._segments.popleft().calls
