@@ -82,8 +82,6 @@ class Watcher:
         self._replayer: Any = None
         self._number = 0
         self._lock = threading.Lock()
-        if check:
-            self._start(meta.initial_state)
         self._thread = threading.Thread(target=self._run, name="kvreplay-watch", daemon=True)
         self._thread.start()
         self._last_metrics = 0.0
@@ -143,6 +141,10 @@ class Watcher:
         self.status = "watching"
 
     def _run(self) -> None:
+        # Built here, not before the writer starts: importing the engine takes seconds, and
+        # the writer must be reading the pipe from the first moment (crash safety).
+        if self.check:
+            self._start(self.meta.initial_state)
         while (table := self._queue.get()) is not None:
             if table is HOLE:
                 self._give_up(f"the checker fell {MAX_BEHIND:,} rows behind the writer")
