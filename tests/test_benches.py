@@ -45,6 +45,9 @@ def test_recorder_overhead_prints_a_ratio_for_every_setup_and_the_trace_size():
             fastest, ratio, pair = line[len(label):].split()[:3]
             assert fastest.endswith("s") and float(ratio) > 0 and float(pair) > 0
     assert "bytes/index" in got.stdout
+    # the recording path's own cost per call, beside the floor, and its share of a live scheduler
+    assert "a bare Python method call (floor)" in got.stdout and "recorded, folded" in got.stdout
+    assert "recorder's share of a scheduler at 1 CPU s/s:" in got.stdout
 
 
 def test_replay_overhead_prints_both_modes_clean(swa_trace_80):
