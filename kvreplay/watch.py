@@ -105,7 +105,7 @@ class Watcher:
                 self._behind += table.num_rows
         if not room:
             self._hole = True
-            self.unchecked += n + _lost(table)
+            self._uncheck(n + _lost(table))
         else:
             if self._hole:
                 self._queue.put(HOLE)
@@ -165,7 +165,7 @@ class Watcher:
             if c.target == GAP_TARGET:
                 if c.method == GAP_METHOD:
                     lost = max(0, int(c.args.get("lost_calls", 0) or 0))
-                    self.unchecked += lost
+                    self._uncheck(lost)
                     state = c.args.get("state")
                     if not state:
                         self._give_up(f"the recorder lost {lost} calls at call #{self._number + 1}, with no "
@@ -176,7 +176,7 @@ class Watcher:
                 continue
             self._number = tc.number
             if r is None:
-                self.unchecked += 1
+                self._uncheck(1)
                 continue
             before = len(r.divergences)
             r.step(tc)
@@ -184,6 +184,10 @@ class Watcher:
             for d in r.divergences[before:]:  # the first few of each kind are kept: the first is reported
                 self._divergence(d)
             self.divergences = r.div_counts
+
+    def _uncheck(self, n: int) -> None:
+        with self._lock:  # both the writer's thread and the checker's count here
+            self.unchecked += n
 
     def _restart(self, state: str) -> None:
         from kvreplay.trace.format import parse_json
