@@ -182,3 +182,15 @@ def _one_page():
     def t(*v):
         return torch.tensor(v, dtype=torch.int64)
     return t(0), t(0), t(16), t(16), t(-1), 16
+
+
+def test_a_class_that_inherits_its_constructor_is_recorded_by_its_own_name(tmp_path):
+    """``--class`` naming a bug variant (its constructor is its base's) records it."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent(PROG).replace("time.sleep(3)", "pass"))
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path / "out"),
+                          "--class", "kvreplay.pools.variants:StaleTailSWAPool", "--json", "--", sys.executable,
+                          str(prog), "buggy", "20", "0"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    (trace,) = json.loads(res.stdout)["traces"]
+    assert TraceReader(trace).meta.pool_class == "kvreplay.pools.variants:StaleTailSWAPool"

@@ -142,8 +142,11 @@ def _patch_module(module: ModuleType) -> None:
 
 
 def _patch_class(cls: type) -> None:
-    original = cls.__dict__.get("__init__")
-    if original is None or getattr(original, "_kvreplay_autorecord", False):
+    # A class that inherits its constructor (a bug variant of a pool) gets a wrapper of
+    # its own around the inherited one: naming it records its instances.
+    original = cls.__dict__.get("__init__") or getattr(cls, "__init__", None)
+    if original is None or original is object.__init__ or (
+            "__init__" in cls.__dict__ and getattr(original, "_kvreplay_autorecord", False)):
         return
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
