@@ -228,9 +228,9 @@ class PyCapture:
             seq = cap.next_seq
             cap.next_seq = seq + 1
             parent = seqs[-1] if seqs else -1
-            if (slot >= 0 and cap.fold_reads and not seqs and not args and not kwargs and cap.anchor >= 0
-                    and cap.cur[slot] is not None):
-                return read_call(seq)
+            # A top-level counter read may fold (layout.py): no row if its value is no news.
+            may_fold = (slot >= 0 and cap.fold_reads and not seqs and not args and not kwargs and cap.anchor >= 0
+                        and cap.cur[slot] is not None)
             try:
                 if len(args) > len(pids):
                     names = cap.names
@@ -253,31 +253,11 @@ class PyCapture:
                 raise
             targets.pop()
             seqs.pop()
+            if (may_fold and cap.active and type(result) is int and cap.anchor >= 0 and result == cap.cur[slot]
+                    and cap.next_seq == seq + 1 and cap._fold(slot)):
+                cap.batch.arg_count.pop()  # its (empty) arguments were put: a folded read has none
+                return result
             end(finish, seq, parent, tid, mid, t0, result, None, slot)
-            return result
-
-        def read_call(seq: int) -> Any:
-            # A counter read that folds when its value is no news; else an ordinary row.
-            cap.batch.arg_count.append(0)
-            targets.append(tid)
-            seqs.append(seq)
-            t0 = time_ns()
-            try:
-                result = fn()
-            except BaseException as exc:
-                targets.pop()
-                seqs.pop()
-                end(finish, seq, -1, tid, mid, t0, None, exc, slot)
-                raise
-            targets.pop()
-            seqs.pop()
-            if not cap.active:
-                return result
-            if (type(result) is int and cap.anchor >= 0 and result == cap.cur[slot] and cap.next_seq == seq + 1
-                    and cap._fold(slot)):
-                cap.batch.arg_count.pop()
-                return result
-            end(finish, seq, -1, tid, mid, t0, result, None, slot)
             return result
 
         recorded.__wrapped__ = fn  # type: ignore[attr-defined]
