@@ -85,6 +85,7 @@ class Watcher:
         self._thread = threading.Thread(target=self._run, name="kvreplay-watch", daemon=True)
         self._thread.start()
         self._last_metrics = 0.0
+        self.sink: Any = None  # the writer's ParquetSink, for its parts (writer_child attaches it)
 
     # -- the writer's side ---------------------------------------------------------------
 
@@ -248,7 +249,11 @@ class Watcher:
                        if p.exists())
         except OSError:
             size = 0
+        sink = self.sink
+        parts = len(sink.closed) if sink is not None and sink.rotating else 0
+        retired = sink.retired if sink is not None else 0
         doc = {"trace": self.name, "calls": self.calls, "rows": self.rows, "bytes": size, "dropped": self.dropped,
+               "parts": parts, "parts_retired": retired, "writer_rss_bytes": _rss(),
                "unchecked": self.unchecked, "checked": self.checked, "lag_s": round(lag, 3),
                "violations": dict(self.violations), "divergences": dict(self.divergences),
                "watching": self._replayer is not None, "status": self.status}
@@ -258,6 +263,15 @@ class Watcher:
             os.replace(tmp, self.out / f".kvreplay-metrics-{self.name}.json")
         except OSError:
             pass  # the counters are a courtesy; the trace is what must be written
+
+
+def _rss() -> int:
+    """This process's resident memory now (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _lost(table: pa.Table) -> int:

@@ -9,6 +9,9 @@
 # installed into it from this checkout every run (editable, seconds).
 #   KVREPLAY_SGLANG_VENV=/path/venv scripts/sglang-tier.sh     # use (or create) another venv
 #   SGLANG_VERSION=0.5.23 (default)
+#   scripts/sglang-tier.sh install    # only the venv and kvreplay in it
+#   scripts/sglang-tier.sh soak       # only the soak: a server recorded for KVREPLAY_SOAK_S (1800) seconds
+#   KVREPLAY_TIER_INSTALLED=1         # kvreplay is already installed in the venv (a soak runs there now)
 #
 # Exit codes: 0 passed, 1 a test failed, 3 sglang could not be installed (no network,
 # no disk): the tier did not run, which is not the same as passing.
@@ -31,11 +34,20 @@ if ! have_sglang; then
         exit 3
     fi
 fi
-# kvreplay itself, against the torch sglang brought (any torch >= 2.1 will do).
-if ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
+# kvreplay itself, against the torch sglang brought (any torch >= 2.1 will do). Not again
+# while a soak runs from the same venv: rebuilding the native recorder under it is no test.
+if [ "${KVREPLAY_TIER_INSTALLED:-0}" != 1 ] && ! "$VENV/bin/pip" install --quiet -e ".[dev]"; then
     echo "sglang-tier: could not install kvreplay into $VENV" >&2
     exit 3
 fi
+case "${1:-all}" in
+    install) exit 0 ;;
+    # The soak: one server, recorded and watched for half an hour of steady traffic; light
+    # enough (the server sleeps when idle, two requests in flight) to run beside CI's other steps.
+    soak) exec timeout "$(( ${KVREPLAY_SOAK_S:-1800} + 1200 ))" "$PY" -m pytest -m soak -n 0 -s tests/test_soak.py ;;
+    all) ;;
+    *) echo "sglang-tier: unknown step ${1} (install, soak, or nothing for the whole tier)" >&2; exit 2 ;;
+esac
 "$PY" -m pytest -m sglang -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py tests/test_docs_sglang.py || exit 1
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.

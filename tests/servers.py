@@ -257,5 +257,5 @@ class RecordedServer:
 
 def finished_traces(out: Path) -> list[Path]:
     """The traces a recording left in ``out``, none of them unfinished."""
-    assert not list(out.glob("*.tmp")), "a trace was left unfinished"
+    assert not list(out.glob("*.tmp")) and not list(out.glob("*/*.tmp")), "a trace was left unfinished"
     return sorted(out.glob("kvreplay-*.parquet"))

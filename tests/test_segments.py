@@ -108,9 +108,10 @@ def test_cli_jobs(swa_trace, cli):
     assert bad.returncode == 2 and "--jobs" in bad.stderr
 
 
-def test_rotated_parts_start_at_checkpoints(tmp_path):
-    """With checkpoints, a rotating recording closes parts only where a checkpoint
-    comes: every later part starts with one, and the parts replay in parallel."""
+def test_rotated_parts_start_from_snapshots_and_still_split_at_checkpoints(tmp_path):
+    """A rotating recording with checkpoints: every later part starts from the pool's
+    snapshot (its metadata's starting state), and the parts still replay in parallel
+    from the checkpoints between them."""
     from kvreplay.recorder.recording import record
     from kvreplay.workload.synth import make_pool, run_model, validate
 
@@ -122,9 +123,9 @@ def test_rotated_parts_start_at_checkpoints(tmp_path):
     run_model(pool, cfg, sc)
     rec.close()
     reader = TraceReader(out)
-    assert len(reader.parts) >= 3
+    assert len(reader.parts) >= 3 and reader.meta.initial_state is None
     for part in reader.parts[1:]:
-        first = pq.read_table(part, columns=["method"]).column(0)[0].as_py()
-        assert first == CHECKPOINT_METHOD
+        assert TraceReader(part).meta.initial_state is not None
+    assert reader.checkpoints()
     serial = Replayer(out, "builtin:swa@stale-tail").run()
     _same_run(serial, replay_segments(str(out), "builtin:swa@stale-tail", jobs=2)[0])

@@ -110,6 +110,49 @@ def test_a_watched_correct_pool_prints_nothing_and_exits_as_its_program(tmp_path
     assert doc["violations"] == {} and doc["unchecked"] == 0 and doc["checked"] == doc["calls"] > 1000
 
 
+def test_the_watch_carries_its_state_across_parts(tmp_path):
+    """Rotated every 1,000 rows (a part ends with a batch: 4,096 rows or 0.1 s): the
+    watch checks the recording as one, so it names the same calls an offline replay of
+    the whole directory names, and the part that holds a violation names it alone."""
+    proc = _record(tmp_path, "buggy", 600, 0, "--watch", "--part-rows", "1000", "--minimize-s", "0", "--json")
+    out, err = proc.communicate(timeout=300)
+    res = json.loads(out)
+    (trace,) = res["traces"]
+    reader = TraceReader(trace)
+    assert proc.returncode == 1 and len(reader.parts) > 3, err
+    build = "py:kvreplay.pools.variants:StaleTailSWAPool"
+    firsts = {}
+    for v in replay(trace, build, device="cpu").violations:
+        firsts.setdefault(f"{v.invariant}/{v.rule}", v)
+    seen = {f["rule"]: (f["call"], f["method"]) for f in res["findings"] if f["kind"] == "violation"}
+    assert seen == {r: (v.call, v.method) for r, v in firsts.items()}
+    # The part that holds a violation's call names it on its own, numbered from the part's first call.
+    rule, (call, _) = next(iter(seen.items()))
+    for part in reader.parts:
+        first = TraceReader(part).meta.extra.get("part", {}).get("first_call", 1)
+        n = TraceReader(part).count_calls()
+        if first <= call < first + n:
+            alone = replay(part, build, device="cpu")
+            assert any(f"{v.invariant}/{v.rule}" == rule and v.call == call - first + 1 for v in alone.violations)
+            break
+    else:
+        pytest.fail(f"no part holds call #{call}")
+
+
+def test_a_clean_pool_watched_across_retired_parts_stays_clean(tmp_path):
+    proc = _record(tmp_path, "clean", 600, 0, "--watch", "--part-rows", "1000", "--keep-parts", "2", "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    (trace,) = json.loads(out)["traces"]
+    (metrics,) = (tmp_path / "out").glob(".kvreplay-metrics-*.json")
+    doc = json.loads(metrics.read_text())
+    assert doc["violations"] == {} and doc["parts_retired"] > 0 and doc["parts"] == 2
+    assert doc["writer_rss_bytes"] > 0
+    reader = TraceReader(trace)
+    assert len(reader.parts) == 2 and reader.parts[0].name != "part-000000.parquet"
+    assert replay(trace, "builtin:swa", device="cpu").status == "clean"
+
+
 def test_stop_on_violation_ends_the_program_at_the_first_violation(tmp_path):
     proc = _record(tmp_path, "buggy", 300, 600, "--watch", "--stop-on-violation", "--minimize-s", "0", "--json")
     out, err = proc.communicate(timeout=120)  # 600 s of polling would outlast this: the watch stopped it

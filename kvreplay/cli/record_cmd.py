@@ -42,15 +42,26 @@ def record(
                                      "lag) at http://127.0.0.1:PORT/metrics in Prometheus's text format."),
     minimize_s: float = typer.Option(60.0, "--minimize-s", metavar="SECONDS", help="With --watch: time to spend "
                                      "minimizing each finding after the server stops (0: no reproducers)."),
+    part_s: float = typer.Option(600.0, "--part-s", metavar="SECONDS", help="Start a new part of each trace "
+                                 "every SECONDS: a trace is a directory of parts (part-NNNNNN.parquet), each of "
+                                 "which replays alone from the pool's snapshot at its start, and the directory "
+                                 "replays as one trace. --part-s 0 --part-rows 0: one file per trace."),
+    part_rows: int = typer.Option(1_000_000, "--part-rows", metavar="N", help="Also start a new part after N rows "
+                                  "(about 100 bytes each on disk)."),
+    keep_mb: float = typer.Option(1024.0, "--keep-mb", metavar="MB", help="Keep at most MB megabytes of closed "
+                                  "parts per trace: the oldest are deleted (0: keep all)."),
+    keep_parts: int = typer.Option(0, "--keep-parts", metavar="N", help="Keep at most the last N closed parts per "
+                                   "trace (0: no bound by count)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Run a decode server with every allocator it builds recorded.
 
     Every Python process the command starts (sglang's scheduler
     subprocesses too) records each allocator it constructs into OUT as
-    kvreplay-PID[-RANK]-N.parquet. Ctrl-C and SIGTERM are passed to the
-    command; traces are finished on exit. Exits with the command's exit
-    code.
+    kvreplay-PID[-RANK]-N.parquet: a directory of parts, a new one every
+    10 minutes or million rows, the last GiB of them kept, so a server can
+    be recorded for days. Ctrl-C and SIGTERM are passed to the command;
+    traces are finished on exit. Exits with the command's exit code.
 
     Example: kvreplay record --out traces/live -- python -m
     sglang.launch_server --model-path ...
@@ -64,6 +75,7 @@ def record(
     violation as it happens and serves the counters on /metrics.
     """
     from kvreplay.recorder.live import record_command, record_env
+    from kvreplay.recorder.rotation import Rotation
 
     if checkpoint_every < 0:
         raise KvreplayError("--checkpoint-every N needs N >= 0 (0: no checkpoints)")
@@ -75,6 +87,10 @@ def record(
         raise KvreplayError(f"--metrics-port must be a port number (1-65535; 0: none), not {metrics_port}")
     if not 0 <= minimize_s <= 86400 or minimize_s != minimize_s:
         raise KvreplayError(f"--minimize-s must be 0..86400 seconds, not {minimize_s}")
+    if not (0 <= part_s <= 1e9) or part_rows < 0 or keep_parts < 0 or not (0 <= keep_mb <= 1e9):
+        raise KvreplayError("--part-s, --part-rows, --keep-mb and --keep-parts must be >= 0 (0: no bound) "
+                            "and finite")
+    rotation = Rotation(part_rows, part_s, keep_parts, int(keep_mb * (1 << 20)))
     if print_env:
         from kvreplay.recorder.switches import (
             CHECKPOINT_ENV,
@@ -82,16 +98,18 @@ def record(
             COUNTERS_ENV,
             DIR_ENV,
             FLIGHT_ENV,
+            PARTS_ENV,
             WATCH_ENV,
         )
 
         # (a server launched this way is watched by its writers; kvreplay record is not there to print)
         env = record_env(out_dir, classes, flight=flight, counters_every=counters_every,
-                         checkpoint_every=checkpoint_every, watch="check" if watch else "")
+                         checkpoint_every=checkpoint_every, watch="check" if watch else "", rotation=rotation)
         keys = [DIR_ENV, "PYTHONPATH"] + [k for k, asked in ((CLASSES_ENV, bool(classes)), (FLIGHT_ENV, flight > 0),
                                                               (COUNTERS_ENV, counters_every != 1),
                                                               (CHECKPOINT_ENV, checkpoint_every > 0),
-                                                              (WATCH_ENV, watch)) if asked]
+                                                              (WATCH_ENV, watch),
+                                                              (PARTS_ENV, rotation.on and not flight)) if asked]
         if as_json:
             emit_json({k: env[k] for k in keys})
         else:
@@ -113,7 +131,8 @@ def record(
     res = record_command(command or [], out_dir, classes, flight=flight, counters_every=counters_every,
                          checkpoint_every=checkpoint_every, watch="check" if watch else "",
                          stop_on_violation=stop_on_violation, metrics_port=metrics_port, on_finding=found,
-                         on_metrics=lambda url: say(f"kvreplay: counters at {url}", to_err=True))
+                         on_metrics=lambda url: say(f"kvreplay: counters at {url}", to_err=True),
+                         rotation=rotation)
     if watch and minimize_s > 0 and any(f.get("kind") == "violation" for f in res.findings):
         from kvreplay.minimize import reproduce_findings
 

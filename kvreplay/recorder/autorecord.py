@@ -39,6 +39,7 @@ from types import ModuleType
 from typing import Any
 
 from kvreplay.builds.engines import RECORD_CLASSES, recordable
+from kvreplay.recorder.rotation import Rotation
 from kvreplay.recorder.switches import (
     CHECKPOINT_ENV,
     CLASSES_ENV,
@@ -46,6 +47,7 @@ from kvreplay.recorder.switches import (
     DIR_ENV,
     FLIGHT_ENV,
     FOLD_ENV,
+    PARTS_ENV,
     RANK_ENV,
 )
 
@@ -196,8 +198,10 @@ def _start_recording(pool: Any) -> None:
             return
         name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
         checkpoints = int(os.environ.get(CHECKPOINT_ENV, "0") or 0)
+        parts = Rotation.from_env(os.environ.get(PARTS_ENV, ""))
         record(pool, _out / name, rank=rank, extra=extra, counters_every=every, checkpoint_every=checkpoints,
-               snapshot=False, fold_reads=fold)  # recorded from its constructor: nothing happened before
+               snapshot=False, fold_reads=fold, rotate_rows=parts.rows, rotate_s=parts.seconds,
+               keep_parts=parts.keep_parts, keep_bytes=parts.keep_bytes)  # from its constructor: nothing before
         _chain_sigterm()
     except Exception:
         _fail()

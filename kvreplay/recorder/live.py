@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import BadInput
+from kvreplay.recorder.rotation import Rotation
 from kvreplay.recorder.switches import (
     CHECKPOINT_ENV,
     CLASSES_ENV,
@@ -28,11 +29,15 @@ from kvreplay.recorder.switches import (
     FINDINGS_FILE,
     FLIGHT_ENV,
     METRICS_GLOB,
+    PARTS_ENV,
     SITE_DIR,
     WATCH_ENV,
 )
 
-TRACE_GLOB = "kvreplay-*.parquet"
+TRACE_GLOB = "kvreplay-*.parquet"  # a file, or with rotation a directory of parts
+# What kvreplay record of a server writes unless told otherwise: a part every ten
+# minutes or million rows (about 100 MB), and the last GiB of parts of each trace kept.
+DEFAULT_ROTATION = Rotation(rows=1_000_000, seconds=600.0, keep_parts=0, keep_bytes=1 << 30)
 
 
 @dataclass
@@ -53,11 +58,14 @@ class LiveRecording:
 
 
 def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | None = None,
-               flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0, watch: str = "") -> dict[str, str]:
+               flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0, watch: str = "",
+               rotation: Rotation | None = None) -> dict[str, str]:
     """The environment that makes every Python process record into ``out`` (with
     ``flight`` > 0: keep the last ``flight`` calls, dump on a raise or SIGUSR2;
     ``counters_every`` N: read the pool's counters after every Nth call, 0 never;
-    ``watch`` "check": writers check invariants as they write, "metrics": they count)."""
+    ``watch`` "check": writers check invariants as they write, "metrics": they count;
+    ``rotation``: each trace a directory of parts, each replayable alone, the oldest
+    retired past the bound)."""
     env = dict(os.environ if base is None else base)
     env[DIR_ENV] = str(Path(out).resolve())
     if watch:
@@ -70,6 +78,8 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
         env[CHECKPOINT_ENV] = str(checkpoint_every)
     if classes:
         env[CLASSES_ENV] = ",".join(classes)
+    if rotation is not None and rotation.on:
+        env[PARTS_ENV] = rotation.to_env()
     if hasattr(os, "sched_getaffinity"):  # where the user let us run: an engine may pin itself narrower
         env[CPUS_ENV] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
@@ -80,7 +90,8 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
                    settle_s: float = 30.0, flight: int = 0, counters_every: int = 1,
                    checkpoint_every: int = 0, watch: str = "", stop_on_violation: bool = False,
                    metrics_port: int = 0, on_finding: Callable[[dict[str, Any]], None] | None = None,
-                   on_metrics: Callable[[str], None] | None = None) -> LiveRecording:
+                   on_metrics: Callable[[str], None] | None = None,
+                   rotation: Rotation | None = DEFAULT_ROTATION) -> LiveRecording:
     """Run ``command`` recording its allocators into ``out``; returns its exit code and
     the traces it wrote. Traces still being finished by a writer process when the
     command ends (a process that was killed) get ``settle_s`` seconds to appear.
@@ -89,7 +100,10 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     count) what they write; each finding is passed to ``on_finding`` within about a
     second of its call, and ``stop_on_violation`` sends the command SIGTERM at the first
     violation. ``metrics_port``: the writers' counters are served at
-    http://127.0.0.1:PORT/metrics (``on_metrics`` is told the address)."""
+    http://127.0.0.1:PORT/metrics (``on_metrics`` is told the address).
+
+    ``rotation`` (default ``DEFAULT_ROTATION``; None: one file per trace): each trace is a
+    directory of parts (rotation.py) that replays whole or a part at a time."""
     if not command:
         raise BadInput("nothing to run: give the server command after --, e.g. "
                        "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
@@ -113,7 +127,8 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         proc = subprocess.Popen(list(command), env=record_env(out, classes, flight=flight,
                                                               counters_every=counters_every,
                                                               checkpoint_every=checkpoint_every,
-                                                              watch=watch or ("metrics" if metrics_port else "")))
+                                                              watch=watch or ("metrics" if metrics_port else ""),
+                                                              rotation=rotation))
     except FileNotFoundError:
         raise BadInput(f"command not found: {command[0]}") from None
     except PermissionError:
@@ -142,7 +157,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         for s, h in previous.items():
             signal.signal(s, h)
     deadline = time.monotonic() + settle_s
-    while list(out.glob(TRACE_GLOB + ".tmp")) and time.monotonic() < deadline:
+    while _unfinished(out) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.1)
     _reap()
@@ -157,8 +172,13 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         code = 1  # the server did its job, its pool did not: a CI of a server build fails
     result.exit_code = code
     result.traces = sorted(set(out.glob(TRACE_GLOB)) - before)
-    result.unfinished = sorted(out.glob(TRACE_GLOB + ".tmp"))
+    result.unfinished = _unfinished(out)
     return result
+
+
+def _unfinished(out: Path) -> list[Path]:
+    """Trace files (or a rotated trace's parts) a writer has not finished."""
+    return sorted([*out.glob(TRACE_GLOB + ".tmp"), *out.glob(TRACE_GLOB + "/*.tmp")])
 
 
 class _Follower:
@@ -226,6 +246,10 @@ def metrics_text(out: Path) -> str:
            per_trace("calls"))
     family("rows_written_total", "counter", "Trace rows handed to the file.", per_trace("rows"))
     family("trace_bytes", "gauge", "Bytes of the trace on disk.", per_trace("bytes"))
+    family("trace_parts", "gauge", "Closed parts of the trace on disk (rotation).", per_trace("parts"))
+    family("parts_retired_total", "counter", "Parts deleted by the retention bound.", per_trace("parts_retired"))
+    family("writer_resident_bytes", "gauge", "Resident memory of the trace writer's process.",
+           per_trace("writer_rss_bytes"))
     family("calls_dropped_total", "counter", "Calls the recorder lost (its queue was full, or a write failed).",
            per_trace("dropped"))
     family("calls_unchecked_total", "counter", "Calls the watch could not check.", per_trace("unchecked"))

@@ -32,6 +32,7 @@ import torch
 from kvreplay.pool_api import (
     COUNTER_METHODS,
     COUNTER_READS,
+    SLOT_FAMILIES,
     SUB_POOLS,
     ctor_args_of_pool,
     family_of_pool,
@@ -41,6 +42,7 @@ from kvreplay.recorder.capture import Engine, default_backend
 from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ
 from kvreplay.recorder.py_buffers import Names
 from kvreplay.recorder.raw_batch import RawBatch
+from kvreplay.recorder.rotation import PartClock, PartStart, Rotation
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of, span_of
 from kvreplay.recorder.writer_child import unpin
 from kvreplay.recorder.writer_process import ProcessTraceWriter
@@ -94,6 +96,8 @@ class Recording:
         max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
         rotate_rows: int = 0,
         rotate_s: float = 0.0,
+        keep_parts: int = 0,
+        keep_bytes: int = 0,
         counters_every: int = 1,
         checkpoint_every: int = 0,
         fold_reads: bool = True,
@@ -114,7 +118,11 @@ class Recording:
             extra=dict(extra or {}),
         )
         self.max_queued_rows = max_queued_rows
-        self.rotation = (rotate_rows, rotate_s)  # either > 0: PATH is a directory of closed parts
+        # Either cut > 0: PATH is a directory of parts, each starting from a snapshot (rotation.py).
+        self.rotation = Rotation(rotate_rows, rotate_s, keep_parts, keep_bytes)
+        self._parts = PartClock(self.rotation) if self.rotation.on and path is not None else None
+        # Only the slot families' pools snapshot; another family's parts are chained.
+        self._part_snapshots = family_of_pool(pool) in SLOT_FAMILIES
         # No path: the batches stay with a subclass (the flight recorder keeps them in memory).
         self._writer = None if path is None else self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"),
                                                             path, rows_per_group)
@@ -181,11 +189,32 @@ class Recording:
             self._patched.append((obj, name))
 
     def _open(self, kind: str, path: str | os.PathLike[str], rows_per_group: int) -> Any:
-        return _open_writer(kind, path, self.meta, rows_per_group, self.max_queued_rows, *self.rotation)
+        return _open_writer(kind, path, self.meta, rows_per_group, self.max_queued_rows, self.rotation)
 
     def _flush(self) -> None:
         with self._lock:
             self._deliver(self._engine.take())
+            if self._parts is not None and self._parts.due() and not self._engine.in_group:
+                self._new_part()
+
+    def _new_part(self) -> None:
+        """End the part here, between two calls of the recorded thread (the only place
+        the pool's state is that of the calls written): the next part starts from the
+        pool's snapshot now, taken as device copies and encoded on the writer's side."""
+        assert self._parts is not None
+        self._parts.restart()
+        if self._stopped_by is not None:
+            return
+        if self._gap is not None:  # lost calls before the snapshot belong to the part that ends
+            self._writer.submit(self._gap)
+            self._gap = None
+        pending = None
+        if self._part_snapshots:
+            try:
+                pending = functools.partial(_state_json, pool_snapshot.capture(self.pool))
+            except Exception:  # a pool the snapshot cannot read: the part is chained
+                pending = None
+        self._writer.submit(PartStart("", pending))
 
     def _deliver(self, batch: RawBatch, idle: bool = False) -> None:
         """Hand a batch to the writer without ever waiting for it. When its queue is
@@ -208,6 +237,8 @@ class Recording:
             if not self._writer.offer(pending[sent]):
                 break
             self._last_delivered = span_of(*rows_of(pending[sent]))[1]
+            if self._parts is not None:
+                self._parts.add(len(pending[sent]))
             sent += 1
         rest = pending[sent:]
         if not rest:
@@ -234,6 +265,8 @@ class Recording:
         the writer first, so the checkpoint sits exactly between two calls."""
         with self._lock:
             self._deliver(self._engine.take())
+            if self._parts is not None and self._parts.due():  # outside a group, as checkpoints are
+                self._new_part()
             if self._gap is not None or self._stopped_by is not None:
                 return  # calls were lost: a checkpoint would stand after a hole, not a call
             try:  # device copies here; the writer's side encodes them
@@ -253,6 +286,10 @@ class Recording:
         # still reach the writer within about every_s: a SIGKILL loses no older call.
         unpin()  # this thread only: off the core an engine pinned its compute to
         while not self._stop.wait(every_s):
+            if self._parts is not None and self._parts.due():
+                # A part ends only on the recorded thread (its snapshot must fall between two
+                # calls): leave the batch to it, which flushes it within flush_s of its next row.
+                continue
             with self._lock:
                 batch = self._engine.take_if_idle()
                 if batch is not None:
@@ -392,18 +429,18 @@ def is_fresh(pool: Any) -> bool:
 
 
 def _open_writer(kind: str, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int,
-                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, part_rows: int = 0,
-                 part_s: float = 0.0) -> TraceWriter | ProcessTraceWriter:
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
+                 rotation: Rotation | None = None) -> TraceWriter | ProcessTraceWriter:
     """``process`` (default): a child process writes the file; ``thread``: a thread
     of this process does (no child, but it competes with the program for the GIL)."""
     if kind == "process":
         try:
-            return ProcessTraceWriter(path, meta, rows_per_group, max_queued_rows, part_rows, part_s)
+            return ProcessTraceWriter(path, meta, rows_per_group, max_queued_rows, rotation)
         except OSError as exc:  # no usable interpreter to start (an embedded Python)
             log.warning("kvreplay: cannot start the writer process (%s); writing from a thread", exc)
     elif kind != "thread":
         raise ValueError(f"unknown trace writer {kind!r}: use 'process' or 'thread'")
-    return TraceWriter(path, meta, rows_per_group, max_queued_rows, part_rows, part_s)
+    return TraceWriter(path, meta, rows_per_group, max_queued_rows, rotation)
 
 
 def record(pool: Any, path: str | os.PathLike[str], **kwargs: Any) -> Recording:

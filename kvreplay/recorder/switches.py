@@ -15,5 +15,6 @@ FINDINGS_FILE = "kvreplay-watch.jsonl"  # in the trace directory: what watching 
 METRICS_GLOB = ".kvreplay-metrics-*.json"  # there too: each watching writer's counters, rewritten about once a second
 FOLD_ENV = "KVREPLAY_FOLD_READS"  # 0: every counter read a row of its own (as trace format 1 had them)
 CHECKPOINT_ENV = "KVREPLAY_CHECKPOINT_EVERY"  # N: a checkpoint every N calls (replay --jobs splits there)
+PARTS_ENV = "KVREPLAY_PARTS"  # ROWS,SECONDS,KEEP_PARTS,KEEP_BYTES: a trace is a directory of parts (rotation.py)
 CPUS_ENV = "KVREPLAY_CPUS"  # the CPUs kvreplay record may use: its recorder threads go back to them
 SITE_DIR = Path(__file__).with_name("_site")

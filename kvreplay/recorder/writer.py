@@ -7,6 +7,7 @@ half-written trace under the final name."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -23,11 +24,11 @@ import pyarrow.parquet as pq
 
 from kvreplay.recorder.layout import ROW_FOLD_COUNT
 from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
+from kvreplay.recorder.rotation import ClosedPart, PartStart, Rotation, retire
 from kvreplay.trace.format import (
     GAP_TARGET,
     PARQUET_OPTIONS,
     SCHEMA,
-    CheckpointRecord,
     GapRecord,
     TraceMeta,
     part_name,
@@ -64,10 +65,11 @@ class ParquetSink:
     """Turns batches into row groups of about ``rows_per_group`` rows in ``NAME.tmp``;
     ``finish()`` closes the file and moves it to its final name.
 
-    With rotation (``part_rows`` or ``part_s``), NAME is a directory of parts
-    ``part-NNNNNN.parquet``, each closed and renamed once it holds ``part_rows`` rows or
-    has been open ``part_s`` seconds: a part under its final name is complete, so a
-    writer that dies (with its process, or of a full disk) loses only the open part.
+    With a rotation (rotation.py), NAME is a directory of parts ``part-NNNNNN.parquet``.
+    A part is closed and renamed where the recording sends a ``PartStart``, and the
+    next starts from the snapshot that came with it: a part under its final name is
+    complete and replays alone, so a writer that dies (with its process, or of a full
+    disk) loses only the open part. Past the retention bound the oldest parts go.
 
     A failed write (a full disk) leaves pyarrow's writer closed and its file without a
     footer, unreadable. So the open part (the whole file, without rotation) is deleted,
@@ -76,16 +78,18 @@ class ParquetSink:
     a full disk can cost to one part."""
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
-                 part_rows: int = 0, part_s: float = 0.0, observe: Callable[[pa.Table], None] | None = None) -> None:
+                 rotation: Rotation | None = None, observe: Callable[[pa.Table], None] | None = None) -> None:
         self.path = Path(path)
         self.observe = observe  # shown every table the file takes, in order (kvreplay record --watch)
         self.meta = meta
         self.rows_per_group = rows_per_group
-        self.part_rows = part_rows
-        self.part_s = part_s
-        self.rotating = part_rows > 0 or part_s > 0
+        self.rotation = rotation or Rotation()
+        self.rotating = self.rotation.on
         self.rows_written = 0
         self.parts = 0
+        self.calls_written = 0  # numbered calls in the parts so far (a part's first call is this + 1)
+        self.closed: list[ClosedPart] = []  # closed parts still on disk, oldest first
+        self.retired = self.retired_bytes = 0
         if self.rotating:
             if self.path.exists() and not self.path.is_dir():
                 raise FileExistsError(f"{self.path} is a file; a rotated trace is a directory of parts")
@@ -97,21 +101,20 @@ class ParquetSink:
         self._rows = 0
         self._gap: GapRecord | None = None  # lost calls not yet marked in the file
         self.lost_calls = 0
-        self._checkpointed = False  # a checkpoint came: rotate only at checkpoints from now on
+        self._part_meta = meta
+        self._standalone = True  # the open part needs no part before it
         self._open_part()
 
     def _open_part(self) -> None:
         if self.rotating:
             self.target = self.path / part_name(self.parts)
-            meta = self.meta if self.parts == 0 else replace(self.meta, initial_state=None)
         else:
-            self.target, meta = self.path, self.meta
+            self.target = self.path
         self.tmp = self.target.with_name(self.target.name + ".tmp")
-        self._part_t0 = time.monotonic()
         self._part_rows_written = 0
         self._part_holds: GapRecord | None = None  # what losing this part would lose, as a gap
         self._part_calls = 0
-        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(meta.to_parquet_metadata()),
+        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(self._part_meta.to_parquet_metadata()),
                                         **PARQUET_OPTIONS)
 
     def _restart_part(self, exc: BaseException) -> None:
@@ -119,6 +122,7 @@ class ParquetSink:
         if self._part_holds is not None:
             lost = replace(self._part_holds, reason=f"trace writer: {type(exc).__name__}: {exc}")
             self.lost_calls += self._part_calls
+            self.calls_written -= self._part_calls
             self._gap = lost if self._gap is None else lost.merged(self._gap)
             self.rows_written -= self._part_rows_written
         try:
@@ -138,33 +142,57 @@ class ParquetSink:
         self._writer.close()
         os.replace(self.tmp, self.target)
         self.parts += 1
+        if self.rotating:
+            self.closed.append(ClosedPart(self.target, self.target.stat().st_size, self._standalone))
 
-    def _rotate_if_due(self) -> None:
-        if not self.rotating or not (self._part_rows_written or self._rows):
-            return
-        full = self.part_rows and self._part_rows_written + self._rows >= self.part_rows
-        old = self.part_s and time.monotonic() - self._part_t0 >= self.part_s
-        if full or old:
-            self._flush()
-            if self._writer is None or not self._part_rows_written:
-                return  # nothing of this part reached the disk: nothing to close
+    def _start_part(self, start: PartStart) -> None:
+        """Close the open part (if it holds anything) and open the next from ``start``'s
+        snapshot; then retire what the retention bound no longer keeps."""
+        self._flush()
+        state = None
+        if start.state:
+            try:
+                state = json.loads(start.state)
+            except ValueError:
+                state = None
+        if self._writer is not None and self._part_rows_written:
             try:
                 self._close_part()
             except Exception as exc:  # the footer did not fit: the part is lost
                 self._restart_part(exc)
                 return
+        elif self._writer is not None:  # nothing of it reached the disk: open it again with the new start
+            try:
+                self._writer.close()
+            except Exception:
+                pass
+            self.tmp.unlink(missing_ok=True)
+        part = {"index": self.parts, "first_call": self.calls_written + 1, "standalone": state is not None}
+        self._part_meta = replace(self.meta, initial_state=state, extra={**self.meta.extra, "part": part})
+        self._standalone = state is not None
+        try:
             self._open_part()
+        except Exception:  # no room: the next flush tries again
+            self._writer = None
+        self._retire()
 
-    def add(self, item: RawBatch | GapRecord) -> None:
+    def _retire(self) -> None:
+        for part in retire(self.closed, self._standalone, self.rotation):
+            try:
+                part.path.unlink(missing_ok=True)
+            except OSError:
+                break  # still there: it still counts
+            self.closed.remove(part)
+            self.retired += 1
+            self.retired_bytes += part.size
+
+    def add(self, item: RawBatch | GapRecord | PartStart) -> None:
         """Queue a batch (or a gap) for the file. A batch that cannot be converted or
         written becomes a gap row: the calls are lost, the trace says so and goes on."""
-        checkpoint = isinstance(item, CheckpointRecord)
-        if checkpoint:
-            # Once a recording writes checkpoints, a part is closed only where one
-            # comes, so that every later part starts with one: each part replays from
-            # its own first row (replay --jobs), and losing a part loses only its calls.
-            self._checkpointed = True
-            self._rotate_if_due()
+        if isinstance(item, PartStart):
+            if self.rotating:
+                self._start_part(item)
+            return
         try:
             table = item.to_table()
         except Exception as exc:
@@ -176,8 +204,6 @@ class ParquetSink:
             self.observe(table)
         if self._rows >= self.rows_per_group:
             self._flush()
-        if not self._checkpointed:
-            self._rotate_if_due()
 
     def _lose(self, rows: tuple[np.ndarray, np.ndarray, np.ndarray], exc: BaseException) -> None:
         if not (rows[1] == 0).any():
@@ -212,6 +238,7 @@ class ParquetSink:
         if (depth == 0).any():
             first, last, n = span_of(seq, depth, folded)
             self._part_calls += n
+            self.calls_written += n
             calls = GapRecord(first, last, n, "", "", time.time_ns())
             held = calls if held is None else held.merged(calls)
         if held is not None:
@@ -228,6 +255,9 @@ class ParquetSink:
             self.tmp.unlink(missing_ok=True)
             return self.path
         self._close_part()
+        if self.rotating:
+            self._standalone = True  # no part follows the last: nothing depends on it
+            self._retire()
         return self.path
 
     def abort(self) -> None:
@@ -295,14 +325,16 @@ class QueuedWriter:
         return True
 
 
-def settled(item: RawBatch | GapRecord) -> RawBatch | GapRecord:
-    """A gap with its state encoded, on the writer's side of the queue."""
-    return item.settled() if isinstance(item, GapRecord) else item
+def settled(item: RawBatch | GapRecord | PartStart) -> RawBatch | GapRecord | PartStart:
+    """A gap or a part's start with its state encoded, on the writer's side of the queue."""
+    return item.settled() if isinstance(item, (GapRecord, PartStart)) else item
 
 
-def _row_count(item: RawBatch | GapRecord) -> int:
+def _row_count(item: RawBatch | GapRecord | PartStart) -> int:
     # rows is bytes (C engine) or array('q') (Python engine): count bytes either way
-    return 1 if isinstance(item, GapRecord) else memoryview(item.rows).nbytes // (8 * ROW_WIDTH)
+    if isinstance(item, (GapRecord, PartStart)):
+        return 1
+    return memoryview(item.rows).nbytes // (8 * ROW_WIDTH)
 
 
 class TraceWriter(QueuedWriter):
@@ -312,9 +344,9 @@ class TraceWriter(QueuedWriter):
     columns; ``ProcessTraceWriter`` avoids that and is the default."""
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
-                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, part_rows: int = 0, part_s: float = 0.0) -> None:
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, rotation: Rotation | None = None) -> None:
         super().__init__(path, max_queued_rows)
-        self._sink = ParquetSink(path, meta, rows_per_group, part_rows, part_s)
+        self._sink = ParquetSink(path, meta, rows_per_group, rotation)
         self._thread.start()
 
     def _run(self) -> None:

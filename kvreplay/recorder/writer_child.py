@@ -103,10 +103,12 @@ def write_trace(path: str, src: BinaryIO, watch: Callable[[Any], Any] | None = N
     first = read_frame(src)
     if first is None:
         return  # the recording never started
-    meta, rows_per_group, part_rows, part_s = pickle.loads(first[0])
+    meta, rows_per_group, rotation = pickle.loads(first[0])
     observer = watch(meta) if watch is not None else None
-    sink = ParquetSink(path, meta, rows_per_group, part_rows, part_s,
+    sink = ParquetSink(path, meta, rows_per_group, rotation,
                        observe=observer.feed if observer is not None else None)
+    if observer is not None and hasattr(observer, "sink"):
+        observer.sink = sink  # its parts and retired parts, for the counters
     frames = _drained(src)
     try:
         while (frame := frames.get()) is not None and frame[0]:

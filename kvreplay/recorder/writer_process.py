@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvreplay.recorder.rotation import Rotation
 from kvreplay.recorder.switches import DIR_ENV, SITE_DIR, WATCH_ENV
 from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, settled
 from kvreplay.recorder.writer_child import DONE, FAILED, LEN, unpin
@@ -29,7 +30,7 @@ class ProcessTraceWriter(QueuedWriter):
     thread_name = "kvreplay-sender"
 
     def __init__(self, path: str | os.PathLike[str], meta: TraceMeta, rows_per_group: int = 16384,
-                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, part_rows: int = 0, part_s: float = 0.0) -> None:
+                 max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS, rotation: Rotation | None = None) -> None:
         super().__init__(path, max_queued_rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Watched (kvreplay record --watch), the writer also checks what it writes: the
@@ -45,7 +46,7 @@ class ProcessTraceWriter(QueuedWriter):
         # a zombie of the recorded program. The pipes now lead to the writer.
         self._proc.wait()
         _widen(self._proc.stdin)
-        self._queue.put(((meta, rows_per_group, part_rows, part_s), 0))
+        self._queue.put(((meta, rows_per_group, rotation), 0))
         self._thread.start()
 
     def _run(self) -> None:

@@ -77,7 +77,11 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     notes = []
     if rows == 0:
         notes.append("trace holds no calls")
-    if meta.initial_state is not None:
+    part = meta.extra.get("part") if isinstance(meta.extra.get("part"), dict) else None
+    if part is not None and meta.initial_state is not None:
+        notes.append(f"starts at part {part.get('index')} of a rotated recording (its call #{part.get('first_call')}), "
+                     "from the pool's snapshot there: the parts before it were retired or are not here")
+    elif meta.initial_state is not None:
         notes.append("starts from a snapshot of a pool already in use (attach or flight-recorder dump)")
     gaps = reader.gaps() if methods.get(GAP_METHOD) else []
     if gaps:
