@@ -233,6 +233,10 @@ def test_record_reports_a_command_it_cannot_run_and_an_out_it_cannot_create(tmp_
     _bad(cli("record", "--out", str(tmp_path / "o"), "--", str(script)), "cannot run")
     (tmp_path / "file").write_text("")
     _bad(cli("record", "--out", str(tmp_path / "file" / "sub"), "--", "true"), "cannot create")
+    for flag, value in (("--part-s", "-1"), ("--part-s", "inf"), ("--part-rows", "-5"), ("--keep-mb", "nan"),
+                        ("--keep-parts", "-1")):
+        _bad(cli("record", "--out", str(tmp_path / "o2"), flag, value, "--", "true"), "must be >= 0")
+    assert not (tmp_path / "o2").exists()
 
 
 def test_a_database_made_by_a_newer_kvreplay_is_refused(tmp_path, cli):
@@ -661,4 +665,59 @@ def test_strings_that_are_not_utf8_are_bad_input(column, tmp_path, cli):
     table = table.set_column(i, table.schema.field(i), bad)
     pq.write_table(table, tmp_path / "t.parquet")
     _bad(cli("replay", str(tmp_path / "t.parquet"), "-b", "builtin:swa", "--db", str(tmp_path / "k.db")), "UTF8")
+    assert not (tmp_path / "k.db").exists()
+
+
+# Round 3: the vLLM family's sizes and values ---------------------------------------------
+VLLM_LIVE = CORPUS / "live-vllm-0.32.0-prefix-mooncake300.parquet"
+
+
+def _vllm_variant(tmp_path: Path, name: str, ctor: dict | None = None, edit=None) -> Path:
+    rows, schema = _rows(VLLM_LIVE)
+    rows = rows[:400]
+    if edit is not None:
+        edit(rows)
+    md = None
+    if ctor is not None:
+        args = json.loads(schema.metadata[b"kvreplay.ctor_args"])
+        md = {"ctor_args": json.dumps({**args, **ctor})}
+    return _write(rows, schema, tmp_path / name, md)
+
+
+@pytest.mark.parametrize("blocks", [1 << 22, 1 << 27])
+def test_a_vllm_pool_too_big_to_build_is_refused_before_it_is_built(tmp_path, cli, blocks):
+    trace = _vllm_variant(tmp_path, "big.parquet", ctor={"num_blocks": blocks})
+    _bad(cli("replay", str(trace), "-b", "builtin:vllm", "--db", str(tmp_path / "k.db")), "num_blocks",
+         "KVREPLAY_MAX_BLOCKS")
+    assert not (tmp_path / "k.db").exists()
+
+
+def _first_with(rows: list[dict], kind: str) -> dict:
+    for r in rows:
+        for a in r["args"]:
+            if a["kind"] == kind:
+                return a
+    raise AssertionError(f"no {kind} argument")
+
+
+def test_a_huge_request_id_or_method_name_is_refused_not_copied(tmp_path, cli):
+    def long_id(rows):
+        _first_with(rows, "str")["s"] = "r" * (1 << 20)
+
+    def long_method(rows):
+        rows[5]["method"] = "m" * (1 << 20)
+
+    for name, edit, said in (("id.parquet", long_id, "a recorded string of 1,048,576 bytes"),
+                             ("method.parquet", long_method, "a method name of 1,048,576 bytes")):
+        trace = _vllm_variant(tmp_path, name, edit=edit)
+        _bad(cli("replay", str(trace), "-b", "builtin:vllm", "--db", str(tmp_path / "k.db")), said)
+    assert not (tmp_path / "k.db").exists()
+
+
+def test_an_id_list_whose_shape_disagrees_with_its_values_is_damage(tmp_path, cli):
+    def lie(rows):
+        _first_with(rows, "ints")["shape"] = [10 ** 8]
+
+    trace = _vllm_variant(tmp_path, "shape.parquet", edit=lie)
+    _bad(cli("replay", str(trace), "-b", "builtin:vllm", "--db", str(tmp_path / "k.db")), "id list of shape [100000000]")
     assert not (tmp_path / "k.db").exists()

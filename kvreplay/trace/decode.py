@@ -94,6 +94,10 @@ class _Values:
                     values[j] = strs[j]
                     continue
                 if k == INTS:
+                    n_ids = int(data_off[j + 1] - data_off[j])
+                    if shape_off[j + 1] - shape_off[j] != 1 or shape[shape_off[j]] != n_ids:
+                        raise ValueError(f"an id list of shape {shape[shape_off[j]:shape_off[j + 1]][:4].tolist()} "
+                                         f"holds {n_ids} values")
                     ids = data[data_off[j]:data_off[j + 1]].tolist()
                     values[j] = tuple(ids) if values[j] else ids
                     continue

@@ -36,6 +36,12 @@ def _limit(env: str, default: int) -> int:
 
 # A pool's slots: 2^27 tokens is several times the KV capacity of today's largest GPUs.
 MAX_POOL_SLOTS = _limit("KVREPLAY_MAX_POOL_SLOTS", 1 << 27)
+# A vLLM block pool's blocks: each is a Python object in the pool (vLLM's and the builtin
+# one alike, ~200 bytes), so 2^21 blocks is ~400 MB; real servers have tens of thousands.
+MAX_BLOCKS = _limit("KVREPLAY_MAX_BLOCKS", 1 << 21)
+# One recorded string (a request id, a reason, an exception's message): recorders cut
+# theirs far below this, so a longer one is damage, and decoding it would copy it per call.
+MAX_STRING_BYTES = _limit("KVREPLAY_MAX_STRING_BYTES", 1 << 16)
 # Index values one row group may list (data and shape lists of every argument and result):
 # 2^26 is 512 MB decoded; real row groups (16,384 calls) list a few million.
 MAX_GROUP_VALUES = _limit("KVREPLAY_MAX_GROUP_VALUES", 1 << 26)
@@ -236,6 +242,9 @@ def check_ctor_args(family: str, args: dict[str, Any]) -> None:
         v = args.get(name)
         if type(v) is not int or not 0 <= v <= MAX_POOL_SLOTS:
             raise ValueError(f"constructor argument {name} must be a whole number in 0..{MAX_POOL_SLOTS}, not {v!r}")
+    if family == "vllm" and args["num_blocks"] > MAX_BLOCKS:
+        raise ValueError(f"constructor argument num_blocks is {args['num_blocks']:,}, more than {MAX_BLOCKS:,} "
+                         "(KVREPLAY_MAX_BLOCKS raises the limit)")
     for name in FAMILY_UNITS[family]:
         if args[name] < 1:
             raise ValueError(f"constructor argument {name} must be at least 1")

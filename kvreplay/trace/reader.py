@@ -30,6 +30,7 @@ from kvreplay.trace.format import (
     GAP_TARGET,
     MAX_FOLDED_READS,
     MAX_GROUP_VALUES,
+    MAX_STRING_BYTES,
     MAX_TRACE_FOLDED_READS,
     PART_GLOB,
     SCHEMA,
@@ -89,6 +90,20 @@ def _check_sizes(part: Path, f: pq.ParquetFile, meta: TraceMeta) -> None:
             raise TraceFormatError(
                 f"{part}: row group {g} lists {values:,} values for {rg.num_rows:,} calls, more than a pool of "
                 f"{slots - 2:,} slots can (at most {bound:,}; KVREPLAY_MAX_GROUP_VALUES raises the limit)")
+
+
+def _check_strings(path: Path, target: pa.Array, method: pa.Array, *texts: pa.Array) -> None:
+    """Refuse a name longer than any method or pool has, or a string value longer than any
+    recorder writes, before anything copies them (a call per row would copy each)."""
+    for col, most, what in ((target, 64, "a pool name"), (method, 64, "a method name")):
+        longest = pc.max(pc.binary_length(col)).as_py() if len(col) else 0
+        if longest and longest > most:
+            raise TraceFormatError(f"{path}: {what} of {longest:,} bytes (no method or pool has a name that long)")
+    for col in texts:
+        longest = pc.max(pc.binary_length(col)).as_py() if len(col) and col.null_count < len(col) else 0
+        if longest and longest > MAX_STRING_BYTES:
+            raise TraceFormatError(f"{path}: a recorded string of {longest:,} bytes, more than {MAX_STRING_BYTES:,} "
+                                   "(KVREPLAY_MAX_STRING_BYTES raises the limit)")
 
 
 def _check_dtypes(path: Path, *columns: pa.Array) -> None:
@@ -160,16 +175,25 @@ class TraceReader:
         last_seq = -1
         first = True
         names = API_METHODS | {GAP_METHOD, CHECKPOINT_METHOD}
+        # (the columns a version 1 trace lacks come last: the reader adds them there)
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
-                                                "result.dtype", "folded_reads", "folded_pattern"]):
-            if batch.num_columns != 8:  # damaged bytes can leave a batch without some of them
+                                                "result.dtype", "args.list.element.s", "result.s", "exc_type",
+                                                "exc_msg", "folded_reads", "folded_pattern"]):
+            # (an argument's and the result's fields come as one struct column each)
+            if batch.num_columns != 10:  # damaged bytes can leave a batch without some of them
                 raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
-            seq, depth, target, method, arg_dtypes, result_dtypes, folded, pattern = (batch.column(i) for i in range(8))
+            seq, depth, target, method, args, result, exc_type, exc_msg, folded, pattern = batch.columns
+            arg_fields = args.flatten()
+            if arg_fields.type.num_fields != 2 or result.type.num_fields != 2:
+                raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
+            arg_dtypes, result_dtypes = arg_fields.field("dtype"), result.field("dtype")
+            _check_strings(self.path, target, method, arg_dtypes, result_dtypes, arg_fields.field("s"),
+                           result.field("s"), exc_type, exc_msg)
             folds += _check_folds(self.path, folded, pattern, depth)
             if folds > MAX_TRACE_FOLDED_READS:
                 raise TraceFormatError(f"{self.path}: the rows fold more than {MAX_TRACE_FOLDED_READS:,} counter "
                                        "reads in all (KVREPLAY_MAX_TRACE_FOLDED_READS raises the limit)")
-            _check_dtypes(self.path, arg_dtypes.flatten().field(0), result_dtypes.field(0))
+            _check_dtypes(self.path, arg_dtypes, result_dtypes)
             recorded = pc.filter(depth, pc.not_equal(target, GAP_TARGET))
             if first and len(recorded):
                 first = False
