@@ -719,5 +719,32 @@ def test_an_id_list_whose_shape_disagrees_with_its_values_is_damage(tmp_path, cl
         _first_with(rows, "ints")["shape"] = [10 ** 8]
 
     trace = _vllm_variant(tmp_path, "shape.parquet", edit=lie)
-    _bad(cli("replay", str(trace), "-b", "builtin:vllm", "--db", str(tmp_path / "k.db")), "id list of shape [100000000]")
+    _bad(cli("replay", str(trace), "-b", "builtin:vllm", "--db", str(tmp_path / "k.db")),
+         "id list of shape [100000000]")
     assert not (tmp_path / "k.db").exists()
+
+
+def test_a_release_that_does_not_exist_is_bad_input_and_nothing_is_stored(tmp_path, cli, monkeypatch):
+    # The index's answer, as kvreplay caches it for a day: no network needed here.
+    cache = tmp_path / "cache"
+    (cache / "releases").mkdir(parents=True)
+    (cache / "releases" / "sglang-index.json").write_text(json.dumps(["0.5.12", "0.5.23"]))
+    (cache / "releases" / "vllm-index.json").write_text(json.dumps(["0.31.0", "0.32.0"]))
+    monkeypatch.setenv("KVREPLAY_CACHE", str(cache))
+    db = tmp_path / "k.db"
+    _bad(cli("replay", str(PAGE0), "-b", "sglang==0.5.999", "--db", str(db)),
+         "sglang==0.5.999 is not a release on the package index (its latest: 0.5.23)")
+    _bad(cli("ci", str(CORPUS), "--build", "vllm==0.99.0", "--db", f"sqlite:///{db}"), "vllm==0.99.0 is not a release")
+    assert not db.exists()
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("vllm==../../x", "not a release version"),
+    ("git:" + "a" * 100_000 + "@HEAD", "a build spec of 100,009 characters"),
+    ("git:/tmp/" + "a" * 300 + "@HEAD", "not a repository"),
+])
+def test_a_build_spec_that_names_nothing_is_one_line_before_any_case_runs(tmp_path, cli, spec, said):
+    db = tmp_path / "k.db"
+    res = cli("ci", str(CORPUS), "--build", spec, "--db", f"sqlite:///{db}")
+    _bad(res, said)
+    assert len(res.stderr) < 400 and not db.exists()

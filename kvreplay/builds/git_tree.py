@@ -37,8 +37,12 @@ def _git(repo: Path, *args: str) -> bytes:
 
 
 def resolve_commit(repo: Path, rev: str) -> str:
-    if not repo.exists():
-        raise BadInput(f"{repo}: no such repository")
+    try:
+        there = repo.is_dir()
+    except OSError as exc:  # a name too long, a loop of links: no repository by that name
+        raise BadInput(f"{str(repo)[:200]}: not a repository ({exc.strerror or exc})") from None
+    if not there:
+        raise BadInput(f"{str(repo)[:200]}: no such repository")
     return _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").decode().strip()
 
 

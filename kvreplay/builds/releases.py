@@ -102,6 +102,19 @@ def expand(spec: str) -> list[str]:
     return covered
 
 
+def check_release(engine: str, version: str) -> None:
+    """BadInput when the package index answers and has no such final release: a spec
+    naming a version that does not exist is the user's mistake, not an untestable build.
+    A pre-release is not listed, and an index that does not answer cannot tell: both pass."""
+    try:
+        known = available_versions(engine)
+        wanted = Version(version)
+    except (BadInput, InvalidVersion):
+        return
+    if known and version not in known and not (wanted.is_prerelease or wanted.is_devrelease):
+        raise BadInput(f"{engine}=={version} is not a release on the package index (its latest: {known[-1]})")
+
+
 def expand_all(specs: list[str]) -> list[str]:
     """Every range in ``specs`` expanded, order kept."""
     return [s for spec in specs for s in expand(spec)]
@@ -180,6 +193,18 @@ def requirements_of_tree(tree: Path) -> list[str]:
     return []
 
 
+def _not_a_release(pip_err: str) -> str | None:
+    """What to tell a user whose version pip's index does not have ("its latest: X"), or
+    None when pip failed for another reason (no network, no disk: not the spec's fault)."""
+    if "No matching distribution found" not in pip_err and "Could not find a version" not in pip_err:
+        return None
+    m = re.search(r"\(from versions: ([^)]*)\)", pip_err)
+    versions = [v.strip() for v in m.group(1).split(",") if v.strip()] if m else []
+    if not versions or versions == ["none"]:
+        return "the index has no release of it at all"
+    return f"its latest: {versions[-1][:40]}"
+
+
 def _fetch(version: str, engine: str, dest: Path) -> None:
     t0 = time.perf_counter()
     dl = dest / ".download"
@@ -189,7 +214,10 @@ def _fetch(version: str, engine: str, dest: Path) -> None:
     files = sorted(dl.glob(f"{engine}-*")) if dl.is_dir() else []
     if res.returncode != 0 or not files:
         why = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR")] or res.stderr.splitlines()[-1:]
-        raise BuildUnloadable(f"{engine}=={version} could not be fetched: {why[0] if why else 'pip failed'}")
+        no_such = _not_a_release(res.stderr)
+        if no_such is not None:  # the index answered, and has no such version: the spec is wrong
+            raise BadInput(f"{engine}=={version} is not a release on the package index ({no_such})")
+        raise BuildUnloadable(f"{engine}=={version} could not be fetched: {why[0][:300] if why else 'pip failed'}")
     archive = files[0]
     if archive.suffix == ".whl":
         reqs = _unpack_wheel(archive, dest, engine)

@@ -14,6 +14,7 @@ answered in one place; so is what a build resolved to (``BuildSpec.resolved``)."
 
 from __future__ import annotations
 
+import re
 import string
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from kvreplay.version import __version__
 
 KINDS = ("builtin", "py", "sglang", "vllm", "release", "git")
 _HEX = frozenset(string.hexdigits.lower())
+# Longest build spec taken: a git: spec's path and ref fit in it many times over.
+MAX_SPEC = 4096
+_LOOKS_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+]*$")
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,14 @@ class BuildSpec:
         """The spec, or UnknownBuild naming what exists (and the closest match)."""
         if text in ("sglang", "vllm"):
             return cls(text, text)
+        if len(text) > MAX_SPEC:  # echoed in errors, and a path or a ref of this length is no build
+            raise UnknownBuild(f"a build spec of {len(text):,} characters ({text[:60]!r}...): at most {MAX_SPEC:,}")
         engine = engine_of(text)
         if engine is not None:
             version = text.removeprefix(f"{engine}==")
+            lo, _, hi = version.partition("..")
+            if ".." in version and not (_LOOKS_VERSION.match(lo) and _LOOKS_VERSION.match(hi)):
+                check_version(version, engine)  # not a range of versions either: say what a version is
             if ".." in version:
                 raise UnknownBuild(f"{text} is a range of builds; this option takes one (ranges go to "
                                    "bisect --builds and matrix --builds)")

