@@ -212,3 +212,45 @@ def test_record_leaves_the_programs_environment_as_it_was(tmp_path):
     res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path / "out"), "--",
                           sys.executable, str(prog)], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0 and res.stdout.splitlines()[0] == "unset", res.stdout + res.stderr
+
+
+def test_what_the_command_leaves_running_is_ended_with_the_recording(tmp_path):
+    """Children that outlive the command (a server's workers left behind) do not outlive
+    kvreplay record: it ends its command's process group once the command has ended."""
+    res = _run(tmp_path, """
+        import subprocess, sys
+        kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(5)]
+        print(" ".join(str(k.pid) for k in kids), flush=True)
+        work(3)
+    """, "--json")
+    assert res.returncode == 0, res.stderr
+    kids = [int(p) for p in res.stdout.split("\n")[0].split()]
+    time.sleep(0.5)
+    alive = [p for p in kids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    assert not alive, alive
+    assert len(json.loads(res.stdout[res.stdout.index("{"):])["traces"]) == 1
+
+
+def test_a_command_that_dies_at_once_still_has_its_trace_reported(tmp_path):
+    """os._exit soon after its calls (the recorder has handed them over): no atexit, the
+    writer finishes the file after the command is gone, and record waits for it before
+    it says what it wrote."""
+    res = _run(tmp_path, """
+        import os, time
+        work(4)
+        time.sleep(0.5)
+        os._exit(0)
+    """, "--json")
+    assert res.returncode == 0, res.stderr
+    (trace,) = json.loads(res.stdout)["traces"]
+    assert replay(trace, "builtin:swa", device="cpu").calls_replayed == 8
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [os.path.basename(trace)]
+
+
+def test_an_out_that_takes_no_files_is_refused_before_the_command_starts(tmp_path):
+    marker = tmp_path / "started"
+    res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", "/proc/self", "--",
+                          sys.executable, "-c", f"open({str(marker)!r}, 'w')"], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and "cannot write there" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not marker.exists()

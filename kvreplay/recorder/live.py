@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -115,6 +116,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         out.mkdir(exist_ok=True)
     except OSError as exc:
         raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
+    _check_writable(out)
     before = set(out.glob(TRACE_GLOB))
     if watch or metrics_port:
         for old in out.glob(METRICS_GLOB):  # a last run's counters are not this run's
@@ -123,12 +125,12 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     if server is not None and on_metrics is not None:
         on_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
     _adopt_orphans()
+    env = record_env(out, classes, flight=flight, counters_every=counters_every, checkpoint_every=checkpoint_every,
+                     watch=watch or ("metrics" if metrics_port else ""), rotation=rotation)
     try:
-        proc = subprocess.Popen(list(command), env=record_env(out, classes, flight=flight,
-                                                              counters_every=counters_every,
-                                                              checkpoint_every=checkpoint_every,
-                                                              watch=watch or ("metrics" if metrics_port else ""),
-                                                              rotation=rotation))
+        # A process group of its own: what the command starts and leaves behind is ended
+        # with the recording (_end_group); Ctrl-C and SIGTERM reach it through forward().
+        proc = subprocess.Popen(list(command), env=env, **_OWN_GROUP)
     except FileNotFoundError:
         raise BadInput(f"command not found: {command[0]}") from None
     except PermissionError:
@@ -156,10 +158,14 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    _end_group(proc.pid)
+    # The writers finish their files after the command: wait for them (this process
+    # adopted them), not only for their .tmp files, which a writer that has just
+    # started has not made yet.
     deadline = time.monotonic() + settle_s
-    while _unfinished(out) and time.monotonic() < deadline:
-        _reap()
+    while (_reap() or _unfinished(out)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    _end_group(proc.pid, signal.SIGKILL)
     _reap()
     if follower is not None:
         follower.stop()  # after the writers finished: every finding they wrote is read
@@ -316,12 +322,38 @@ def _adopt_orphans() -> None:
         pass
 
 
-def _reap() -> None:
-    """Collect the exit of every adopted process that has ended (writers done)."""
+def _reap() -> bool:
+    """Collect the exit of every adopted process that has ended (writers done); whether
+    any child is still running."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return False
         if pid == 0:
-            return
+            return True
+
+
+# The command's own process group (Python 3.11's process_group=0; setpgrp before 3.11).
+_OWN_GROUP: dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
+                              else {"preexec_fn": os.setpgrp})
+
+
+def _end_group(pgid: int, sig: int = signal.SIGTERM) -> None:
+    """Signal what is left of the command's process group once the command has ended:
+    its children must not outlive the recording. The trace writers are in sessions of
+    their own (writer_child.py) and are not touched."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+
+
+def _check_writable(out: Path) -> None:
+    """--out must take files, found before the command starts (not by its writers)."""
+    probe = out / f".kvreplay-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise BadInput(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
