@@ -151,7 +151,9 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
 
     @app.get("/traces/<trace_hash>")
     def trace(trace_hash: str) -> str:
-        t = trace_by_hash(store, trace_hash) if trace_hash.isalnum() else None
+        # a content hash, or a prefix of one: 64 hex digits at most (a longer name is no trace's)
+        ok = 0 < len(trace_hash) <= 64 and all(c in "0123456789abcdefABCDEF" for c in trace_hash)
+        t = trace_by_hash(store, trace_hash.lower()) if ok else None
         if t is None:
             abort(404, "no such trace in this database")
         rows = _listed(list_runs(store, trace_hash=t.content_hash, limit=MAX_LISTED))

@@ -193,7 +193,7 @@ def _big_corpus_trace(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.name in SLOW_CASES or item.originalname in SLOW_TESTS or _big_corpus_trace(item):
+        if item.name in SLOW_CASES or getattr(item, "originalname", item.name) in SLOW_TESTS or _big_corpus_trace(item):
             item.add_marker(pytest.mark.slow)
 
 

@@ -94,6 +94,16 @@ def test_the_pytest_plugin_makes_one_item_per_trace_and_mode(corpus, tmp_path_fa
     assert "test_unrelated" not in res.stdout
 
 
+def test_docs_ci_command_runs_from_the_repository_root(corpus):
+    """docs/ci.md's pytest line where a contributor types it: the repository's own
+    conftest and options (xdist, its slow marks) meet the corpus items and let them run."""
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--kvreplay-corpus", str(corpus),
+                          "--kvreplay-build", "builtin:swa"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "INTERNALERROR" not in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
+    assert f"{2 * len(SMALL)} passed" in res.stdout, res.stdout[-500:]
+
+
 def test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold(corpus, tmp_path_factory):
     manifest = json.loads((corpus / "manifest.json").read_text())
     for e in manifest["traces"]:

@@ -254,7 +254,8 @@ def test_dashboard_answers_bad_parameters_with_400_or_404_never_500(store_with_r
     for url, code in ((f"/runs/{big}", 404), (f"/compare?a={big}&b={clean.run_id}", 404),
                       ("/compare?a=" + "9" * 5000 + "&b=1", 400), ("/?until=9999-12-31", 200),
                       ("/?trace=" + "x" * 60_000, 400), ("/?build=" + "%" * 5000, 400), ("/traces/" + "a" * 3000, 404),
-                      ("/?since=0000-01-01", 400), ("/runs/0", 404)):
+                      ("/?since=0000-01-01", 400), ("/runs/0", 404), ("/traces/" + "a" * 50_000, 404),
+                      ("/traces/" + "z" * 10, 404), ("/runs/" + "9" * 30, 404)):
         got = client.get(url).status_code
         assert got == code, (url[:60], got)
 
