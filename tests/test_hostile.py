@@ -748,3 +748,23 @@ def test_a_build_spec_that_names_nothing_is_one_line_before_any_case_runs(tmp_pa
     res = cli("ci", str(CORPUS), "--build", spec, "--db", f"sqlite:///{db}")
     _bad(res, said)
     assert len(res.stderr) < 400 and not db.exists()
+
+
+def test_a_snapshot_bigger_than_its_pool_is_refused_before_it_is_inflated(tmp_path, cli):
+    """A zlib bomb of the right shape: 2^26 zeros (512 MB) in a few hundred KB, for a pool
+    of a few hundred slots. Refused from its declared size, not after inflating it."""
+    import base64
+    import zlib
+
+    rows, schema = _rows(PAGE0)
+    z = base64.b64encode(zlib.compress(bytes(8 << 26), 9)).decode()
+    state = {"format": 1, "objects": {"full": {"free_pages": {"tensor": "int64", "shape": [1 << 26], "z": z}}}}
+    trace = _write(rows, schema, tmp_path / "bomb.parquet", {"initial_state": json.dumps(state)})
+    t0 = time.monotonic()
+    res = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "kvreplay.cli.app", "replay", str(trace),
+                          "-b", "builtin:swa", "--db", str(tmp_path / "k.db")], capture_output=True, text=True,
+                         timeout=120)
+    peak_kb = int(res.stderr.strip().splitlines()[-1])
+    err = "".join(f"{ln}\n" for ln in res.stderr.strip().splitlines()[:-1] if not ln.startswith("Command exited"))
+    assert res.returncode == 2 and "snapshot" in err and err.count("\n") == 1, res.stderr[-500:]
+    assert peak_kb < 600_000 and time.monotonic() - t0 < 60 and not (tmp_path / "k.db").exists()

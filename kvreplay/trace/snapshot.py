@@ -87,7 +87,8 @@ def _inflate(text: Any, size: int) -> bytes:
     return out
 
 
-def _decode(v: Any, device: torch.device | str) -> Any:
+def _decode(v: Any, device: torch.device | str, budget: list[int] | None = None) -> Any:
+    """``budget``: elements the snapshot may still hold, spent by each tensor decoded."""
     if not isinstance(v, dict):
         return v
     if "tensor" in v:
@@ -101,10 +102,15 @@ def _decode(v: Any, device: torch.device | str) -> Any:
         if n > MAX_SNAPSHOT_ELEMENTS:
             raise ValueError(f"snapshot tensor of {n:,} elements is larger than any pool's state "
                              f"(KVREPLAY_MAX_POOL_SLOTS raises the limit)")
+        if budget is not None:
+            budget[0] -= n
+            if budget[0] < 0:
+                raise ValueError(f"the snapshot holds more than a pool of this size keeps (a tensor of {n:,} "
+                                 "elements past the rest)")
         raw = _inflate(v["z"], n * np.dtype(np_dtype).itemsize)
         a = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
         return torch.from_numpy(a.copy()).to(device)
-    items = [_decode(x, device) for x in v["list"]]
+    items = [_decode(x, device, budget) for x in v["list"]]
     return tuple(items) if v.get("tuple") else items
 
 
@@ -143,6 +149,7 @@ def restore(pool: Any, snapshot: dict[str, Any]) -> list[str]:
         raise ValueError(f"snapshot format {snapshot.get('format')!r} is not {FORMAT}")
     missing = []
     objects = _objects(pool)
+    budget = [_state_elements(objects)]
     for name, attrs in snapshot["objects"].items():
         obj = objects.get(name)
         if obj is None:
@@ -154,12 +161,21 @@ def restore(pool: Any, snapshot: dict[str, Any]) -> list[str]:
             if key not in own:  # state the build keeps elsewhere (or not at all): setting it would do nothing
                 missing.append(f"{name}.{key}")
                 continue
-            value = _decode(enc, device)
+            value = _decode(enc, device, budget)
             if not _same_kind(own[key], value):
                 raise ValueError(f"snapshot {name}.{key} is a {type(value).__name__}, where the pool keeps a "
                                  f"{type(own[key]).__name__}")
             setattr(obj, key, value)
     return missing
+
+
+def _state_elements(objects: dict[str, Any]) -> int:
+    """What a snapshot of these pools can hold at most: each keeps a few tensors of at
+    most a slot (or page) each, so eight times the largest pool's slots, and some slack.
+    A snapshot past it is damage (decoding it is what a compression bomb wants)."""
+    sizes = [int(v) for o in objects.values() for k in ("size", "size_swa")
+             if isinstance(v := getattr(o, k, 0), int) and not isinstance(v, bool)]
+    return 8 * max(sizes, default=0) + 4096
 
 
 def _same_kind(now: Any, restored: Any) -> bool:
