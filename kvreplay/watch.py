@@ -161,7 +161,8 @@ class Watcher:
         from kvreplay.trace.reader import decoded, grouped
 
         r = self._replayer
-        for tc in grouped(decoded(table.to_batches(), self.path, nested_args=False), self._number):
+        nested = r.nested_args if r is not None else False  # as the replayer's own run decodes them
+        for tc in grouped(decoded(table.to_batches(), self.path, nested_args=nested), self._number):
             c = tc.call
             if c.target == GAP_TARGET:
                 if c.method == GAP_METHOD:

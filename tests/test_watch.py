@@ -237,3 +237,29 @@ def test_a_class_that_inherits_its_constructor_is_recorded_by_its_own_name(tmp_p
     assert res.returncode == 0, res.stderr
     (trace,) = json.loads(res.stdout)["traces"]
     assert TraceReader(trace).meta.pool_class == "kvreplay.pools.variants:StaleTailSWAPool"
+
+
+def test_the_watch_compares_a_vllm_managers_block_calls_with_their_ids(tmp_path):
+    """The vLLM family's replay compares each manager call's block-pool calls, ids and
+    all; the watch must decode them as that replay does (it once dropped their arguments
+    and called every free a divergence)."""
+    import pyarrow as pa
+
+    from kvreplay.watch import Watcher
+    from kvreplay.workload.synth import SynthConfig, synthesize
+
+    trace = tmp_path / "v.parquet"
+    synthesize(SynthConfig(scenario="vllm-prefix", out=trace, requests=60, block_tokens=16, full_size=4096))
+    reader = TraceReader(trace)
+    table = pa.Table.from_batches(list(reader.iter_batches()))
+    depth = table.column("depth").to_pylist()
+    w = Watcher(tmp_path / "watched.parquet", reader.meta)
+    start = 0
+    for i in range(1, len(depth)):  # tables as the writer gets them: whole top-level calls
+        if depth[i] == 0 and i - start >= 200:
+            w.feed(table.slice(start, i - start))
+            start = i
+    w.feed(table.slice(start))
+    w.finish()
+    assert w.status == "watching" and w.checked == reader.count_calls() > 500
+    assert dict(w.divergences) == {} and dict(w.violations) == {}

@@ -36,6 +36,9 @@ from kvreplay.trace.reader import TraceReader
 class BlockReplayer:
     """One replay of one block-pool trace against one build; ``run`` drives it."""
 
+    # The block-pool calls a manager call made are compared with their block ids.
+    nested_args = True
+
     def __init__(self, trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
@@ -178,7 +181,7 @@ class BlockReplayer:
         t0, c0 = time.perf_counter(), time.process_time()
         total, rows, last, stopped = self.reader.num_rows, 0, 0, False
         if calls is None:
-            calls = self.reader.top_calls(device="cpu", nested_args=True)
+            calls = self.reader.top_calls(device="cpu", nested_args=self.nested_args)
         with few_collections():
             for tc in calls:
                 rows += tc.rows

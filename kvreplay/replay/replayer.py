@@ -132,6 +132,10 @@ def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
 class Replayer:
     """One replay of one trace against one build; ``run`` drives it to the end."""
 
+    # Sub-allocator rows are compared by target and method only: their arguments are not
+    # decoded (a third of the work). Whoever feeds ``step`` decodes them this way.
+    nested_args = False
+
     def __init__(self, trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
@@ -341,7 +345,7 @@ class Replayer:
         seg = self.segment
         if calls is None:
             rows_from = None if seg is None else (seg.start_row, self.reader.num_rows)
-            calls = self.reader.top_calls(device=self.device, rows=rows_from, nested_args=False,
+            calls = self.reader.top_calls(device=self.device, rows=rows_from, nested_args=self.nested_args,
                                           number_from=0 if seg is None else seg.number_from)
         first_row = seg.start_row if seg is not None else 0
         with few_collections():
