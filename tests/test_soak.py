@@ -61,15 +61,18 @@ def test_a_server_recorded_for_half_an_hour_keeps_memory_and_disk_flat_and_every
     stop = threading.Event()
 
     def traffic() -> None:
-        # Steady, not flat out: rounds of Mooncake requests, two in flight, for SOAK_S seconds.
-        seed = 0
+        # Steady and light, as a fleet's quiet hours are (and so that the soak can run beside
+        # CI's other steps): four Mooncake requests, then four seconds of nothing, for SOAK_S s.
+        # The trace's requests in order (its shared prefixes meet the radix cache as they
+        # would), from the start again when they run out.
+        reqs = load_requests(MOONCAKE, count=3000, seed=0, block_tokens=16, length_scale=0.03, output_scale=0.2)
+        at = 0
         while not stop.is_set():
-            reqs = load_requests(MOONCAKE, count=40, seed=seed, block_tokens=16, length_scale=0.03,
-                                 output_scale=0.2)
-            res = drive(DriveConfig(url=server.url, concurrency=2, max_output=32), reqs)
+            res = drive(DriveConfig(url=server.url, concurrency=2, max_output=16), reqs[at:at + 4])
             served["ok"] += res.ok
             served["errors"] += res.errors
-            seed += 1
+            at = (at + 4) % (len(reqs) - 4)
+            stop.wait(4.0)
 
     driver = threading.Thread(target=traffic, daemon=True)
     try:
@@ -87,14 +90,15 @@ def test_a_server_recorded_for_half_an_hour_keeps_memory_and_disk_flat_and_every
         if server.proc.poll() is None:
             server.kill()
     assert code in (0, 143, -15), server.tail()
-    assert served["ok"] > 100 and served["errors"] == 0, served
+    assert served["ok"] > SOAK_S / 10 and served["errors"] == 0, served
     assert len(samples) > 20, "the watch's counters were not there to sample"
     report = _report(samples, part_s)
     print(report)
 
-    # Parts closed and retired all along; the disk a trace takes stays within the bound.
+    # Parts closed and retired all along (a part ends at the first batch after it is due:
+    # light traffic stretches each by up to its pauses); the disk a trace takes stays bounded.
     last = samples[-1]
-    assert last["parts_retired"] >= 30 - KEEP - 5, report
+    assert last["parts_retired"] >= 15, report
     assert max(s["parts"] for s in samples) <= KEEP, report
     late = [s for s in samples if s["t"] - samples[0]["t"] > SOAK_S / 4]
     assert max(s["disk"] for s in late) <= 1.5 * max(s["disk"] for s in samples if s not in late) + (4 << 20), report

@@ -5,6 +5,7 @@ builtin:vllm. Run by scripts/vllm-tier.sh (marker ``vllm``) in the vLLM venv."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -60,12 +61,13 @@ class VllmServer(RecordedServer):
     """A recorded vLLM OpenAI server of a tiny model on CPU, prefix caching on, a
     1,024-block pool."""
 
-    def __init__(self, model: Path, out: Path, block_size: int = 32) -> None:
+    def __init__(self, model: Path, out: Path, block_size: int = 32, record_args: tuple[str, ...] = ()) -> None:
         super().__init__(out, lambda port: [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
             "--block-size", str(block_size), "--max-model-len", "4096", "--num-gpu-blocks-override", "1024",
-            "--port", str(port)], start_s=START_S, name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+            "--port", str(port)], start_s=START_S, name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            record_args=record_args)
 
     def drive(self, n: int, output_scale: float = 0.5) -> object:
         reqs = load_requests(MOONCAKE, count=n, seed=0, block_tokens=32, length_scale=0.03,
@@ -91,7 +93,9 @@ def serve_then_ctrl_c(model: Path, out: Path, requests: int, block_size: int = 3
 
 
 def test_a_sigkill_of_the_engine_core_keeps_every_call_older_than_a_second(tiny, tmp_path):
-    server = VllmServer(tiny, tmp_path / "out")
+    """Watched as it records (--watch): the writer outlives the engine core, checks every
+    call it was handed on the installed vLLM, and finds nothing wrong with vLLM's own pool."""
+    server = VllmServer(tiny, tmp_path / "out", record_args=("--watch",))
     done: list[object] = []
     try:
         t = threading.Thread(target=lambda: done.append(server.drive(400, output_scale=1.0)), daemon=True)
@@ -122,6 +126,12 @@ def test_a_sigkill_of_the_engine_core_keeps_every_call_older_than_a_second(tiny,
                                                      "before the kill")
     r = replay(trace, "builtin:vllm", mode="strict", device="cpu")
     assert r.status == "clean", (r.first_divergence, r.first_violation)
+    findings = tmp_path / "out" / "kvreplay-watch.jsonl"
+    assert not findings.exists() or not findings.read_text().strip(), findings.read_text()
+    (metrics,) = (tmp_path / "out").glob(".kvreplay-metrics-*.json")
+    doc = json.loads(metrics.read_text())
+    assert doc["violations"] == {} and doc["divergences"] == {} and doc["unchecked"] == 0
+    assert doc["checked"] == doc["calls"] == r.calls_replayed, doc
 
 
 def test_the_corpus_vllm_trace_replays_strict_clean_on_the_installed_vllm():
