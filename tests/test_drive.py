@@ -75,3 +75,102 @@ def test_wait_gives_up_after_its_time_with_one_line(capsys):
 def test_a_negative_wait_is_bad_input(capsys):
     r = run(capsys, "drive", "http://127.0.0.1:1", "--wait", "-1", "-n", "1")
     assert r.returncode == 2 and "--wait" in r.stderr
+
+
+# A server that answers /generate wrongly, each in one of the ways a hostile or broken one
+# does; drive must count each request as failed, in bounded time and memory.
+class _Hostile(_Generate):
+    kind = "list"
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.kind == "silent":  # accepts, never answers
+            time.sleep(30)
+            return
+        self.send_response(200)
+        if self.kind == "list":
+            out = b"[1, 2, 3]"
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+        elif self.kind == "drip":  # a byte a second: no per-read timeout ever passes
+            self.end_headers()
+            try:
+                for _ in range(30):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            except OSError:
+                pass
+        elif self.kind == "huge":  # a 1 GiB body, sent as fast as it is read
+            self.send_header("Content-Length", str(1 << 30))
+            self.end_headers()
+            block = b" " * (1 << 20)
+            try:
+                for _ in range(1024):
+                    self.wfile.write(block)
+            except OSError:
+                pass
+
+
+def _hostile_server(kind: str) -> tuple[ThreadingHTTPServer, str]:
+    handler = type(f"_Hostile_{kind}", (_Hostile,), {"kind": kind})
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_answers_that_are_not_answers_are_failures_in_bounded_time_and_memory(capsys):
+    import resource
+
+    for kind, said in (("list", "bad answer"), ("silent", "timeout"), ("drip", "timeout"),
+                       ("huge", "bad answer: an answer over 16 MB")):
+        srv, url = _hostile_server(kind)
+        try:
+            t0 = time.monotonic()
+            r = run(capsys, "drive", url, "-n", "2", "-c", "2", "--timeout", "3", "--json")
+            took = time.monotonic() - t0
+        finally:
+            srv.shutdown()
+        assert r.returncode == 1, (kind, r.stderr)
+        res = json.loads(r.stdout)
+        assert res["ok"] == 0 and res["errors"] == 2, (kind, res)
+        assert any(said.lower() in k.lower() for k in res["error_kinds"]), (kind, res["error_kinds"])
+        assert took < 15, (kind, took)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 1_000_000  # KB: no answer was held whole
+
+
+def test_options_that_are_not_numbers_of_seconds_are_bad_input(capsys):
+    for flag, value in (("--wait", "nan"), ("--wait", "inf"), ("--timeout", "0"), ("--timeout", "nan"),
+                        ("--time-scale", "nan")):
+        r = run(capsys, "drive", "http://127.0.0.1:1", flag, value, "-n", "1")
+        assert r.returncode == 2 and flag in r.stderr, (flag, value, r.stderr)
+
+
+def test_a_hostile_workload_file_is_one_line_before_anything_is_sent(capsys, tmp_path):
+    good = {"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [1, 2]}
+    cases = {
+        "utf8.jsonl": b'{"timestamp": 0, "input_length": 1\xff\xfe, "output_length": 1}\n',
+        "utf8.csv": b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,\xff\xfe,3\n",
+        "deep.jsonl": ("[" * 100_000 + "]" * 100_000 + "\n").encode(),
+        "inf.jsonl": json.dumps({**good, "input_length": 1e400}).replace("Infinity", "1e400").encode(),
+        "huge.jsonl": json.dumps({**good, "output_length": 10 ** 12}).encode(),
+        "negative.jsonl": json.dumps({**good, "input_length": -5}).encode(),
+        "nan.jsonl": json.dumps({**good, "timestamp": float("nan")}).encode(),
+        "hash.jsonl": json.dumps(good).replace("[1, 2]", "[1e400]").encode(),
+        "negative.csv": b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,-4,3\n",
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    sparse = tmp_path / "sparse.jsonl"  # 2 GiB of one line: read a MiB at a time, refused at the first
+    with open(sparse, "wb") as f:
+        f.write(b'{"timestamp": 0, "x": "')
+        f.truncate(2 << 30)
+    for path in [*(tmp_path / n for n in cases), sparse]:
+        t0 = time.monotonic()
+        r = run(capsys, "drive", "http://127.0.0.1:1", "-w", str(path), "-n", "5")
+        assert r.returncode == 2, (path.name, r.stderr)
+        line = r.stderr.strip()
+        assert line.startswith("kvreplay: error:") and "\n" not in line and path.name in line, (path.name, line)
+        assert "Traceback" not in r.stderr and time.monotonic() - t0 < 10, path.name

@@ -185,6 +185,9 @@ def drive(
     wait: float = typer.Option(0.0, "--wait", metavar="SECONDS",
                                help="Wait up to this long for the server to answer (one still starting: "
                                "sglang on CPU takes minutes); 0: it must answer now."),
+    timeout: float = typer.Option(600.0, "--timeout", metavar="SECONDS",
+                                  help="Most a request may take, its whole answer included; past it the request "
+                                  "counts as failed."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Send a public request trace to a running server: real traffic to record.
@@ -211,7 +214,7 @@ def drive(
     reqs = load_requests(workload, count=requests, seed=seed, block_tokens=block_tokens, length_scale=length_scale,
                          output_scale=output_scale)
     cfg = DriveConfig(url=url, api=api, model=model, concurrency=concurrency, time_scale=time_scale, vocab=vocab,
-                      block_tokens=block_tokens, max_output=max_output, seed=seed, wait_s=wait)
+                      block_tokens=block_tokens, max_output=max_output, seed=seed, wait_s=wait, timeout_s=timeout)
     next_say = [0.0]
 
     def waiting(seconds: float) -> None:

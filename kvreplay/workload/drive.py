@@ -33,6 +33,12 @@ from kvreplay.workload.requests import Request
 
 APIS = ("sglang", "openai")
 FIRST_TOKEN = 3  # below: ids models keep for padding, BOS and EOS
+# A server's answer to one request: its token counts, a few KB. Read no more than this.
+MAX_ANSWER_BYTES = 16 << 20
+
+
+class BadAnswer(Exception):
+    """The server answered, but not with what the API answers (a list, no counts, too much)."""
 
 
 @dataclass
@@ -87,10 +93,28 @@ def prompt_ids(req: Request, block_tokens: int, vocab: int) -> list[int]:
 
 
 def _post(url: str, body: dict[str, object], timeout: float) -> dict[str, object]:
+    """POST ``body``; the JSON object answered, all of it within ``timeout`` seconds in
+    total (a server that answers a byte at a time does not get a fresh timeout per
+    byte), and at most MAX_ANSWER_BYTES of it."""
+    deadline = time.monotonic() + timeout
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the user's own server
-        return json.loads(resp.read())
+    with urllib.request.urlopen(req, timeout=min(timeout, 60.0)) as resp:  # noqa: S310 - the user's own server
+        chunks, got = [], 0
+        while chunk := resp.read1(65536):
+            got += len(chunk)
+            if got > MAX_ANSWER_BYTES:
+                raise BadAnswer(f"an answer over {MAX_ANSWER_BYTES >> 20} MB")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no whole answer within {timeout:g} s")
+            chunks.append(chunk)
+    try:
+        answer = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):
+        raise BadAnswer("an answer that is not JSON") from None
+    if not isinstance(answer, dict):
+        raise BadAnswer(f"a JSON {type(answer).__name__}, not an object")
+    return answer
 
 
 def _get(url: str, timeout: float) -> bytes:
@@ -107,8 +131,10 @@ def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = Non
         raise BadInput(f"server URL {cfg.url!r}: want http://HOST:PORT")
     if cfg.api not in APIS:
         raise BadInput(f"--api {cfg.api!r}: one of {', '.join(APIS)}")
-    if cfg.wait_s < 0:
-        raise BadInput(f"--wait must be >= 0 seconds, got {cfg.wait_s}")
+    if not 0 <= cfg.wait_s <= 86400:
+        raise BadInput(f"--wait must be 0..86400 seconds, got {cfg.wait_s}")
+    if not 0 < cfg.timeout_s <= 86400:
+        raise BadInput(f"--timeout must be a number of seconds in (0, 86400], got {cfg.timeout_s}")
     probe = "/health" if cfg.api == "sglang" else "/v1/models"
     t0 = time.monotonic()
     while True:
@@ -147,20 +173,32 @@ def _send(cfg: DriveConfig, model: str, req: Request) -> tuple[int, int, int]:
     if cfg.api == "sglang":
         got = _post(base + "/generate", {"input_ids": ids, "sampling_params": {
             "max_new_tokens": n_out, "ignore_eos": True, "temperature": 0}}, cfg.timeout_s)
-        meta = got.get("meta_info", {}) if isinstance(got, dict) else {}
-        meta = meta if isinstance(meta, dict) else {}
-        return (int(meta.get("prompt_tokens", len(ids))), int(meta.get("completion_tokens", n_out)),
-                int(meta.get("cached_tokens", 0)))
+        meta = got.get("meta_info")
+        if not isinstance(meta, dict):
+            raise BadAnswer("no meta_info in the answer: not sglang's /generate")
+        return (_count(meta.get("prompt_tokens", len(ids))), _count(meta.get("completion_tokens", n_out)),
+                _count(meta.get("cached_tokens", 0)))
     got = _post(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": n_out,
                                            "ignore_eos": True, "temperature": 0}, cfg.timeout_s)
-    usage = got.get("usage", {}) if isinstance(got, dict) else {}
+    if not isinstance(got.get("choices"), list):
+        raise BadAnswer("no choices in the answer: not an OpenAI completions server")
+    usage = got.get("usage", {})
     usage = usage if isinstance(usage, dict) else {}
     details = usage.get("prompt_tokens_details") or {}
-    cached = int(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0
-    return int(usage.get("prompt_tokens", len(ids))), int(usage.get("completion_tokens", n_out)), cached
+    cached = _count(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0
+    return _count(usage.get("prompt_tokens", len(ids))), _count(usage.get("completion_tokens", n_out)), cached
+
+
+def _count(v: object) -> int:
+    """A token count the server reported: a whole number no request can pass."""
+    if type(v) is not int or not 0 <= v <= 1 << 40:
+        raise BadAnswer(f"a token count of {str(v)[:20]}")
+    return v
 
 
 def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, BadAnswer):
+        return f"bad answer: {exc}"[:80]
     if isinstance(exc, urllib.error.HTTPError):
         return f"HTTP {exc.code}"
     if isinstance(exc, urllib.error.URLError):
@@ -176,8 +214,8 @@ def drive(cfg: DriveConfig, requests: Sequence[Request],
     the server is awaited (``check_server``)."""
     if cfg.concurrency < 1:
         raise BadInput(f"--concurrency must be at least 1, got {cfg.concurrency}")
-    if cfg.time_scale < 0:
-        raise BadInput(f"--time-scale must be >= 0 (0: no pauses), got {cfg.time_scale}")
+    if not 0 <= cfg.time_scale <= 1e6:
+        raise BadInput(f"--time-scale must be a number >= 0 (0: no pauses), got {cfg.time_scale}")
     model = check_server(cfg, waiting)
     res = DriveResult(cfg.url, cfg.api, requests=len(requests))
     lock = threading.Lock()

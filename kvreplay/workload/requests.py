@@ -8,10 +8,20 @@ import datetime as _dt
 import json
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvreplay.errors import BadInput
+
+# Bounds on what a workload file may ask for, checked as each record is read: a line is
+# read at most MAX_LINE bytes at a time (a file of one endless line is not read whole),
+# a length is a token count a request can have, an arrival time a finite number.
+MAX_LINE = 1 << 20
+MAX_TOKENS = 1 << 24
+MAX_BLOCKS_PER_REQUEST = 1 << 16
+_BAD_VALUES = (ValueError, KeyError, TypeError, OverflowError, RecursionError, IndexError, csv.Error)
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,11 @@ def load_requests(
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"workload file {p}: no such file")
-    head = p.read_text(errors="replace")[:4096].lstrip()
+    try:
+        with p.open("rb") as f:
+            head = f.read(4096).decode(errors="replace").lstrip()
+    except OSError as exc:
+        raise BadInput(f"workload file {p}: cannot read it ({exc.strerror or exc})") from None
     if head.startswith("{"):
         reqs = _mooncake(p, count, block_tokens, length_scale, output_scale)
     elif head.upper().startswith("TIMESTAMP"):
@@ -55,6 +69,49 @@ def load_requests(
     return reqs
 
 
+def _lines(f: Any, p: Path) -> Iterator[str]:
+    """The file's lines, each read at most MAX_LINE bytes at a time: a longer one is
+    refused, never read whole (a workload of one endless line is a hostile file)."""
+    lineno = 0
+    while True:
+        try:
+            line = f.readline(MAX_LINE + 1)
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"{p}: not UTF-8 text (after line {lineno}: {exc.reason})") from None
+        if not line:
+            return
+        lineno += 1
+        if len(line) > MAX_LINE:
+            raise BadInput(f"{p}:{lineno}: a line longer than {MAX_LINE:,} characters; not a workload record")
+        yield line
+
+
+def _tokens(value: Any, what: str) -> int:
+    """A token count from a record: a whole number in 0..MAX_TOKENS (10.0 is 10)."""
+    n = int(value) if not isinstance(value, bool) and float(value) == int(value) else None
+    if n is None or not 0 <= n <= MAX_TOKENS:
+        raise ValueError(f"{what} must be a whole number of tokens in 0..{MAX_TOKENS:,}, not {str(value)[:30]}")
+    return n
+
+
+def _time(value: Any) -> float:
+    t = float(value)
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"timestamp must be a finite number >= 0, not {str(value)[:30]}")
+    return t
+
+
+def _block_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_BLOCKS_PER_REQUEST:
+        raise ValueError(f"hash_ids must be a list of at most {MAX_BLOCKS_PER_REQUEST:,} ids")
+    out = []
+    for h in value:
+        if type(h) is not int or not 0 <= h < 1 << 48:
+            raise ValueError(f"hash_ids must be whole numbers in 0..2^48, not {str(h)[:30]}")
+        out.append(h)
+    return tuple(out)
+
+
 def _scaled(n: int, scale: float) -> int:
     return max(1, int(round(n * scale)))
 
@@ -62,20 +119,21 @@ def _scaled(n: int, scale: float) -> int:
 def _mooncake(p: Path, count: int, block_tokens: int, scale: float, out_scale: float | None) -> list[Request]:
     out_scale = scale if out_scale is None else out_scale
     out: list[Request] = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(_lines(f, p), 1):
             if len(out) >= count:
                 break
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
-                inp = _scaled(int(d["input_length"]), scale)
-                blocks = tuple(int(h) for h in d.get("hash_ids", []))
-                out.append(Request(len(out), float(d["timestamp"]), inp, _scaled(int(d["output_length"]), out_scale),
+                inp = _scaled(_tokens(d["input_length"], "input_length"), scale)
+                blocks = _block_ids(d.get("hash_ids", []))
+                out.append(Request(len(out), _time(d["timestamp"]), inp,
+                                   _scaled(_tokens(d["output_length"], "output_length"), out_scale),
                                    _rescale_blocks(blocks, inp, block_tokens)))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise BadInput(f"{p}:{lineno}: bad Mooncake record ({exc})") from None
+            except _BAD_VALUES as exc:
+                raise BadInput(f"{p}:{lineno}: bad Mooncake record ({str(exc)[:200]})") from None
     return out
 
 
@@ -94,18 +152,21 @@ def _azure(p: Path, count: int, block_tokens: int, scale: float, out_scale: floa
     out_scale = scale if out_scale is None else out_scale
     out: list[Request] = []
     t0: _dt.datetime | None = None
-    with p.open(newline="") as f:
-        reader = csv.DictReader(f)
-        for lineno, row in enumerate(reader, 2):
-            if len(out) >= count:
-                break
+    with p.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(_lines(f, p))
+        lineno = 1
+        while len(out) < count:
+            lineno += 1
             try:
+                row = next(reader, None)
+                if row is None:
+                    break
                 ts = _dt.datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
                 t0 = t0 or ts
-                inp = _scaled(int(row["ContextTokens"]), scale)
-                outp = _scaled(int(row["GeneratedTokens"]), out_scale)
-            except (ValueError, KeyError, TypeError) as exc:
-                raise BadInput(f"{p}:{lineno}: bad Azure record ({exc})") from None
+                inp = _scaled(_tokens(row["ContextTokens"], "ContextTokens"), scale)
+                outp = _scaled(_tokens(row["GeneratedTokens"], "GeneratedTokens"), out_scale)
+            except _BAD_VALUES as exc:
+                raise BadInput(f"{p}:{lineno}: bad Azure record ({str(exc)[:200]})") from None
             rid = len(out)
             # No prefix information: every block is unique to its request.
             blocks = tuple(-(rid * 100_000 + i) - 1 for i in range(math.ceil(inp / block_tokens)))
