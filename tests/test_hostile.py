@@ -768,3 +768,39 @@ def test_a_snapshot_bigger_than_its_pool_is_refused_before_it_is_inflated(tmp_pa
     err = "".join(f"{ln}\n" for ln in res.stderr.strip().splitlines()[:-1] if not ln.startswith("Command exited"))
     assert res.returncode == 2 and "snapshot" in err and err.count("\n") == 1, res.stderr[-500:]
     assert peak_kb < 600_000 and time.monotonic() - t0 < 60 and not (tmp_path / "k.db").exists()
+
+
+def test_profile_refuses_damage_and_traces_that_do_not_compare(tmp_path, cli):
+    src = CORPUS / "decode-1000.parquet"
+    rows, schema = _rows(src)
+
+    def variant(name: str, edit) -> Path:
+        changed = [dict(r) for r in rows]  # copies of what an edit changes
+        for r in changed:
+            r["args"] = [dict(a) for a in r["args"]]
+        edit(changed)
+        return _write(changed, schema, tmp_path / name)
+
+    def first(rs, method):
+        return next(r for r in rs if r["method"] == method)
+
+    def text_lengths(rs):
+        a = first(rs, "alloc_extend")["args"][0]
+        a.update(kind="str", s="many", data=None, shape=None, dtype=None)
+
+    def bool_lengths(rs):
+        a = first(rs, "alloc_extend")["args"][2]
+        a.update(kind="bool", i=1, data=None, shape=None, dtype=None)
+
+    def unknown(rs):
+        rs[3]["method"] = "frobnicate"
+
+    for name, edit in (("text.parquet", text_lengths), ("bool.parquet", bool_lengths), ("unknown.parquet", unknown)):
+        _bad(cli("profile", str(variant(name, edit))), name)
+    _bad(cli("profile", str(src), "--against", str(VLLM_LIVE)), "do not compare")
+    marked = tmp_path / "[bold]x[link=https:" / "evil]y.parquet"  # markup a terminal would act on
+    marked.parent.mkdir()
+    marked.write_bytes(src.read_bytes())
+    res = cli("profile", str(marked))
+    assert res.returncode == 0 and "[bold]x[link=https:/evil]y.parquet" in "".join(res.stdout.split())
+    assert "\x1b]8;" not in res.stdout

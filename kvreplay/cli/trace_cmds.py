@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvreplay.cli import base
@@ -197,7 +198,7 @@ def profile(
         if as_json:
             emit_json(a.to_dict())
             return
-        t = Table(title=f"{trace}: {a.family} pool, {a.calls} calls ({a.counter_reads} counter reads), "
+        t = Table(title=f"{escape(trace)}: {a.family} pool, {a.calls} calls ({a.counter_reads} counter reads), "
                         f"{a.requests or '?'} requests")
         for col in ("figure", "value"):
             t.add_column(col)
@@ -218,7 +219,7 @@ def profile(
     if as_json:
         emit_json(cmp.to_dict())
         return
-    t = Table(title=f"{against} against {trace}")
+    t = Table(title=f"{escape(against)} against {escape(trace)}")
     for col in ("figure", "first", "second", "second/first"):
         t.add_column(col)
     for figure, x, y, r in cmp.rows:

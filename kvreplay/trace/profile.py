@@ -19,7 +19,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.pool_api import COUNTER_METHODS, sub_pool_sizes
+from kvreplay.errors import BadInput, TraceFormatError
+from kvreplay.pool_api import COUNTER_METHODS, SLOT_FAMILIES, sub_pool_sizes
 from kvreplay.trace.reader import TraceReader
 
 GROUP_METHODS = ("free_group_begin", "free_group_end")
@@ -35,17 +36,17 @@ def _quantiles(values: list[int]) -> dict[str, float]:
 
 
 def _length(value: Any) -> int:
-    try:
+    """How many entries a per-request argument (a tensor or a list of numbers) has."""
+    if hasattr(value, "numel"):
         return int(value.numel())
-    except AttributeError:
-        return len(value) if isinstance(value, (list, tuple)) else 1
+    if isinstance(value, (list, tuple)) and all(type(x) is int for x in value):
+        return len(value)
+    raise TypeError(f"a {type(value).__name__} where a tensor or a list of numbers belongs")
 
 
 def _total(value: Any) -> int:
-    try:
-        return int(value.sum())
-    except AttributeError:
-        return int(sum(value)) if isinstance(value, (list, tuple)) else int(value or 0)
+    _length(value)  # the same kinds only
+    return int(value.sum()) if hasattr(value, "sum") else int(sum(value))
 
 
 @dataclass
@@ -81,6 +82,7 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
     """The traffic profile of the trace at ``path`` (``requests``: the count, where
     the trace cannot tell it)."""
     reader = TraceReader(path)
+    reader.check_calls()  # known methods, sane rows and values, before any figure is taken
     meta = reader.meta
     capacity = max(1, next(iter(sub_pool_sizes(meta.family, meta.ctor_args).values())))
     counter = "full_available" if meta.family == "swa" else "available"  # the first pool's, as capacity
@@ -96,64 +98,73 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
     used: list[float] = []
     request_ids: set[str] = set()  # vLLM's family names its requests
     step_allocs = 0
-    for c in reader.calls(top_level_only=True):
-        m = c.method
-        if m in COUNTER_METHODS:
-            reads += 1
-        else:
-            methods[m] += 1
-        available = c.counters.get(counter) if c.counters else None
-        if available is not None:
-            used.append(1.0 - available / capacity)
-        if m == "free_group_begin":
-            depth += 1
-            groups += 1
-        elif m == "free_group_end":
-            depth = max(0, depth - 1)
-        elif m.startswith("free"):
-            if depth:
-                frees_in_groups += 1
-            for name in ("free_index", "indices", "full_indices"):
-                if name in c.args:
-                    freed.append(_length(c.args[name]))
-                    break
+    c = None
+    try:
+        for c in reader.calls(top_level_only=True):
+            m = c.method
+            if m in COUNTER_METHODS:
+                reads += 1
             else:
-                segs = c.args.get("segments")
-                if isinstance(segs, (list, tuple)):  # (indices, start_pos) pairs
-                    freed.append(sum(_length(seg[0]) for seg in segs if isinstance(seg, (list, tuple)) and seg))
-        elif m == "alloc_extend" or m == "alloc_extend_swa_tail":
-            p, s = c.args.get("prefix_lens"), c.args.get("seq_lens")
-            if p is not None and s is not None:
-                n = _length(p)
-                extended += n
-                prefix += _total(p)
-                seqs += _total(s)
-                try:
-                    extend.extend(int(x) for x in (s - p).tolist())
-                except (AttributeError, TypeError):
-                    pass
-        elif m == "alloc_decode":
-            s = c.args.get("seq_lens")
-            if s is not None:
-                decode.append(_length(s))
-        elif m == "alloc":
-            n = c.args.get("need_size")
-            if n is not None:
-                extend.append(int(n))
-        elif m == "new_step_starts":  # vLLM: a scheduler step; its running requests' allocations
-            if step_allocs:
-                decode.append(step_allocs)
-            step_allocs = 0
-        elif m == "allocate_slots":
-            rid, n, hit = c.args.get("request_id"), c.args.get("num_new_tokens"), c.args.get("num_new_computed_tokens")
-            if isinstance(rid, str):
-                request_ids.add(rid)
-            if c.args.get("request_status") == "RUNNING":
-                step_allocs += 1
-            elif isinstance(n, int) and isinstance(hit, int):  # an admission: the prompt past its cached prefix
-                extend.append(n)
-                prefix += hit
-                seqs += hit + n
+                methods[m] += 1
+            available = c.counters.get(counter) if c.counters else None
+            if available is not None:
+                used.append(1.0 - available / capacity)
+            if m == "free_group_begin":
+                depth += 1
+                groups += 1
+            elif m == "free_group_end":
+                depth = max(0, depth - 1)
+            elif m.startswith("free"):
+                if depth:
+                    frees_in_groups += 1
+                for name in ("free_index", "indices", "full_indices"):
+                    if name in c.args:
+                        freed.append(_length(c.args[name]))
+                        break
+                else:
+                    segs = c.args.get("segments")
+                    if isinstance(segs, (list, tuple)):  # (indices, start_pos) pairs
+                        freed.append(sum(_length(seg[0]) for seg in segs if isinstance(seg, (list, tuple)) and seg))
+            elif m == "alloc_extend" or m == "alloc_extend_swa_tail":
+                p, s = c.args.get("prefix_lens"), c.args.get("seq_lens")
+                if p is not None and s is not None:
+                    n = _length(p)
+                    extended += n
+                    prefix += _total(p)
+                    seqs += _total(s)
+                    try:
+                        extend.extend(int(x) for x in (s - p).tolist())
+                    except (AttributeError, TypeError):
+                        pass
+            elif m == "alloc_decode":
+                s = c.args.get("seq_lens")
+                if s is not None:
+                    decode.append(_length(s))
+            elif m == "alloc":
+                n = c.args.get("need_size")
+                if n is not None:
+                    if type(n) is not int:
+                        raise TypeError(f"need_size is a {type(n).__name__}, not a number")
+                    extend.append(n)
+            elif m == "new_step_starts":  # vLLM: a scheduler step; its running requests' allocations
+                if step_allocs:
+                    decode.append(step_allocs)
+                step_allocs = 0
+            elif m == "allocate_slots":
+                rid, n = c.args.get("request_id"), c.args.get("num_new_tokens")
+                hit = c.args.get("num_new_computed_tokens")
+                if isinstance(rid, str):
+                    request_ids.add(rid)
+                if c.args.get("request_status") == "RUNNING":
+                    step_allocs += 1
+                elif isinstance(n, int) and isinstance(hit, int):  # an admission: the prompt past its cached prefix
+                    extend.append(n)
+                    prefix += hit
+                    seqs += hit + n
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RuntimeError) as exc:
+        where = f"the call at row {c.seq} ({c.method[:40]})" if c is not None else "a call"
+        raise TraceFormatError(f"{reader.path}: {where} has arguments its method does not take "
+                               f"({type(exc).__name__}: {str(exc)[:120]})") from None
     step = max(1, len(used) // OCCUPANCY_POINTS)
     notes = []
     if step_allocs:
@@ -192,7 +203,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compare(a: TraceProfile, b: TraceProfile) -> Comparison:
-    """Figure by figure, ``b`` against ``a`` (``a``: the live server, by convention)."""
+    """Figure by figure, ``b`` against ``a`` (``a``: the live server, by convention).
+    Only traffic of one engine compares: sglang's pools (token, paged, SWA) with each
+    other, vLLM's manager with itself."""
+    if a.family != b.family and not (a.family in SLOT_FAMILIES and b.family in SLOT_FAMILIES):
+        raise BadInput(f"{b.path} records a {b.family} pool and {a.path} a {a.family} pool: their figures do not "
+                       "compare (profile --against takes two traces of one engine)")
     rows: list[tuple[str, float | None, float | None, float | None]] = []
     pa, pb = a.per_request(), b.per_request()
     for m in sorted(set(pa) | set(pb)):
