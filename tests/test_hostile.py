@@ -804,3 +804,20 @@ def test_profile_refuses_damage_and_traces_that_do_not_compare(tmp_path, cli):
     res = cli("profile", str(marked))
     assert res.returncode == 0 and "[bold]x[link=https:/evil]y.parquet" in "".join(res.stdout.split())
     assert "\x1b]8;" not in res.stdout
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "dangling"])
+def test_a_manifest_that_is_not_a_file_is_bad_input_not_a_folder_of_traces(tmp_path, cli, kind):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / PAGE0.name).write_bytes(PAGE0.read_bytes())
+    manifest = corpus / "manifest.json"
+    if kind == "dir":
+        manifest.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(manifest)
+    else:
+        manifest.symlink_to(tmp_path / "gone.json")
+    db = tmp_path / "k.db"
+    _bad(cli("ci", str(corpus), "--build", "builtin:swa", "--db", f"sqlite:///{db}"), "not a manifest file")
+    assert not db.exists()

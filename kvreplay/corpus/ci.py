@@ -69,7 +69,11 @@ def plan(corpus: str | Path, build: str) -> list[Case]:
     """The cases: from the manifest, or, for a directory of traces without one (a
     hive-partitioned fleet dump), every trace in it, which must replay clean."""
     root = local_path(corpus)  # a remote corpus is mirrored here first
-    if root.is_dir() and not (root / MANIFEST).is_file():
+    named = root / MANIFEST
+    if root.is_dir() and (named.is_symlink() or named.exists()) and not named.is_file():
+        # a manifest that is a directory, a FIFO, a dangling link: not "no manifest"
+        raise BadInput(f"{named}: not a manifest file (a directory, a pipe or a broken link)")
+    if root.is_dir() and not named.is_file():
         return [Case(t.name, t.location, "", build, "strict", None, t.partition) for t in corpus_traces(corpus)]
     cases = []
     remote = is_remote(str(corpus))
