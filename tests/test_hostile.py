@@ -821,3 +821,22 @@ def test_a_manifest_that_is_not_a_file_is_bad_input_not_a_folder_of_traces(tmp_p
     db = tmp_path / "k.db"
     _bad(cli("ci", str(corpus), "--build", "builtin:swa", "--db", f"sqlite:///{db}"), "not a manifest file")
     assert not db.exists()
+
+
+@pytest.mark.parametrize("attention", ["sliding_window:abc", "sliding_window:-5", "sliding_window:", "sliding_window",
+                                       "sliding_window:0", "full,,full", "full;rm -rf"])
+def test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds(tmp_path, cli, attention):
+    trace = _vllm_variant(tmp_path, "att.parquet", ctor={"attention": attention})
+    _bad(cli("replay", str(trace), "-b", "builtin:vllm", "--db", str(tmp_path / "k.db")), "attention")
+    assert not (tmp_path / "k.db").exists()
+
+
+@pytest.mark.parametrize("row, method, trace, build", [
+    (0, "alloc_extend", VLLM_LIVE, "builtin:vllm"), (50, "free_group_begin", VLLM_LIVE, "builtin:vllm"),
+    (3, "allocate_slots", PAGE0, "builtin:swa"), (0, "get_new_blocks", PAGE0, "builtin:swa")])
+def test_rows_of_the_other_engines_methods_are_damage(tmp_path, cli, row, method, trace, build):
+    rows, schema = _rows(trace)
+    rows[row] = {**rows[row], "method": method, "args": []}
+    bad = _write(rows, schema, tmp_path / "mixed.parquet")
+    _bad(cli("replay", str(bad), "-b", build, "--db", str(tmp_path / "k.db")), "another engine's pools")
+    assert not (tmp_path / "k.db").exists()

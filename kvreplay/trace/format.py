@@ -57,6 +57,7 @@ MAX_TRACE_FOLDED_READS = _limit("KVREPLAY_MAX_TRACE_FOLDED_READS", 1 << 28)
 FOLD_MAX = 8  # distinct counter reads in a fold's pattern (recorder/layout.py's)
 MAX_JSON_DEPTH = 32  # of any JSON a trace or manifest holds; real ones nest 4 deep
 SCHEMA_VERSION_TEXT = re.compile(r"^[1-9][0-9]{0,5}$")
+ATTENTION_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")  # a KV-cache group's kind, as recorded
 
 
 def parse_json(text: str, what: str) -> Any:
@@ -273,6 +274,13 @@ def check_ctor_args(family: str, args: dict[str, Any]) -> None:
             # say which they can construct (full attention, so far)
             raise ValueError(f"constructor argument attention must name the manager's attention kinds, not "
                              f"{str(att)[:40]!r}")
+        for group in att.split(","):
+            kind, colon, width = group.partition(":")
+            sized = not colon or (width.isdigit() and 0 < int(width) < 1 << 31)
+            ok = ATTENTION_KIND.match(kind) is not None and sized
+            if not ok or (kind == "sliding_window" and not colon):
+                raise ValueError(f"constructor argument attention: {group[:40]!r} is not a KV-cache group (full, "
+                                 "sliding_window:W with a window of W > 0 tokens, or a spec's name)")
 
 
 @dataclass(slots=True)

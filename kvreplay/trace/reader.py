@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.pool_api import API_METHODS, COUNTER_READS, sub_pool_sizes
+from kvreplay.pool_api import API_METHODS, COUNTER_READS, methods_of, sub_pool_sizes
 from kvreplay.trace.footer import row_group_counts
 from kvreplay.trace.format import (
     ADDED_COLUMNS,
@@ -174,7 +174,8 @@ class TraceReader:
         calls = folds = 0
         last_seq = -1
         first = True
-        names = API_METHODS | {GAP_METHOD, CHECKPOINT_METHOD}
+        # the methods of this trace's family: another family's rows are damage, not calls a build lacks
+        names = frozenset(methods_of(self.meta.family)) | {GAP_METHOD, CHECKPOINT_METHOD}
         # (the columns a version 1 trace lacks come last: the reader adds them there)
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
                                                 "result.dtype", "args.list.element.s", "result.s", "exc_type",
@@ -208,8 +209,10 @@ class TraceReader:
                 raise TraceFormatError(f"{self.path}: call depth outside 0..{MAX_DEPTH}")
             unknown = set(pc.unique(method).to_pylist()) - names
             if unknown:
-                raise TraceFormatError(f"{self.path}: rows name {sorted(map(repr, unknown))[0]}, not a method "
-                                       "of the allocator API")
+                name = sorted(unknown)[0]
+                whose = f"a method of another engine's pools, not of a {self.meta.family} pool" \
+                    if name in API_METHODS else "not a method of the allocator API"
+                raise TraceFormatError(f"{self.path}: rows name {name[:64]!r}, {whose}")
             odd = set(pc.unique(target).to_pylist()) - TARGETS
             if odd:
                 raise TraceFormatError(f"{self.path}: rows target {sorted(map(repr, odd))[0]}, not a pool "
