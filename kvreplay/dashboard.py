@@ -9,7 +9,9 @@ and the report pages of ``kvreplay.report``, whose assets are served once."""
 from __future__ import annotations
 
 import datetime as dt
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -191,9 +193,10 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
 
 
 def serve(store: Store, *, host: str = "127.0.0.1", port: int = 8765,
-          listening: Callable[[str], None] | None = None) -> None:
+          listening: Callable[[str], None] | None = None) -> int | None:
     """Serve until interrupted (Werkzeug's server: for one user, not the internet).
-    ``port`` 0 takes a free one; ``listening`` is told the URL once the socket is bound."""
+    ``port`` 0 takes a free one; ``listening`` is told the URL once the socket is bound.
+    Returns the signal that stopped it (SIGINT, SIGTERM), if one did."""
     from werkzeug.serving import make_server
 
     # Werkzeug answers a busy port by printing and exiting; try it first, as it would bind.
@@ -211,12 +214,23 @@ def serve(store: Store, *, host: str = "127.0.0.1", port: int = 8765,
     app["wsgi"] = create_app(store, hosts=frozenset(f"{n}:{port}" for n in names) if names else None)
     if listening is not None:
         listening(f"http://{'[' + host + ']' if ':' in host else host}:{port}/")
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt  # Werkzeug's loop ends on it (and keeps it to itself)
+
+    own = threading.current_thread() is threading.main_thread()
+    before = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)} if own else {}
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        for s, h in before.items():
+            signal.signal(s, h)
         server.server_close()
+    return stopped_by[0] if stopped_by else None
 
 
 __all__ = ["create_app", "serve"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvreplay.report.reports import stored_run_report, write_report
 from kvreplay.scratch import outer_tmp
-from kvreplay.store.db import open_store
+from kvreplay.store.db import open_store, safe_url
 from kvreplay.store.runs import get_run, run_to_dict
 from kvreplay.stored_replay import StoredReplay, replay_and_store
 from kvreplay.workload.synth import SynthConfig, SynthResult, synthesize
@@ -23,6 +23,7 @@ class DemoResult:
     buggy: StoredReplay
     stored: dict[str, Any]
     report: Path | None = None  # the bug run's HTML report
+    database: str = ""  # where the runs were stored, as a --db value shows it
 
     @property
     def ok(self) -> bool:
@@ -47,10 +48,11 @@ def demo(*, db: str | None = None, out_dir: str | Path | None = None, requests: 
     buggy = replay_and_store(synth.path, "builtin:swa@stale-tail", db=db)
     st = open_store(db)
     try:
+        where = st.url.removeprefix("sqlite:///") if st.url.startswith("sqlite:///") else safe_url(st.url)
         stored = run_to_dict(get_run(st, buggy.run_id), details=True) if buggy.run_id else {}
         report = write_report(stored_run_report(st, buggy.run_id), out / "report.html") if buggy.run_id else None
     finally:
         st.close()
     if report is not None:
         say(f"wrote the bug run's report: {report}")
-    return DemoResult(synth, clean, buggy, stored, report)
+    return DemoResult(synth, clean, buggy, stored, report, where)

@@ -39,4 +39,10 @@ if __name__ == "__main__":
     ap.add_argument("--swa", type=int, default=0, metavar="WINDOW", help="hybrid sliding-window model")
     ap.add_argument("--vocab", type=int, default=2048)
     a = ap.parse_args()
-    print(make(a.out, a.swa, a.vocab))
+    try:
+        print(make(a.out, a.swa, a.vocab))
+    except ModuleNotFoundError as exc:  # the server's venv has them; a bare one may not
+        raise SystemExit(f"tiny_model.py: needs {exc.name} (pip install torch transformers, or run it with the "
+                         "Python of the server's venv)") from None
+    except OSError as exc:
+        raise SystemExit(f"tiny_model.py: cannot write {a.out}: {exc.strerror or exc}") from None

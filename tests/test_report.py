@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -276,3 +281,24 @@ def test_segments_read_as_segments_in_a_report():
 
     got = summarise([(torch.tensor([8, 9, 10, 11]), 16), (torch.tensor([40, 41]), 32)])
     assert got == ["from 16: [8 9 10 11] (4; 8..11)", "from 32: [40 41] (2; 40..41)"]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_serve_stops_on_ctrl_c_with_130_and_on_sigterm_cleanly(store_with_runs, sig, code):
+    from servers import free_port
+
+    db, _, _ = store_with_runs
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "serve", "--db", db, "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.2)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == code, err
+    assert "stopped" in err and "error" not in err and "Traceback" not in err

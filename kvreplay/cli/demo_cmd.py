@@ -30,7 +30,7 @@ def demo(
     if as_json:
         emit_json({"trace": str(res.trace.path), "clean": {**res.clean.report.to_dict(), "run_id": res.clean.run_id},
                    "buggy": {**res.buggy.report.to_dict(), "run_id": res.buggy.run_id}, "stored": res.stored,
-                   "report": str(res.report) if res.report else None, "ok": res.ok})
+                   "report": str(res.report) if res.report else None, "database": res.database, "ok": res.ok})
         raise typer.Exit(0 if res.ok else 1)
     say(f"trace: {res.trace.path} ({res.trace.calls} calls, {res.trace.requests_done} requests)")
     render_report(res.clean.report)
@@ -39,4 +39,10 @@ def demo(
     render_stored(res.stored)
     if res.report is not None:
         say(f"report of the bug run (open it in a browser): {res.report}", "bold")
+    runs = f"runs {res.clean.run_id} and {res.buggy.run_id} stored in {res.database} (kvreplay runs --db ...)"
+    if res.ok:
+        say(f"demo passed: builtin:swa replays clean, and the seed bug is caught at call "
+            f"#{res.buggy.report.first_violation.call}; {runs}", "green")
+    else:
+        say(f"demo FAILED: the clean pool did not replay clean or the seed bug was not caught; {runs}", "red")
     raise typer.Exit(0 if res.ok else 1)

@@ -3,6 +3,7 @@ dashboard over the store)."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import typer
@@ -79,6 +80,10 @@ def serve(
         say(f"kvreplay dashboard on {at} serving {where} (read-only; Ctrl-C stops it)", to_err=True)
 
     try:
-        run_server(st, host=host, port=port, listening=listening)
+        sig = run_server(st, host=host, port=port, listening=listening)
     finally:
         st.close()
+    if sig is not None:
+        # SIGTERM is how a service manager stops it (exit 0); Ctrl-C is an interruption (130).
+        say("kvreplay dashboard stopped", to_err=True)
+        raise SystemExit(130 if sig == signal.SIGINT else 0)  # said already: no "error: interrupted" line

@@ -119,6 +119,18 @@ def _refuse_newer(engine: Engine, url: str) -> None:
                        "upgrade kvreplay to use it")
 
 
+def _driver_hint(url: str, exc: BaseException) -> str:
+    """What to install or type when SQLAlchemy cannot load the URL's driver."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "postgres":  # SQLAlchemy's name for it is postgresql
+        return "; write postgresql:// (with pip install 'psycopg[binary]'), not postgres://"
+    if scheme.startswith("postgresql") and isinstance(exc, ImportError):
+        driver = scheme.partition("+")[2] or "psycopg2"
+        package = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary"}.get(driver, driver)
+        return f"; PostgreSQL needs a driver here: pip install {package} (or postgresql+psycopg:// with psycopg)"
+    return ""
+
+
 def open_store(db: str | None = None, *, migrate: bool = True, existing: bool = False) -> Store:
     """Open (creating or migrating as needed) the store; BadInput if it cannot be.
     ``existing``: a command that only reads (show, runs, report, serve) opens a SQLite
@@ -131,7 +143,7 @@ def open_store(db: str | None = None, *, migrate: bool = True, existing: bool = 
     try:
         engine = create_engine(url)
     except (SQLAlchemyError, ValueError, ImportError) as exc:
-        raise BadInput(f"cannot open database {safe_url(url)}: {exc}") from None
+        raise BadInput(f"cannot open database {safe_url(url)}: {exc}{_driver_hint(url, exc)}") from None
     if engine.dialect.name == "sqlite":
         _sqlite_pragmas(engine)
     try:
