@@ -25,7 +25,6 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from kvreplay.errors import BadInput
@@ -244,15 +243,22 @@ def drive(cfg: DriveConfig, requests: Sequence[Request],
                 with lock:
                     progress(res, len(requests))
 
-    with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="kvreplay-drive") as pool:
-        for req in requests:
-            if cfg.time_scale > 0:
-                due = t0 + (req.arrival_ms - first_ms) / 1000.0 * cfg.time_scale
-                pause = due - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
-            slots.acquire()
-            pool.submit(one, req)
+    # Daemon threads, not an executor's: on Ctrl-C or SIGTERM the interpreter must not wait
+    # for requests in flight (up to --timeout each) before it exits.
+    threads = []
+    for req in requests:
+        if cfg.time_scale > 0:
+            due = t0 + (req.arrival_ms - first_ms) / 1000.0 * cfg.time_scale
+            pause = due - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+        slots.acquire()
+        t = threading.Thread(target=one, args=(req,), name="kvreplay-drive", daemon=True)
+        t.start()
+        threads.append(t)
+        threads = [t for t in threads if t.is_alive()]
+    for t in threads:
+        t.join()
     res.elapsed_s = round(time.monotonic() - t0, 3)
     res.error_kinds = dict(errors)
     return res
