@@ -840,3 +840,20 @@ def test_rows_of_the_other_engines_methods_are_damage(tmp_path, cli, row, method
     bad = _write(rows, schema, tmp_path / "mixed.parquet")
     _bad(cli("replay", str(bad), "-b", build, "--db", str(tmp_path / "k.db")), "another engine's pools")
     assert not (tmp_path / "k.db").exists()
+
+
+def test_a_database_url_without_its_driver_says_what_to_install_or_type(tmp_path, cli):
+    _bad(cli("show", "1", "--db", "postgres://u@localhost/kv"), "write postgresql://")
+    _bad(cli("show", "1", "--db", "postgresql+pg8000://u@localhost/kv"), "pip install pg8000")
+
+
+def test_tiny_model_without_transformers_is_one_line(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        pytest.skip("transformers is installed here")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tiny_model.py"
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "m")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 1 and "needs transformers" in res.stderr and "Traceback" not in res.stderr
+    assert res.stderr.count("\n") == 1
