@@ -126,6 +126,11 @@ SLOW_TESTS = {
 # Single cases: the SIGKILL timing matrix (the fast tier keeps
 # test_sigkill_keeps_a_small_last_batch[native], a kill -9 of its own), and more.
 SLOW_CASES = {
+    # 2,000 cases of the other surfaces' fuzz (workloads, answers, build specs, serve URLs)
+    "test_hostile_workload_files[slow]",
+    "test_hostile_server_answers[slow]",
+    "test_hostile_build_specs[slow]",
+    "test_hostile_dashboard_urls[slow]",
     "test_other_corpus_bugs_shrink_too[radix-swa-800-builtin:swa@deferred-lookup]",
     "test_jobs_give_the_serial_run[remap-builtin:swa@page-partial-clear]",
     "test_jobs_give_the_serial_run[remap-builtin:swa@unfiltered-page0]",
