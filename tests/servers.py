@@ -151,9 +151,11 @@ def screenshot_dir(tmp: Path) -> Path:
 
 
 
-def pids(where: str, *parts: bytes) -> list[int]:
+def pids(where: str, *parts: bytes, under: int | None = None) -> list[int]:
     """Processes whose /proc/PID/<where> file (cmdline, environ, comm) holds every one
-    of ``parts``; processes that end while being read are passed over."""
+    of ``parts``; processes that end while being read are passed over. ``under``: only
+    descendants of that process (another server on the machine, the soak's beside the
+    live tier, has processes of the same names)."""
     from pathlib import Path
 
     out = []
@@ -163,9 +165,23 @@ def pids(where: str, *parts: bytes) -> list[int]:
                 text = Path(f"/proc/{d}/{where}").read_bytes()
             except OSError:
                 continue
-            if all(p in text for p in parts):
+            if all(p in text for p in parts) and (under is None or _descends(int(d), under)):
                 out.append(int(d))
     return out
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            pid = int(stat[stat.rindex(")") + 2:].split()[1])  # the field after the state: the parent
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid <= 1:
+            return False
+    return False
 
 
 def run_page_block(block: str, tmp: Path, work: Path, port_written: str, timeout: float) -> dict[str, tuple[int, str]]:

@@ -65,7 +65,8 @@ class Server(RecordedServer):
 
     def scheduler_pid(self) -> int:
         """The scheduler process (sglang names it ``sglang::scheduler``)."""
-        found = pids("cmdline", b"sglang::scheduler") or pids("comm", b"sglang::scheduler")
+        found = (pids("cmdline", b"sglang::scheduler", under=self.proc.pid)
+                 or pids("comm", b"sglang::scheduler", under=self.proc.pid))
         if not found:
             pytest.fail("no sglang::scheduler process found")
         return found[0]

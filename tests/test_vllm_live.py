@@ -101,7 +101,8 @@ def test_a_sigkill_of_the_engine_core_keeps_every_call_older_than_a_second(tiny,
         t = threading.Thread(target=lambda: done.append(server.drive(400, output_scale=1.0)), daemon=True)
         t.start()
         time.sleep(8)  # busy: the manager is called every few milliseconds
-        found = pids("comm", b"EngineCor") or pids("cmdline", b"EngineCore")
+        mine = server.proc.pid  # the soak's server may run beside this one
+        found = pids("comm", b"EngineCor", under=mine) or pids("cmdline", b"EngineCore", under=mine)
         assert found, "no vLLM engine-core process found"
         victim = found[0]
         killed_at = time.time()
