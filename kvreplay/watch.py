@@ -117,6 +117,16 @@ class Watcher:
     def finish(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            # The writer ends with the recording; a checker still behind it (an engine slow to
+            # import on a loaded machine) leaves the rest unchecked, and says so.
+            with self._lock:
+                left = max(0, self.calls - self.checked - self.unchecked)
+                self.unchecked += left
+            self._replayer = None
+            self.status = "stopped: the recording ended before the checker caught up"
+            self._emit({"kind": "watch-stopped", "reason": f"the recording ended {left:,} calls before the "
+                        "checker caught up", "call": self._number})
         self.metrics(force=True)
 
     # -- the checker's side --------------------------------------------------------------
