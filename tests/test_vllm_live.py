@@ -5,7 +5,6 @@ builtin:vllm. Run by scripts/vllm-tier.sh (marker ``vllm``) in the vLLM venv."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -93,9 +92,7 @@ def serve_then_ctrl_c(model: Path, out: Path, requests: int, block_size: int = 3
 
 
 def test_a_sigkill_of_the_engine_core_keeps_every_call_older_than_a_second(tiny, tmp_path):
-    """Watched as it records (--watch): the writer outlives the engine core, checks every
-    call it was handed on the installed vLLM, and finds nothing wrong with vLLM's own pool."""
-    server = VllmServer(tiny, tmp_path / "out", record_args=("--watch",))
+    server = VllmServer(tiny, tmp_path / "out")
     done: list[object] = []
     try:
         t = threading.Thread(target=lambda: done.append(server.drive(400, output_scale=1.0)), daemon=True)
@@ -127,19 +124,6 @@ def test_a_sigkill_of_the_engine_core_keeps_every_call_older_than_a_second(tiny,
                                                      "before the kill")
     r = replay(trace, "builtin:vllm", mode="strict", device="cpu")
     assert r.status == "clean", (r.first_divergence, r.first_violation)
-    # What the watch checked, it found clean. On a loaded machine its checker (importing vLLM)
-    # may still be behind when the recording ends: what it did not reach it counts as unchecked.
-    # The watching writer may outlive kvreplay record's 30 s wait for it: its last counters
-    # come when it ends, within its checker's minute.
-    (metrics,) = (tmp_path / "out").glob(".kvreplay-metrics-*.json")
-    until = time.monotonic() + 120
-    while True:
-        doc = json.loads(metrics.read_text())
-        if doc["checked"] + doc["unchecked"] == doc["calls"] or time.monotonic() > until:
-            break
-        time.sleep(1)
-    assert doc["violations"] == {} and doc["divergences"] == {}, doc
-    assert doc["checked"] + doc["unchecked"] == doc["calls"] == r.calls_replayed, doc
 
 
 def test_the_corpus_vllm_trace_replays_strict_clean_on_the_installed_vllm():
