@@ -208,13 +208,16 @@ class Recording:
         if self._gap is not None:  # lost calls before the snapshot belong to the part that ends
             self._writer.submit(self._gap)
             self._gap = None
-        pending = None
-        if self._part_snapshots:
-            try:
-                pending = functools.partial(_state_json, pool_snapshot.capture(self.pool))
-            except Exception:  # a pool the snapshot cannot read: the part is chained
-                pending = None
-        self._writer.submit(PartStart("", pending))
+        # a pool the snapshot cannot read (or a family without one): the part is chained
+        self._writer.submit(PartStart("", self._pending_state() if self._part_snapshots else None))
+
+    def _pending_state(self) -> Callable[[], str] | None:
+        """The pool's state now, as device copies the writer's side encodes; None when the
+        snapshot cannot read this pool."""
+        try:
+            return functools.partial(_state_json, pool_snapshot.capture(self.pool))
+        except Exception:
+            return None
 
     def _deliver(self, batch: RawBatch, idle: bool = False) -> None:
         """Hand a batch to the writer without ever waiting for it. When its queue is
@@ -251,10 +254,7 @@ class Recording:
                    snapshot=not idle)
 
     def _drop(self, span: tuple[int, int, int], reason: str, snapshot: bool = True) -> None:
-        try:  # device copies only: the writer's side encodes them (GapRecord.settled)
-            pending = functools.partial(_state_json, pool_snapshot.capture(self.pool)) if snapshot else None
-        except Exception:  # a pool the snapshot cannot read: the gap is still marked
-            pending = None
+        pending = self._pending_state() if snapshot else None  # none readable: the gap is still marked
         first, last, lost = span
         gap = GapRecord(first, last, lost, reason, "", time.time_ns(), pending)
         self._gap = gap if self._gap is None else self._gap.merged(gap)
@@ -269,9 +269,8 @@ class Recording:
                 self._new_part()
             if self._gap is not None or self._stopped_by is not None:
                 return  # calls were lost: a checkpoint would stand after a hole, not a call
-            try:  # device copies here; the writer's side encodes them
-                pending = functools.partial(_state_json, pool_snapshot.capture(self.pool))
-            except Exception:  # a pool the snapshot cannot read has no checkpoints
+            pending = self._pending_state()
+            if pending is None:  # a pool the snapshot cannot read has no checkpoints
                 return
             seq = self._engine.next_seq - 1
             self._writer.submit(CheckpointRecord(seq, seq, 0, "checkpoint", "", time.time_ns(), pending,
