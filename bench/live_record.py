@@ -100,11 +100,19 @@ def run(model: Path, out: Path, mode: str, n: int, page_size: int) -> dict[str, 
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=180)
-    traces = sorted(out.glob("*.parquet"))
+    traces = _trace_files(out)
     size = sum(p.stat().st_size for p in traces)
     rows = sum(pq.ParquetFile(p).metadata.num_rows for p in traces)
     return {"scheduler_cpu_s": c1 - c0, "writer_cpu_s": w1 - w0, "wall_s": res.elapsed_s, "ok": res.ok,
             "trace_mb": size / 1e6, "rows": rows}
+
+
+def _trace_files(out: Path) -> list[Path]:
+    """The Parquet files a recording left: a rotated trace is a directory of parts."""
+    found: list[Path] = []
+    for p in sorted(out.glob("*.parquet")):
+        found.extend(sorted(p.glob("part-*.parquet")) if p.is_dir() else [p])
+    return found
 
 
 def _spread(xs: list[float]) -> str:
@@ -135,8 +143,9 @@ def main() -> None:
                 if a.keep and m == "recorded" and k == 0:
                     import shutil
 
+                    a.keep.mkdir(parents=True, exist_ok=True)
                     for p in (base / f"{m}-{k}").glob("*.parquet"):
-                        shutil.copy(p, a.keep)
+                        (shutil.copytree if p.is_dir() else shutil.copy)(p, a.keep / p.name)
     print(f"\n{a.rounds} rounds, {a.requests} requests each, page {a.page_size}"
           f"{f', SWA window {a.swa}' if a.swa else ''}: median [min-max]")
     print(f"{'mode':9s} {'scheduler CPU s':>22s} {'request wall s':>22s} {'rows/request':>22s} {'MB':>8s}")

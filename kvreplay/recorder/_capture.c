@@ -22,7 +22,7 @@
 
 /* From layout.py, through setup.py: never written here by hand. */
 #if !defined(VALUE_WIDTH) || !defined(ROW_WIDTH) || !defined(K_OPAQUE) || !defined(FINISH_GROUP_END) \
-    || !defined(ROW_FOLD_COUNT) || !defined(FOLD_MAX)
+    || !defined(ROW_FOLD_COUNT) || !defined(FOLD_MAX) || !defined(ROW_GROUP_AT) || !defined(GROUP_NESTED_MAX)
 #error "build _capture.c through setup.py, which defines the layout constants from kvreplay/recorder/layout.py"
 #endif
 #define MAX_DEPTH 64
@@ -100,6 +100,12 @@ typedef struct {
     int cur_ok[3];
     Py_ssize_t anchor;
     int pat[FOLD_MAX], plen, cycling;
+    /* An empty free group folds too (layout.py): where the buffers stood before its
+     * begin, the row it would fold into, what was known of the counters then, and the
+     * begin's method id (group_anchor -1: no group may fold now). */
+    Py_ssize_t group_mark[11], group_anchor;
+    int64_t group_cur[3], group_mid;
+    int group_cur_ok[3];
 } Capture;
 
 typedef struct {
@@ -391,6 +397,7 @@ static void capture_reset(Capture *c) {
     c->result.head.len = c->result.shape.len = c->result.data.len = 0;
     c->rows.len = c->arg_count.len = 0;
     c->anchor = -1;
+    c->group_anchor = -1;
     c->cur_ok[0] = c->cur_ok[1] = c->cur_ok[2] = 0;
     if (c->args.objs) PyList_SetSlice(c->args.objs, 0, PY_SSIZE_T_MAX, NULL);
     if (c->result.objs) PyList_SetSlice(c->result.objs, 0, PY_SSIZE_T_MAX, NULL);
@@ -484,6 +491,103 @@ static void learn(Capture *c, Wrapped *w, PyObject *result, PyObject *exc, const
     }
 }
 
+static void mark_buffers(Capture *c, Py_ssize_t m[11]) {
+    Values *v[2] = {&c->args, &c->result};
+    m[0] = c->rows.len;
+    m[1] = c->arg_count.len;
+    for (int k = 0; k < 2; k++) {
+        m[2 + 4 * k] = v[k]->head.len;
+        m[3 + 4 * k] = v[k]->shape.len;
+        m[4 + 4 * k] = v[k]->data.len;
+        m[5 + 4 * k] = PyList_GET_SIZE(v[k]->objs);
+    }
+    m[10] = PyList_GET_SIZE(c->excs);
+}
+
+/* A top-level free group begins with no arguments: mark where, if it may fold. */
+static void group_begins(Capture *c, Wrapped *w) {
+    c->group_anchor = -1;
+    if (!c->fold_reads || c->anchor < 0 || c->rows.p[c->anchor + ROW_GROUP_AT] >= 0) return;
+    mark_buffers(c, c->group_mark);
+    c->group_anchor = c->anchor;
+    c->group_mid = w->method;
+    for (int k = 0; k < 3; k++) {
+        c->group_cur[k] = c->cur[k];
+        c->group_cur_ok[k] = c->cur_ok[k];
+    }
+}
+
+/* The packed targets of an empty group's nested calls from the rows put since the
+ * mark (capture.py's empty_group_targets, the one definition in words), or -1. */
+static int64_t empty_group_targets(Capture *c, int64_t end_mid) {
+    Py_ssize_t *m = c->group_mark;
+    for (Py_ssize_t k = m[1]; k < c->arg_count.len; k++)
+        if (c->arg_count.p[k]) return -1;
+    for (Py_ssize_t k = m[6]; k < c->result.head.len; k += VALUE_WIDTH)
+        if (c->result.head.p[k] != K_NONE) return -1;
+    int64_t before[GROUP_NESTED_MAX], after[GROUP_NESTED_MAX];
+    int nb = 0, na = 0, top = 0;
+    for (Py_ssize_t at = m[0]; at < c->rows.len; at += ROW_WIDTH) {
+        const int64_t *r = c->rows.p + at;
+        if (r[7] >= 0 || r[ROW_FOLD_COUNT] || r[ROW_GROUP_AT] >= 0) return -1;
+        if (r[2] == 0) {
+            if (top || r[4] != c->group_mid) return -1;
+            top = 1;
+        } else if (r[2] == 1 && r[4] == (top ? end_mid : c->group_mid)) {
+            if (top) {
+                if (na == GROUP_NESTED_MAX) return -1;
+                after[na++] = r[3];
+            } else {
+                if (nb == GROUP_NESTED_MAX) return -1;
+                before[nb++] = r[3];
+            }
+        } else {
+            return -1;
+        }
+    }
+    if (!top || na != nb) return -1;
+    int64_t packed = 0;
+    for (int k = nb - 1; k >= 0; k--) {
+        if (before[k] != after[k] || before[k] + 1 >= ((int64_t)1 << GROUP_TARGET_BITS)) return -1;
+        packed = (packed << GROUP_TARGET_BITS) | (before[k] + 1);
+    }
+    return packed;
+}
+
+/* The free group ending now folds into the row before its begin when nothing
+ * happened in it; the buffers go back to where they stood before the begin. */
+static int fold_group(Capture *c, int64_t end_mid) {
+    if (c->group_anchor < 0) return 0;
+    Py_ssize_t anchor = c->group_anchor;
+    c->group_anchor = -1;
+    int64_t targets = empty_group_targets(c, end_mid);
+    if (targets < 0) return 0;
+    Py_ssize_t *m = c->group_mark;
+    Values *v[2] = {&c->args, &c->result};
+    c->rows.len = m[0];
+    c->arg_count.len = m[1];
+    for (int k = 0; k < 2; k++) {
+        v[k]->head.len = m[2 + 4 * k];
+        v[k]->shape.len = m[3 + 4 * k];
+        v[k]->data.len = m[4 + 4 * k];
+        PyList_SetSlice(v[k]->objs, m[5 + 4 * k], PY_SSIZE_T_MAX, NULL);
+    }
+    PyList_SetSlice(c->excs, m[10], PY_SSIZE_T_MAX, NULL);
+    int64_t *row = c->rows.p + anchor;
+    row[ROW_GROUP_AT] = row[ROW_FOLD_COUNT];
+    row[ROW_GROUP_TARGETS] = targets;
+    c->anchor = anchor;
+    for (int k = 0; k < 3; k++) {
+        c->cur[k] = c->group_cur[k];
+        c->cur_ok[k] = c->group_cur_ok[k];
+    }
+    c->in_group = 0;
+    /* it counts towards counters_every as its row would have (its counters are the
+     * ones known before the group: it changed nothing) */
+    if (c->counters_every > 0 && ++c->counter_tick >= c->counters_every) c->counter_tick = 0;
+    return 1;
+}
+
 static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64_t t0, PyObject *result,
                       PyObject *exc) {
     int64_t t1 = now_ns();
@@ -514,7 +618,7 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
         if (bad < 0) return -1;
     }
     int64_t row[ROW_WIDTH] = {seq, parent, c->depth, w->target, w->method, t0, t1, exc_id,
-                              counters[0], counters[1], counters[2], 0, 0};
+                              counters[0], counters[1], counters[2], 0, 0, -1, 0};
     if (c->rows.len == 0) c->batch_t0 = t1;
     if (buf_push(&c->rows, row, ROW_WIDTH) < 0) return -1;
     if (!top) return 0;
@@ -548,6 +652,10 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
     /* A top-level counter read that may fold: it needs no arguments and no row unless
      * its value turns out to be news. */
     int may_fold = c->fold_reads && w->slot >= 0 && c->depth == 0 && nargs == 0 && !kwnames && c->anchor >= 0 && c->cur_ok[w->slot];
+    if (w->finish == FINISH_GROUP_BEGIN && c->depth == 0) {
+        if (nargs || kwnames) c->group_anchor = -1;
+        else group_begins(c, w);
+    }
     /* From its first argument to its finished row a call is in flight: take_if_idle
      * from another thread must not split it (counter reads in finish_row run Python
      * code, where the GIL can pass to that thread). */
@@ -577,6 +685,11 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
             return result;
         }
         if (PyErr_Occurred()) PyErr_Clear();
+    }
+    if (result == Py_None && w->finish == FINISH_GROUP_END && c->depth == 0 && nargs == 0 && !kwnames
+        && fold_group(c, w->method)) {
+        c->in_flight--;
+        return result;
     }
     if (result) {
         int bad = finish_row(c, w, seq, parent, t0, result, NULL) < 0;
@@ -710,6 +823,7 @@ static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     c->flush_ns = flush_ns;
     c->active = 1;
     c->anchor = -1;
+    c->group_anchor = -1;
     c->fold_reads = fold_reads;
     return 0;
 }
@@ -794,6 +908,7 @@ static PyObject *capture_take(Capture *c, PyObject *unused) {
     /* A batch stands alone (a part of a rotated trace, a replay from a checkpoint):
      * nothing after it folds into its rows or leans on what they told. */
     c->anchor = -1;
+    c->group_anchor = -1;
     c->cur_ok[0] = c->cur_ok[1] = c->cur_ok[2] = 0;
     return Py_BuildValue("(NNNNN)", buf_bytes(&c->rows), buf_bytes(&c->arg_count), values_take(&c->args),
                          values_take(&c->result), excs);
@@ -948,9 +1063,11 @@ PyMODINIT_FUNC PyInit__capture(void) {
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Capture", (PyObject *)&CaptureType) < 0) return NULL;
     /* What it was built with, so capture.py can refuse a module built from another layout. */
-    PyObject *layout = Py_BuildValue("{sisisisisisisisisisisisisisisisisisi}",
+    PyObject *layout = Py_BuildValue("{sisisisisisisisisisisisisisisisisisisisisisi}",
         "VALUE_WIDTH", VALUE_WIDTH, "ROW_WIDTH", ROW_WIDTH, "ROW_FOLD_PATTERN", ROW_FOLD_PATTERN,
-        "ROW_FOLD_COUNT", ROW_FOLD_COUNT, "FOLD_MAX", FOLD_MAX, "K_NONE", K_NONE, "K_BOOL", K_BOOL, "K_INT", K_INT,
+        "ROW_FOLD_COUNT", ROW_FOLD_COUNT, "FOLD_MAX", FOLD_MAX, "ROW_GROUP_AT", ROW_GROUP_AT,
+        "ROW_GROUP_TARGETS", ROW_GROUP_TARGETS, "GROUP_NESTED_MAX", GROUP_NESTED_MAX,
+        "GROUP_TARGET_BITS", GROUP_TARGET_BITS, "K_NONE", K_NONE, "K_BOOL", K_BOOL, "K_INT", K_INT,
         "K_FLOAT", K_FLOAT, "K_STR", K_STR, "K_TENSOR", K_TENSOR, "K_INTS", K_INTS, "K_SEGMENTS", K_SEGMENTS,
         "K_OPAQUE", K_OPAQUE, "FINISH_CALL", FINISH_CALL, "FINISH_READ", FINISH_READ,
         "FINISH_GROUP_BEGIN", FINISH_GROUP_BEGIN, "FINISH_GROUP_END", FINISH_GROUP_END);

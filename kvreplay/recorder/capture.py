@@ -21,11 +21,18 @@ import torch
 from kvreplay.recorder import layout, tensor_shim
 from kvreplay.recorder.layout import (
     FINISH_GROUP_BEGIN,
+    FINISH_GROUP_END,
     FINISH_READ,
     FOLD_MAX,
+    GROUP_NESTED_MAX,
+    GROUP_TARGET_BITS,
+    K_NONE,
     ROW_FOLD_COUNT,
     ROW_FOLD_PATTERN,
+    ROW_GROUP_AT,
+    ROW_GROUP_TARGETS,
     ROW_WIDTH,
+    VALUE_WIDTH,
 )
 from kvreplay.recorder.py_buffers import Names, RowBatch, encode
 from kvreplay.recorder.raw_batch import NULL, RawBatch, RawValues
@@ -116,6 +123,40 @@ class Engine:
         self.impl.reset()
 
 
+def empty_group_targets(rows: Any, start: int, arg_count: Any, args_from: int, result_head: Any, results_from: int,
+                        begin_mid: int, end_mid: int) -> int:
+    """The packed targets (layout.py) of an empty free group's nested calls, read from
+    the rows its begin and end put since ``start`` (the end's own row not yet put); -1
+    when those rows are not exactly one begin, its nested begins, then the end's nested
+    ends, every one without arguments, exception, fold or answer."""
+    if any(arg_count[args_from:]) or any(result_head[k] != K_NONE
+                                         for k in range(results_from, len(result_head), VALUE_WIDTH)):
+        return -1
+    before: list[int] = []
+    after: list[int] = []
+    top = False
+    for at in range(start, len(rows), ROW_WIDTH):
+        depth, target, method = rows[at + 2], rows[at + 3], rows[at + 4]
+        if rows[at + 7] >= 0 or rows[at + ROW_FOLD_COUNT] or rows[at + ROW_GROUP_AT] >= 0:
+            return -1
+        if depth == 0:
+            if top or method != begin_mid:
+                return -1
+            top = True
+        elif depth == 1 and method == (end_mid if top else begin_mid):
+            (after if top else before).append(target)
+        else:
+            return -1
+    if not top or before != after or len(before) > GROUP_NESTED_MAX:
+        return -1
+    packed = 0
+    for t in reversed(before):
+        if t + 1 >= 1 << GROUP_TARGET_BITS:
+            return -1
+        packed = (packed << GROUP_TARGET_BITS) | (t + 1)
+    return packed
+
+
 class PyCapture:
     """The Python engine: same constructor, same rows as the native ``Capture``."""
 
@@ -148,6 +189,9 @@ class PyCapture:
         self.anchor = -1
         self.pat: list[int] = []
         self.cycling = False
+        # An empty free group folds too: where the buffers stood before its begin, the
+        # row it would fold into, and what was known of the counters then.
+        self.group: tuple[tuple[int, ...], int, list[int | None], int] | None = None
         self.busy = threading.Lock()  # held by the recorded thread for the length of a top-level call
 
     def take(self) -> RowBatch:
@@ -158,6 +202,34 @@ class PyCapture:
     def _forget(self) -> None:
         self.anchor = -1
         self.cur = [None, None, None]
+        self.group = None
+
+    def _group_begins(self, mid: int) -> None:
+        """A top-level free group begins with no arguments: mark where, if it may fold."""
+        rows = self.batch.rows
+        ok = self.fold_reads and self.anchor >= 0 and rows[self.anchor + ROW_GROUP_AT] < 0
+        self.group = (self.batch.mark(), self.anchor, list(self.cur), mid) if ok else None
+
+    def _fold_group(self, end_mid: int) -> bool:
+        """The free group ending now (its end returned None, had no arguments) folds into
+        the row before its begin when nothing happened in it: no call of the program's
+        between begin and end, and on the sub-allocators the same empty pair."""
+        if self.group is None:
+            return False
+        mark, anchor, cur, begin_mid = self.group
+        self.group = None
+        b = self.batch
+        targets = empty_group_targets(b.rows, mark[0], b.arg_count, mark[1], b.result.head, mark[6], begin_mid,
+                                      end_mid)
+        if targets < 0:
+            return False
+        b.rewind(mark)
+        b.rows[anchor + ROW_GROUP_AT] = b.rows[anchor + ROW_FOLD_COUNT]
+        b.rows[anchor + ROW_GROUP_TARGETS] = targets
+        self.anchor, self.cur, self.in_group = anchor, cur, False
+        if self.counters_every > 0:
+            self._counter_due()  # it counts as its row would have (its counters: those known before it)
+        return True
 
     def _fold(self, slot: int) -> bool:
         rows = self.batch.rows
@@ -231,6 +303,11 @@ class PyCapture:
             # A top-level counter read may fold (layout.py): no row if its value is no news.
             may_fold = (slot >= 0 and cap.fold_reads and not seqs and not args and not kwargs and cap.anchor >= 0
                         and cap.cur[slot] is not None)
+            if finish == FINISH_GROUP_BEGIN and not seqs:
+                if args or kwargs:
+                    cap.group = None
+                else:
+                    cap._group_begins(mid)
             try:
                 if len(args) > len(pids):
                     names = cap.names
@@ -256,6 +333,9 @@ class PyCapture:
             if (may_fold and cap.active and type(result) is int and cap.anchor >= 0 and result == cap.cur[slot]
                     and cap.next_seq == seq + 1 and cap._fold(slot)):
                 cap.batch.arg_count.pop()  # its (empty) arguments were put: a folded read has none
+                return result
+            if (finish == FINISH_GROUP_END and result is None and not seqs and not args and not kwargs and cap.active
+                    and cap._fold_group(mid)):
                 return result
             end(finish, seq, parent, tid, mid, t0, result, None, slot)
             return result

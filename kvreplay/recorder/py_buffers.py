@@ -247,5 +247,18 @@ class RowBatch:
         if exc is not None:
             e = len(self.excs)
             self.excs.append((type(exc).__name__, str(exc)[:1000]))
-        self.rows.extend((seq, parent, depth, target, method, t0, t1, e, *counters, 0, 0))
+        self.rows.extend((seq, parent, depth, target, method, t0, t1, e, *counters, 0, 0, -1, 0))
+
+    def mark(self) -> tuple[int, ...]:
+        """Where every buffer ends now, for ``rewind``."""
+        a, r = self.args, self.result
+        return (len(self.rows), len(self.arg_count), len(a.head), len(a.shape), len(a.data), len(a.objs),
+                len(r.head), len(r.shape), len(r.data), len(r.objs), len(self.excs))
+
+    def rewind(self, m: tuple[int, ...]) -> None:
+        """Forget every call put since ``mark()`` gave ``m``."""
+        a, r = self.args, self.result
+        for buf, n in zip((self.rows, self.arg_count, a.head, a.shape, a.data, a.objs, r.head, r.shape, r.data,
+                           r.objs, self.excs), m, strict=True):
+            del buf[n:]
 

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvreplay.recorder.layout import (
+    GROUP_TARGET_BITS,
     K_BOOL,
     K_DEFERRED,
     K_FLOAT,
@@ -26,6 +27,8 @@ from kvreplay.recorder.layout import (
     K_TENSOR,
     ROW_FOLD_COUNT,
     ROW_FOLD_PATTERN,
+    ROW_GROUP_AT,
+    ROW_GROUP_TARGETS,
     ROW_WIDTH,
     VALUE_WIDTH,
 )
@@ -179,6 +182,22 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
+def _group_targets(at: np.ndarray, packed: np.ndarray, strings: list[str]) -> pa.Array:
+    """The ``folded_group_targets`` column: each folded group's packed target ids
+    (layout.py) as the targets' names, comma-separated."""
+    if not (at >= 0).any():
+        return pa.nulls(len(at), pa.string())
+    mask = (1 << GROUP_TARGET_BITS) - 1
+    out: list[str | None] = []
+    for a, p in zip(at.tolist(), packed.tolist(), strict=True):
+        names = []
+        while a >= 0 and p:
+            names.append(strings[(p & mask) - 1])
+            p >>= GROUP_TARGET_BITS
+        out.append(",".join(names) if a >= 0 else None)
+    return _strings(out)
+
+
 class RawBatch:
     """Complete top-level calls with their nested calls, as captured.
 
@@ -233,4 +252,7 @@ class RawBatch:
             cols[name] = _arr(c, mask=c == NULL)
         cols["folded_reads"] = _arr(np.ascontiguousarray(r[:, ROW_FOLD_COUNT]))
         cols["folded_pattern"] = _arr(r[:, ROW_FOLD_PATTERN].astype(np.int32))
+        at = r[:, ROW_GROUP_AT]
+        cols["folded_group_at"] = _arr(at.astype(np.int32), mask=at < 0)
+        cols["folded_group_targets"] = _group_targets(at, r[:, ROW_GROUP_TARGETS], self.strings)
         return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvreplay.recorder.layout import ROW_FOLD_COUNT
+from kvreplay.recorder.layout import ROW_FOLD_COUNT, ROW_GROUP_AT
 from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
 from kvreplay.recorder.rotation import ClosedPart, PartStart, Rotation, retire
 from kvreplay.trace.format import (
@@ -31,6 +31,7 @@ from kvreplay.trace.format import (
     SCHEMA,
     GapRecord,
     TraceMeta,
+    folded_calls,
     part_name,
 )
 
@@ -38,26 +39,27 @@ STOP = object()  # the queue item that ends a writer thread
 
 
 def rows_of(item: RawBatch | GapRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(seq, depth, counter reads folded in) of a batch's rows, read straight from its buffer."""
+    """(seq, depth, top-level calls folded in) of a batch's rows, read straight from its buffer."""
     if isinstance(item, GapRecord):  # a lost gap row loses no call of its own
         return np.array([item.last_seq]), np.array([1]), np.array([0])
     rows = np.frombuffer(item.rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
-    return rows[:, 0], rows[:, 2], rows[:, ROW_FOLD_COUNT]
+    return rows[:, 0], rows[:, 2], folded_calls(rows[:, ROW_FOLD_COUNT], rows[:, ROW_GROUP_AT])
 
 
 def span_of(seq: np.ndarray, depth: np.ndarray, folded: np.ndarray) -> tuple[int, int, int]:
     """(first call, last call, calls) of rows that hold at least one top-level call:
-    counter reads folded into a row came after it, and a fold into the last one after
-    every row."""
+    calls folded into a row came after it, and a fold into the last one after every row
+    (its last call's number is a bound: a folded group's nested calls took numbers too)."""
     top = depth == 0
     return int(seq[top][0]), int(seq.max()) + int(folded[top][-1]), int(top.sum()) + int(folded.sum())
 
 
 def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(seq, depth, folded reads) of a written table's rows, gap rows given depth 1: they are not calls."""
+    """(seq, depth, top-level calls folded in) of a written table's rows, gap rows given depth 1: they are not calls."""
     depth = table.column("depth").to_numpy().astype(np.int64)
     depth[pc.equal(table.column("target"), GAP_TARGET).to_numpy(zero_copy_only=False)] = 1
-    folded = table.column("folded_reads").fill_null(0).to_numpy()
+    folded = folded_calls(table.column("folded_reads").fill_null(0).to_numpy(),
+                          table.column("folded_group_at").fill_null(-1).to_numpy())
     return table.column("seq").to_numpy(), depth, folded
 
 

@@ -20,7 +20,9 @@ from kvreplay.pool_api import FAMILY_ARGS, FAMILY_SIZES, FAMILY_UNITS
 
 # 2: counter reads that told nothing new are folded into the row before them
 # (``folded_reads``, ``folded_pattern``); a version 1 trace reads as one without folds.
-SCHEMA_VERSION = 2
+# 3: so is an empty free group (``folded_group_at``, ``folded_group_targets``); a
+# version 1 or 2 trace reads as one without folded groups.
+SCHEMA_VERSION = 3
 META_PREFIX = "kvreplay."
 # The pools a row can target: the allocator itself, its sub-allocators, and the recorder (gap rows).
 TARGETS = frozenset({"root", "full", "swa", "blocks", "recorder"})
@@ -55,6 +57,9 @@ MAX_FOLDED_READS = _limit("KVREPLAY_MAX_FOLDED_READS", 1 << 24)
 # server polling is ~35 million), so a few rows cannot ask for days of replay.
 MAX_TRACE_FOLDED_READS = _limit("KVREPLAY_MAX_TRACE_FOLDED_READS", 1 << 28)
 FOLD_MAX = 8  # distinct counter reads in a fold's pattern (recorder/layout.py's)
+# An empty free group folded into a row: its two top-level calls, and at most this many
+# nested calls on sub-allocators per call (recorder/layout.py's GROUP_NESTED_MAX).
+GROUP_NESTED_MAX = 3
 MAX_JSON_DEPTH = 32  # of any JSON a trace or manifest holds; real ones nest 4 deep
 SCHEMA_VERSION_TEXT = re.compile(r"^[1-9][0-9]{0,5}$")
 ATTENTION_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")  # a KV-cache group's kind, as recorded
@@ -131,10 +136,25 @@ SCHEMA = pa.schema(
         # Null or 0: none. Readers hand them back as calls (reader.py).
         pa.field("folded_reads", pa.int64()),
         pa.field("folded_pattern", pa.int32()),
+        # An empty free group (free_group_begin then free_group_end, nothing in between,
+        # nothing freed) after this row: after how many of its folded reads it came
+        # (0..folded_reads), and the targets its nested calls went to, comma-separated
+        # ("" none; the same targets for the begin's and the end's). Null: none.
+        pa.field("folded_group_at", pa.int32()),
+        pa.field("folded_group_targets", pa.string()),
     ]
 )
-# Columns added after version 1, and how to read a version 1 part without them.
-ADDED_COLUMNS = {"folded_reads": 2, "folded_pattern": 2}
+# Columns added after version 1, with the version that added them: an older part reads
+# as null there (no folds).
+ADDED_COLUMNS = {"folded_reads": 2, "folded_pattern": 2, "folded_group_at": 3, "folded_group_targets": 3}
+# The calls an empty free group folds into a row: one begin and one end, top-level.
+GROUP_FOLD_METHODS = ("free_group_begin", "free_group_end")
+
+
+def folded_calls(folded_reads: Any, group_at: Any) -> Any:
+    """Top-level calls folded into each row (numpy arrays of the two columns, nulls as
+    0 and -1): its folded reads and, where it folds an empty free group, two more."""
+    return folded_reads + 2 * (group_at >= 0)
 
 # Columns that must be identical for two runs of the same seeded workload.
 CALL_COLUMNS = [f.name for f in SCHEMA if f.name not in ("t_start_ns", "t_end_ns")]
@@ -302,6 +322,8 @@ class Call:
     has_opaque: bool = False  # an argument could not be recorded losslessly
     folded_reads: int = 0  # counter reads folded after this call (the reader hands them back as calls)
     folded_pattern: int | None = None
+    folded_group_at: int | None = None  # an empty free group folded after this many of those reads
+    folded_group_targets: str | None = None  # ...and where its nested calls went
     from_fold: bool = False  # one of those reads: a call with no row of its own
 
     @property

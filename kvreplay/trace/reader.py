@@ -28,6 +28,8 @@ from kvreplay.trace.format import (
     FOLD_MAX,
     GAP_METHOD,
     GAP_TARGET,
+    GROUP_FOLD_METHODS,
+    GROUP_NESTED_MAX,
     MAX_FOLDED_READS,
     MAX_GROUP_VALUES,
     MAX_STRING_BYTES,
@@ -40,6 +42,7 @@ from kvreplay.trace.format import (
     Call,
     TopCall,
     TraceMeta,
+    folded_calls,
 )
 from kvreplay.trace.location import local_path
 
@@ -179,11 +182,13 @@ class TraceReader:
         # (the columns a version 1 trace lacks come last: the reader adds them there)
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
                                                 "result.dtype", "args.list.element.s", "result.s", "exc_type",
-                                                "exc_msg", "folded_reads", "folded_pattern"]):
+                                                "exc_msg", "folded_reads", "folded_pattern", "folded_group_at",
+                                                "folded_group_targets"]):
             # (an argument's and the result's fields come as one struct column each)
-            if batch.num_columns != 10:  # damaged bytes can leave a batch without some of them
+            if batch.num_columns != 12:  # damaged bytes can leave a batch without some of them
                 raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
-            seq, depth, target, method, args, result, exc_type, exc_msg, folded, pattern = batch.columns
+            seq, depth, target, method, args, result, exc_type, exc_msg, folded, pattern, group_at, group_targets = \
+                batch.columns
             arg_fields = args.flatten()
             if arg_fields.type.num_fields != 2 or result.type.num_fields != 2:
                 raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
@@ -191,6 +196,7 @@ class TraceReader:
             _check_strings(self.path, target, method, arg_dtypes, result_dtypes, arg_fields.field("s"),
                            result.field("s"), exc_type, exc_msg)
             folds += _check_folds(self.path, folded, pattern, depth)
+            folds += _check_groups(self.path, folded, group_at, group_targets, depth, names)
             if folds > MAX_TRACE_FOLDED_READS:
                 raise TraceFormatError(f"{self.path}: the rows fold more than {MAX_TRACE_FOLDED_READS:,} counter "
                                        "reads in all (KVREPLAY_MAX_TRACE_FOLDED_READS raises the limit)")
@@ -232,8 +238,9 @@ class TraceReader:
         """Rows plus the counter reads folded into them: what a replay walks through, and
         a bound on its call numbers. A scan of one small column, once."""
         if self._entries is None:
-            self._entries = self.num_rows + sum(int(pc.sum(b.column(0)).as_py() or 0)
-                                                for b in self.iter_batches(columns=["folded_reads"]))
+            self._entries = self.num_rows + sum(int(_folded(b.column(0), b.column(1)).sum())
+                                                for b in self.iter_batches(columns=["folded_reads",
+                                                                                    "folded_group_at"]))
         return self._entries
 
     @property
@@ -284,10 +291,10 @@ class TraceReader:
         if self._layout is not None:
             return self._layout[1]
         n = 0
-        for batch in self.iter_batches(columns=["depth", "target", "folded_reads"]):
+        for batch in self.iter_batches(columns=["depth", "target", "folded_reads", "folded_group_at"]):
             top = pc.equal(batch.column(0), 0)
             n += int(pc.sum(pc.and_(top, pc.not_equal(batch.column(1), GAP_TARGET))).as_py() or 0)
-            n += int(pc.sum(batch.column(2)).as_py() or 0)
+            n += int(_folded(batch.column(2), batch.column(3)).sum())
         return n
 
     def gaps(self) -> list[Call]:
@@ -315,13 +322,13 @@ class TraceReader:
         if self._layout is not None:
             return self._layout[0]
         out, offset, calls, gaps = [], 0, 0, False
-        for batch in self.iter_batches(columns=["method", "target", "depth", "folded_reads"]):
-            method, target, depth, folded = (batch.column(i) for i in range(4))
+        for batch in self.iter_batches(columns=["method", "target", "depth", "folded_reads", "folded_group_at"]):
+            method, target, depth, folded, group_at = (batch.column(i) for i in range(5))
             gap = pc.equal(target, GAP_TARGET)
             hit = pc.and_(pc.equal(method, CHECKPOINT_METHOD), gap).to_numpy(zero_copy_only=False)
             gaps = gaps or bool(pc.any(pc.and_(pc.equal(method, GAP_METHOD), gap)).as_py())
             call = pc.and_(pc.equal(depth, 0), pc.invert(gap)).to_numpy(zero_copy_only=False).astype(np.int64)
-            call += folded.fill_null(0).to_numpy(zero_copy_only=False)  # folded reads are calls too
+            call += _folded(folded, group_at)  # folded reads and groups are calls too
             before = calls + np.cumsum(call) - call  # calls before each row
             out.extend(Checkpoint(offset + int(i), int(before[i])) for i in np.flatnonzero(hit))
             offset += batch.num_rows
@@ -363,7 +370,7 @@ def decoded(batches: Iterable[pa.RecordBatch], path: Path, top_level_only: bool 
             # reads folded after a call take their numbers after its nested rows'.
             for c in decode_batch(batch, False, device, nested_args and not top_level_only):
                 if not c.depth:
-                    yield from folds.pending()
+                    yield from _unfolded(folds, top_level_only)
                     folds.after(c)
                 else:
                     folds.nested(c)
@@ -374,14 +381,19 @@ def decoded(batches: Iterable[pa.RecordBatch], path: Path, top_level_only: bool 
             if isinstance(exc, TraceFormatError):
                 raise
             raise TraceFormatError(f"{path}: corrupt trace data ({_first_line(exc)})") from None
-    yield from folds.pending()
+    yield from _unfolded(folds, top_level_only)
+
+
+def _unfolded(folds: _Unfolder, top_level_only: bool) -> Iterator[Call]:
+    return (c for c in folds.pending() if not (top_level_only and c.depth))
 
 
 def calls_in(table: pa.Table) -> tuple[int, int]:
     """(calls, latest end in ns) of a table of trace rows: its top-level rows that are
     not gaps or checkpoints, and the counter reads folded into them."""
     top = pc.and_(pc.equal(table.column("depth"), 0), pc.not_equal(table.column("target"), GAP_TARGET))
-    n = int(pc.sum(top).as_py() or 0) + int(pc.sum(table.column("folded_reads")).as_py() or 0)
+    folded = _folded(table.column("folded_reads"), table.column("folded_group_at"))
+    n = int(pc.sum(top).as_py() or 0) + int(folded.sum())
     return n, int(pc.max(table.column("t_end_ns")).as_py() or 0)
 
 
@@ -429,7 +441,7 @@ class _Unfolder:
             self.cur[slot] = c.result
         else:
             self.cur = [c.counters.get(k) for k in ("available", "full_available", "swa_available")]
-        self.anchor = c if c.folded_reads else None
+        self.anchor = c if c.folded_reads or c.folded_group_at is not None else None
 
     def nested(self, c: Call) -> None:
         self.last_seq = max(self.last_seq, c.seq)
@@ -439,9 +451,15 @@ class _Unfolder:
         if a is None:
             return
         self.anchor = None
-        pattern = _fold_pattern(self.path, a.folded_reads, a.folded_pattern)
+        pattern = _fold_pattern(self.path, a.folded_reads, a.folded_pattern) if a.folded_reads else [0]
         seq = self.last_seq
-        for i in range(a.folded_reads):
+        for i in range(a.folded_reads + 1):
+            if i == a.folded_group_at:
+                for c in _group_calls(a, seq):
+                    yield c
+                    seq = c.seq
+            if i == a.folded_reads:
+                break
             slot = pattern[i % len(pattern)]
             value = self.cur[slot]
             if value is None:
@@ -452,6 +470,56 @@ class _Unfolder:
                        {"available": None, "full_available": None, "swa_available": None}, a.t_end_ns, a.t_end_ns,
                        from_fold=True)
         self.last_seq = seq
+
+
+def _group_calls(a: Call, seq: int) -> Iterator[Call]:
+    """The calls of an empty free group folded after ``a``: begin, its nested begins,
+    end, its nested ends, numbered on from ``seq``."""
+    targets = a.folded_group_targets.split(",") if a.folded_group_targets else []
+    none = {"available": None, "full_available": None, "swa_available": None}
+    for method in GROUP_FOLD_METHODS:
+        seq += 1
+        top = seq
+        yield Call(seq, -1, 0, "root", method, {}, None, None, None, dict(none), a.t_end_ns, a.t_end_ns,
+                   from_fold=True)
+        for t in targets:
+            seq += 1
+            yield Call(seq, top, 1, t, method, {}, None, None, None, dict(none), a.t_end_ns, a.t_end_ns,
+                       from_fold=True)
+
+
+def _folded(reads: pa.Array | pa.ChunkedArray, group_at: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Top-level calls folded into each row, from its two fold columns."""
+    return folded_calls(reads.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64),
+                        group_at.fill_null(-1).to_numpy(zero_copy_only=False))
+
+
+def _check_groups(path: Path, folded: pa.Array, group_at: pa.Array, targets: pa.Array, depth: pa.Array,
+                  names: frozenset[str]) -> int:
+    """Top-level calls the rows' folded free groups hold (2 each), once each is sane: on
+    top-level rows of a family that has free groups, after at most the row's folded reads,
+    nested calls to known sub-allocators only."""
+    if group_at.null_count == len(group_at):
+        return 0
+    at = group_at.fill_null(-1).to_numpy(zero_copy_only=False)
+    some = np.flatnonzero(at >= 0)
+    if (at < -1).any() or (at < 0).sum() != group_at.null_count:
+        raise TraceFormatError(f"{path}: a row's folded free group comes after a negative number of reads")
+    if not len(some):
+        return 0
+    if not set(GROUP_FOLD_METHODS) <= names:
+        raise TraceFormatError(f"{path}: rows fold free groups, which a pool of this family does not have")
+    if (depth.to_numpy(zero_copy_only=False)[some] != 0).any():
+        raise TraceFormatError(f"{path}: a nested row folds a free group (only top-level calls can)")
+    n = folded.fill_null(0).to_numpy(zero_copy_only=False)
+    if (at[some] > n[some]).any():
+        raise TraceFormatError(f"{path}: a row's folded free group comes after more reads than the row folds")
+    for t in set(pc.take(targets, pa.array(some)).to_pylist()):
+        parts = t.split(",") if t else []
+        if t is None or len(parts) > GROUP_NESTED_MAX or not set(parts) <= TARGETS - {GAP_TARGET, "root"}:
+            raise TraceFormatError(f"{path}: a row's folded free group names sub-allocators {str(t)[:80]!r}, not "
+                                   f"up to {GROUP_NESTED_MAX} of {', '.join(sorted(TARGETS - {GAP_TARGET, 'root'}))}")
+    return 2 * len(some)
 
 
 def _fold_pattern(path: Path, count: int, packed: int | None) -> list[int]:

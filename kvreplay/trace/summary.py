@@ -12,12 +12,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvreplay.pool_api import SUB_POOL_COUNTER, VOID_METHODS, sub_pool_sizes
-from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD
+from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD, GROUP_FOLD_METHODS
 from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace, local_path
 from kvreplay.trace.reader import TraceReader
 
 _COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
-            "available", "full_available", "swa_available", "folded_reads", "folded_pattern"]
+            "available", "full_available", "swa_available", "folded_reads", "folded_pattern", "folded_group_at"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class TraceSummary:
     bytes_per_index: float | None
     notes: list[str] = field(default_factory=list)
     folded_reads: int = 0  # counter reads among the calls that have no row of their own (schema version 2)
+    folded_groups: int = 0  # empty free groups among them, two calls each (schema version 3)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,7 +48,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     meta = reader.meta
     sizes = sub_pool_sizes(meta.family, meta.ctor_args)
     methods: Counter[str] = Counter()
-    rows = top = exceptions = nones = indices = folded = 0
+    rows = top = exceptions = nones = indices = folded = groups = 0
     t_min: int | None = None
     t_max: int | None = None
     min_avail: dict[str, int] = {}
@@ -60,6 +61,10 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         for n, packed in _folds(batch):
             methods.update(reader.fold_methods(n, packed))
             folded += n
+        g = len(batch) - batch["folded_group_at"].null_count
+        if g:
+            methods.update(dict.fromkeys(GROUP_FOLD_METHODS, g))
+            groups += g
         exceptions += batch.num_rows - batch["exc_type"].null_count
         result = batch["result"]
         kinds = pc.struct_field(result, "kind")
@@ -94,7 +99,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     size = reader.file_size
     return TraceSummary(
         path=reader.source, meta=asdict(meta), rows=rows,
-        calls=top + folded - methods.get(GAP_METHOD, 0) - checkpoints, folded_reads=folded,
+        calls=top + folded + 2 * groups - methods.get(GAP_METHOD, 0) - checkpoints, folded_reads=folded,
+        folded_groups=groups,
         nested_rows=rows - top,
         calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
         time_span_s=((t_max or 0) - (t_min or 0)) / 1e9,
