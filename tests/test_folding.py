@@ -66,6 +66,14 @@ def test_folded_and_unfolded_recordings_replay_alike_call_for_call(tmp_path, eng
     assert unfolded(plain) == unfolded(folded)
     a, b = summarize(plain), summarize(folded)
     assert a.calls == b.calls and a.calls_per_method == b.calls_per_method and a.folded_reads == 0
+    # every group the model freed nothing in folds, with its sub-allocators' pairs (a batch
+    # may start between the two, and one fold's row may hold a group already: almost every)
+    top = [c.method for c in TraceReader(plain).calls(top_level_only=True)]
+    pairs = zip(top, top[1:], strict=False)
+    empty = sum(1 for m, n in pairs if (m, n) == ("free_group_begin", "free_group_end"))
+    assert empty >= 10 and empty - 2 <= b.folded_groups <= empty and a.folded_groups == 0
+    assert set(pq.read_table(folded, columns=["folded_group_targets"]).column(0).drop_null().to_pylist()) \
+        == {"full"}  # sglang's SWA pool opens a group on its full side only
     # ...with a tenth of the read rows or less (the first read in a free group is news), and fewer bytes
     assert _read_rows(folded) * 10 <= _read_rows(plain), (_read_rows(plain), _read_rows(folded))
     assert b.rows < a.rows and b.file_bytes < a.file_bytes
@@ -107,13 +115,15 @@ def test_a_folded_read_that_would_answer_otherwise_is_a_divergence(tmp_path):
     assert got.status == "divergence" and first.method == "available_size" and 2 <= first.call <= 10
 
 
-def test_a_version_1_trace_reads_as_one_without_folds(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_trace_reads_as_one_without_the_folds_it_predates(tmp_path, version):
     path = tmp_path / "t.parquet"
     _recorded(path, ENGINES[-1], fold=False)
     table = pq.read_table(path)
-    old = table.drop_columns(["folded_reads", "folded_pattern"])
+    added = [c for c, since in trace_format.ADDED_COLUMNS.items() if since > version]
+    old = table.drop_columns(added)
     md = dict(table.schema.metadata)
-    md[b"kvreplay.schema_version"] = b"1"
+    md[b"kvreplay.schema_version"] = str(version).encode()
     v1 = tmp_path / "v1.parquet"
     pq.write_table(old.replace_schema_metadata(md), v1)
     assert unfolded(v1) == unfolded(path)
@@ -150,3 +160,102 @@ def test_a_damaged_fold_is_a_one_line_trace_error(tmp_path, count, pattern, hint
 
 def test_the_capture_layout_and_the_trace_format_agree_on_the_pattern():
     assert layout.FOLD_MAX == trace_format.FOLD_MAX
+
+
+def _grouped(path, engine: str, program) -> list:
+    from kvreplay.pools.paged import PagedPool
+
+    pool = PagedPool(256, 4)
+    rec = record(pool, path, backend=engine)
+    program(pool)
+    rec.close()
+    return pq.read_table(path, columns=["method", "depth", "folded_reads", "folded_group_at"]).to_pylist()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_only_a_group_where_nothing_happened_folds(tmp_path, engine):
+    """An empty pair folds (one per row, after the reads before it); a group with a free
+    in it, a read in it, or a second empty pair after the first, stays rows."""
+    def program(pool):
+        held = pool.alloc(8)
+        pool.available_size()
+        pool.free_group_begin()  # empty: folds after the one read
+        pool.free_group_end()
+        pool.available_size()
+        pool.free_group_begin()  # a second empty pair on the same row: rows
+        pool.free_group_end()
+        pool.free_group_begin()  # a free in it: rows
+        pool.free(held[:4])
+        pool.free_group_end()
+        pool.free_group_begin()  # a read in it: rows
+        pool.available_size()
+        pool.free_group_end()
+
+    rows = _grouped(tmp_path / "t.parquet", engine, program)
+    methods = [r["method"] for r in rows]
+    assert methods[0] == "alloc" and rows[0]["folded_group_at"] == 1 and rows[0]["folded_reads"] == 2
+    assert methods[1:] == ["free_group_begin", "free_group_end", "free_group_begin", "free", "free_group_end",
+                           "free_group_begin", "available_size", "free_group_end"]
+    calls = [(c.method, c.from_fold) for c in TraceReader(tmp_path / "t.parquet").calls()]
+    assert calls[:5] == [("alloc", False), ("available_size", True), ("free_group_begin", True),
+                         ("free_group_end", True), ("available_size", True)]
+    assert summarize(tmp_path / "t.parquet").calls == 13
+    assert replay(tmp_path / "t.parquet", "builtin:paged", device="cpu").status == "clean"
+
+
+def test_a_build_that_changes_its_state_in_an_empty_group_diverges_at_the_next_read(tmp_path):
+    """The folded group's end carries no counters (none were read); a build whose empty
+    group changes the pool is caught by the read after it."""
+    from kvreplay.pools.paged import PagedPool
+
+    path = tmp_path / "t.parquet"
+    pool = PagedPool(256, 4)
+    rec = record(pool, path)
+    pool.alloc(8)
+    pool.free_group_begin()
+    pool.free_group_end()
+    pool.available_size()
+    rec.close()
+    assert summarize(path).folded_groups == 1
+
+    class Leaky(PagedPool):
+        def free_group_end(self):
+            super().free_group_end()
+            self.alloc(4)
+
+    import sys
+    sys.modules[__name__].Leaky = Leaky
+    got = replay(path, f"py:{__name__}:Leaky", device="cpu")
+    # the checker sees the allocation nobody holds; the read after the group differs
+    assert got.status == "violation" and got.first_divergence.method == "available_size"
+
+
+@pytest.mark.parametrize("at, targets, hint", [
+    (5, "", "more reads than the row folds"),
+    (-3, "", "negative number"),
+    (0, "full,nowhere", "names sub-allocators"),
+    (0, "full,swa,full,swa", "names sub-allocators"),
+    (0, None, "names sub-allocators"),
+])
+def test_a_damaged_folded_group_is_a_one_line_trace_error(tmp_path, at, targets, hint):
+    from kvreplay.errors import TraceFormatError
+
+    path = tmp_path / "t.parquet"
+    _recorded(path, ENGINES[-1], fold=True)
+    table = pq.read_table(path)
+    g = table.column("folded_group_at").to_pylist()
+    row = next(i for i, v in enumerate(g) if v is not None)
+    g[row] = at
+    t = table.column("folded_group_targets").to_pylist()
+    t[row] = targets
+    n = table.column("folded_reads").to_pylist()
+    n[row] = 0
+    table = table.set_column(table.schema.get_field_index("folded_group_at"), "folded_group_at",
+                             pa.array(g, pa.int32()))
+    table = table.set_column(table.schema.get_field_index("folded_group_targets"), "folded_group_targets",
+                             pa.array(t, pa.string()))
+    table = table.set_column(table.schema.get_field_index("folded_reads"), "folded_reads", pa.array(n, pa.int64()))
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table, bad)
+    with pytest.raises(TraceFormatError, match=hint):
+        TraceReader(bad).check_calls()

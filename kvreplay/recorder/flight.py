@@ -24,12 +24,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from kvreplay.recorder.layout import ROW_FOLD_COUNT
-from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
+from kvreplay.recorder.raw_batch import RawBatch
 from kvreplay.recorder.recording import Recording, is_fresh, log
-from kvreplay.recorder.writer import ParquetSink
+from kvreplay.recorder.writer import ParquetSink, rows_of
 from kvreplay.trace import snapshot as pool_snapshot
 
 _dumps = itertools.count()
@@ -43,9 +40,8 @@ class Segment:
 
 
 def top_level_calls(batch: RawBatch) -> int:
-    rows = np.frombuffer(batch.rows, dtype=np.int64)
-    # top-level rows (column 2 is depth), and the counter reads folded into them
-    return int((rows[2::ROW_WIDTH] == 0).sum()) + int(rows[ROW_FOLD_COUNT::ROW_WIDTH].sum())
+    _, depth, folded = rows_of(batch)  # top-level rows, and the calls folded into them
+    return int((depth == 0).sum()) + int(folded.sum())
 
 
 class FlightRecorder(Recording):

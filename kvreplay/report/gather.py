@@ -15,7 +15,7 @@ from kvreplay.errors import KvreplayError
 from kvreplay.pool_api import COUNTER_METHODS, SUB_POOL_COUNTER, sub_pool_sizes
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET
-from kvreplay.trace.reader import TraceReader
+from kvreplay.trace.reader import TraceReader, folded_per_row
 
 CONTEXT = 3  # calls shown on each side of a finding's call
 SHOWN_VALUES = 6  # values of an index tensor shown before eliding the rest
@@ -42,15 +42,15 @@ def recorded_occupancy(reader: TraceReader, stride: int | None = None) -> dict[s
     recorded, inside free groups)."""
     sizes = sizes_of(reader)
     stride = stride or stride_for(reader.num_entries)
-    cols = ["depth", "target"] + [SUB_POOL_COUNTER[s] for s in sizes] + ["folded_reads"]
+    cols = ["depth", "target"] + [SUB_POOL_COUNTER[s] for s in sizes] + ["folded_reads", "folded_group_at"]
     buckets: list[np.ndarray] = []
     used: dict[str, list[np.ndarray]] = {s: [] for s in sizes}
     calls = 0
     for batch in reader.iter_batches(columns=cols):
         top = pc.and_(pc.equal(batch.column(0), 0), pc.not_equal(batch.column(1), GAP_TARGET))
         top_np = top.to_numpy(zero_copy_only=False)
-        folded = batch.column(2 + len(sizes)).fill_null(0).to_numpy(zero_copy_only=False)
-        # the call number of each top-level row: reads folded into a row come after it
+        folded = folded_per_row(batch.column(2 + len(sizes)), batch.column(3 + len(sizes)))
+        # the call number of each top-level row: calls folded into a row come after it
         number = calls + np.cumsum(top_np + folded) - folded
         calls = int(number[-1] + folded[-1]) if len(number) else calls
         buckets.append(((number - 1) // stride)[top_np])

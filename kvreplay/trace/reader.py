@@ -238,7 +238,7 @@ class TraceReader:
         """Rows plus the counter reads folded into them: what a replay walks through, and
         a bound on its call numbers. A scan of one small column, once."""
         if self._entries is None:
-            self._entries = self.num_rows + sum(int(_folded(b.column(0), b.column(1)).sum())
+            self._entries = self.num_rows + sum(int(folded_per_row(b.column(0), b.column(1)).sum())
                                                 for b in self.iter_batches(columns=["folded_reads",
                                                                                     "folded_group_at"]))
         return self._entries
@@ -294,7 +294,7 @@ class TraceReader:
         for batch in self.iter_batches(columns=["depth", "target", "folded_reads", "folded_group_at"]):
             top = pc.equal(batch.column(0), 0)
             n += int(pc.sum(pc.and_(top, pc.not_equal(batch.column(1), GAP_TARGET))).as_py() or 0)
-            n += int(_folded(batch.column(2), batch.column(3)).sum())
+            n += int(folded_per_row(batch.column(2), batch.column(3)).sum())
         return n
 
     def gaps(self) -> list[Call]:
@@ -328,7 +328,7 @@ class TraceReader:
             hit = pc.and_(pc.equal(method, CHECKPOINT_METHOD), gap).to_numpy(zero_copy_only=False)
             gaps = gaps or bool(pc.any(pc.and_(pc.equal(method, GAP_METHOD), gap)).as_py())
             call = pc.and_(pc.equal(depth, 0), pc.invert(gap)).to_numpy(zero_copy_only=False).astype(np.int64)
-            call += _folded(folded, group_at)  # folded reads and groups are calls too
+            call += folded_per_row(folded, group_at)  # folded reads and groups are calls too
             before = calls + np.cumsum(call) - call  # calls before each row
             out.extend(Checkpoint(offset + int(i), int(before[i])) for i in np.flatnonzero(hit))
             offset += batch.num_rows
@@ -392,7 +392,7 @@ def calls_in(table: pa.Table) -> tuple[int, int]:
     """(calls, latest end in ns) of a table of trace rows: its top-level rows that are
     not gaps or checkpoints, and the counter reads folded into them."""
     top = pc.and_(pc.equal(table.column("depth"), 0), pc.not_equal(table.column("target"), GAP_TARGET))
-    folded = _folded(table.column("folded_reads"), table.column("folded_group_at"))
+    folded = folded_per_row(table.column("folded_reads"), table.column("folded_group_at"))
     n = int(pc.sum(top).as_py() or 0) + int(folded.sum())
     return n, int(pc.max(table.column("t_end_ns")).as_py() or 0)
 
@@ -488,8 +488,9 @@ def _group_calls(a: Call, seq: int) -> Iterator[Call]:
                        from_fold=True)
 
 
-def _folded(reads: pa.Array | pa.ChunkedArray, group_at: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Top-level calls folded into each row, from its two fold columns."""
+def folded_per_row(reads: pa.Array | pa.ChunkedArray, group_at: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Top-level calls folded into each row (reads, and two per empty free group), from
+    its ``folded_reads`` and ``folded_group_at`` columns."""
     return folded_calls(reads.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64),
                         group_at.fill_null(-1).to_numpy(zero_copy_only=False))
 
