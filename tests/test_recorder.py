@@ -350,3 +350,23 @@ def test_counters_every_n_reads_the_pool_after_every_nth_call_and_replays_clean(
     assert len(full) > 100 and sampled == [r["seq"] for r in full[3::4]]
     by_seq = {r["seq"]: r["available"] for r in full}
     assert all(r["available"] == by_seq[r["seq"]] for r in got[4] if r["available"] is not None)
+
+
+def test_both_engines_write_a_vllm_wires_strings_and_id_tuples_alike(tmp_path, backend):
+    """The native engine puts strings and int tuples itself (a vLLM wire sends them on
+    every call); the rows are the Python encoder's, kind for kind."""
+    if not native_available():
+        pytest.skip("native capture not built")
+    from kvreplay.workload.synth import make_pool
+
+    cfg = SynthConfig(scenario="vllm-prefix", out=tmp_path / "unused", requests=30)
+    tables = []
+    for engine in ("native", "python"):
+        pool, _ = make_pool(cfg, SCENARIOS["vllm-prefix"])
+        rec = record(pool, tmp_path / f"{engine}.parquet", backend=engine, rows_per_batch=97, flush_s=0)
+        run_model(pool, cfg, SCENARIOS["vllm-prefix"])
+        rec.close()
+        tables.append(pq.read_table(tmp_path / f"{engine}.parquet", columns=CALL_COLUMNS))
+    kinds = {a["kind"] for row in tables[0].column("args").to_pylist() for a in row}
+    assert {"str", "ints"} <= kinds and tables[0].num_rows > 300
+    assert tables[0].equals(tables[1])

@@ -84,7 +84,7 @@ class ManagerWire:
         self.wire_blocks = BlockWire(self)
         self._sent: dict[str, int] = {}  # live: block hashes already on the wire, per request
         self._book = RequestBook(status)  # replay: requests by id
-        self._real: Any = None  # live: the call in progress (original, bound arguments)
+        self._real: Any = None  # live: the call in progress (original, args, kwargs)
         self._block_real: dict[str, Callable[..., Any]] = {}
         self._block_args: Any = None
         self._block_options: dict[str, Any] = {}  # a block-pool call's options besides its blocks
@@ -180,9 +180,9 @@ class ManagerWire:
         if original is None:
             raise AttributeError(f"this manager has no {VLLM_MANAGER_NAMES.get(name, name)}")
         if self._real is not None:
-            fn, bound = self._real
+            fn, args, kwargs = self._real
             self._real = None
-            result = fn(*bound.args, **bound.kwargs)
+            result = fn(*args, **kwargs)
             self._live_result = result
         else:
             args = self._arguments(name, wire)
@@ -240,14 +240,12 @@ class ManagerWire:
         """What replaces the manager's own method: the wire call, recorded, with the
         caller's objects passed through."""
         original = self._originals[name]
-        sig = inspect.signature(original)
+        bind = _binder(inspect.signature(original))
         wire_call = getattr  # looked up per call: the recorder patches the wire after this
 
         def live(*args: Any, **kwargs: Any) -> Any:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            wire = self._wire_args(bound.arguments)
-            self._real = (original, bound)
+            wire = self._wire_args(bind(args, kwargs))
+            self._real = (original, args, kwargs)
             self._live_result = None
             try:
                 wire_call(self, name)(**wire)
@@ -279,13 +277,46 @@ class ManagerWire:
         out["request_status"] = getattr(status, "name", None if status is None else str(status))
         rid = req.request_id
         sent = self._sent.get(rid, 0)
-        hashes = list(getattr(req, "block_hashes", ()) or ())
+        hashes = getattr(req, "block_hashes", None) or ()  # only its new tail is copied: a decode step's is empty
         if len(hashes) < sent:  # the request's hashes were rebuilt: send them all again
             sent = 0
         t, n = hashes_out(hashes[sent:])
         out.update(request_hashes=t, request_hashes_from=sent, request_hash_len=n)
         self._sent[rid] = len(hashes)
         return out
+
+
+def _binder(sig: inspect.Signature) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
+    """``sig.bind(*args, **kwargs)`` with defaults applied, as a dict in the parameters'
+    order: on every call of a live scheduler, so the plain case (no ``*args``, no
+    ``**kwargs``, every argument known) takes a few dict operations, not inspect's
+    general binding (~20 us a call); anything else goes to inspect, which also raises
+    the TypeError the method itself would."""
+    params = sig.parameters
+    names = tuple(params)
+    known = frozenset(names)
+    defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
+    plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params.values())
+    positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params.values())
+
+    def general(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if not plain or len(args) > positional or not known.issuperset(kwargs):
+            return general(args, kwargs)
+        given = dict(zip(names, args))  # noqa: B905 - fewer args than names
+        if not given.keys().isdisjoint(kwargs):
+            return general(args, kwargs)  # the same argument twice: inspect says so
+        given.update(kwargs)
+        try:
+            return {n: given[n] if n in given else defaults[n] for n in names}
+        except KeyError:  # a required argument missing
+            return general(args, kwargs)
+
+    return bind
 
 
 # Arguments a release before the recording's names otherwise: (its name, the recording's).

@@ -294,6 +294,29 @@ static int put_segments(Capture *c, Values *vals, PyObject *v, int64_t name) {
     return 1;
 }
 
+/* A list or tuple of plain ints, each within int64, as the encoder's K_INTS (vLLM's
+ * wire sends block ids and hashes so, on every call); 0: not one. */
+static int put_ints(Values *vals, PyObject *v, int64_t name) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    Py_ssize_t start = vals->data.len;
+    if (buf_reserve(&vals->data, n) < 0) return -1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (!PyLong_CheckExact(items[j])) return 0;
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(items[j], &overflow);
+        if (overflow || (x == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+        vals->data.p[start + j] = x;
+    }
+    int64_t h[VALUE_WIDTH] = {K_INTS, PyTuple_CheckExact(v), -1, -1, 1, n, name};
+    if (buf_push(&vals->head, h, VALUE_WIDTH) < 0) return -1;
+    vals->data.len = start + n;
+    return 1;
+}
+
 /* The Python encoder's tuple: (kind, i, dtype, device, nshape, n, shape extra, data bytes, obj). */
 static int put_slow(Capture *c, Values *vals, PyObject *v, int64_t name) {
     PyObject *enc = PyObject_CallOneArg(c->slow_put, v);
@@ -351,8 +374,14 @@ static int put_value(Capture *c, Values *vals, PyObject *v, int64_t name) {
     } else if (TensorType && Py_IS_TYPE(v, TensorType)) {
         int done = put_tensor(c, vals, v, name);
         if (done != 0) return done < 0 ? -1 : 0;
+    } else if (PyUnicode_CheckExact(v)) {
+        int64_t h[VALUE_WIDTH] = {K_STR, PyList_GET_SIZE(vals->objs), -1, -1, 0, 0, name};
+        if (PyList_Append(vals->objs, v) < 0) return -1;
+        return buf_push(&vals->head, h, VALUE_WIDTH);
     } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
-        int done = put_segments(c, vals, v, name);
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+        int done = n == 0 || PyLong_CheckExact(PySequence_Fast_GET_ITEM(v, 0)) ? put_ints(vals, v, name)
+                                                                                : put_segments(c, vals, v, name);
         if (done != 0) return done < 0 ? -1 : 0;
     }
     return put_slow(c, vals, v, name);

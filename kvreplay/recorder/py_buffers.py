@@ -109,6 +109,10 @@ class ValueBuffer:
         elif tp is int and _INT64[0] <= v <= _INT64[1]:
             self.head.extend((K_INT, v, -1, -1, 0, 0, name))
             return
+        elif tp is str:
+            self.head.extend((K_STR, len(self.objs), -1, -1, 0, 0, name))
+            self.objs.append(v)
+            return
         kind, i, dtype, device, nshape, n, extra, data, obj = encode(v, self.names)
         if obj is not None:
             i = len(self.objs)
