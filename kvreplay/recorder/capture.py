@@ -20,6 +20,7 @@ import torch
 
 from kvreplay.recorder import layout, tensor_shim
 from kvreplay.recorder.layout import (
+    FINISH_CALL,
     FINISH_GROUP_BEGIN,
     FINISH_GROUP_END,
     FINISH_READ,
@@ -104,9 +105,10 @@ class Engine:
         """Everything captured since the last take, for the writer."""
         return self._raw(self.impl.take())
 
-    def take_if_idle(self) -> RawBatch | None:
-        """``take()`` from another thread: only between top-level calls, else None."""
-        got = self.impl.take_if_idle()
+    def take_if_idle(self, quiet_s: float = 0.0, max_age_s: float = 0.0) -> RawBatch | None:
+        """``take()`` from another thread: only between top-level calls, once the recorded
+        thread has made no row for ``quiet_s`` (or the batch is ``max_age_s`` old), else None."""
+        got = self.impl.take_if_idle(int(quiet_s * 1e9), int(max_age_s * 1e9))
         return None if got is None else self._raw(got)
 
     def _raw(self, got: Any) -> RawBatch:
@@ -176,6 +178,7 @@ class PyCapture:
         self.flush_ns = flush_ns
         self.raised = raised
         self.batch_t0 = 0
+        self.last_t1 = 0
         self.fail_cb = fail
         self.targets: list[int] = []  # targets of the calls in progress, innermost last
         self.seqs: list[int] = []
@@ -260,13 +263,25 @@ class PyCapture:
         else:
             self.cur = [None if v == NULL else v for v in counters]
 
-    def take_if_idle(self) -> RowBatch | None:
+    def take_if_idle(self, quiet_ns: int = 0, max_age_ns: int = 0) -> RowBatch | None:
         if not self.busy.acquire(blocking=False):
             return None
         try:
-            return self.take() if len(self.batch) else None
+            if not len(self.batch):
+                return None
+            now = time.time_ns()
+            if now - self.last_t1 < quiet_ns and not (max_age_ns and now - self.batch_t0 >= max_age_ns):
+                return None
+            return self.take()
         finally:
             self.busy.release()
+
+    def _flush_if_old(self, finish: int) -> None:
+        """The native engine's flush_if_old: an old batch goes before a state-changing
+        top-level call, so what folds into that call's row finds it in the same batch."""
+        if (self.flush_ns and self.batch.rows and not self.in_group and finish in (FINISH_CALL, FINISH_GROUP_BEGIN)
+                and time.time_ns() - self.batch_t0 >= self.flush_ns):
+            self.flush()
 
     def reset(self) -> None:
         self.batch = RowBatch(self.names)  # a half-appended row would misalign the columns
@@ -294,6 +309,12 @@ class PyCapture:
             if targets:
                 return record_call(args, kwargs)
             with busy:  # a top-level call: take_if_idle from another thread waits it out
+                if cap.flush_ns:
+                    try:
+                        cap._flush_if_old(finish)
+                    except Exception as exc:  # never break the recorded program
+                        cap._fail(exc)
+                        return fn(*args, **kwargs)
                 return record_call(args, kwargs)
 
         def record_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -376,10 +397,11 @@ class PyCapture:
             if depth:
                 return
             self.anchor = len(b.rows) - ROW_WIDTH
+            self.last_t1 = t1
             self._learn(slot, result, exc, counters)
             if exc is not None and self.raised is not None:
                 self.raised()
-            elif len(b.rows) >= self.flush_at or (self.flush_ns and t1 - self.batch_t0 >= self.flush_ns):
+            elif len(b.rows) >= self.flush_at:
                 self.flush()
         except Exception as err:  # never break the recorded program
             self._fail(err)
