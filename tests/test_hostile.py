@@ -857,3 +857,31 @@ def test_tiny_model_without_transformers_is_one_line(tmp_path):
                          timeout=120)
     assert res.returncode == 1 and "needs transformers" in res.stderr and "Traceback" not in res.stderr
     assert res.stderr.count("\n") == 1
+
+
+def test_a_recorded_prefix_hit_on_a_block_never_handed_out_is_no_remap_clean(tmp_path):
+    """Remap issues the build's own lookups, so a recording whose pool answered a prefix
+    hit with a block it never handed out (never filled, so never cached) passed clean:
+    now the hit itself is the divergence, in remap as in strict mode."""
+    from kvreplay.replay.dispatch import replay
+    from kvreplay.workload.synth import SynthConfig, synthesize
+
+    good = tmp_path / "good.parquet"
+    synthesize(SynthConfig(scenario="vllm-prefix", out=good, requests=120))
+    table = pq.read_table(good)
+    rows = table.to_pylist()
+    handed = {b for r in rows if r["method"] == "get_new_blocks" for b in r["result"]["data"]}
+    never = next(b for b in range(1, 10**6) if b not in handed)
+    (at, row) = next((i, r) for i, r in enumerate(rows) if r["method"] == "get_computed_blocks"
+                     and r["result"]["data"][0] > 0)
+    data = row["result"]["data"]
+    data[-1] = never  # the hit's last block: one the pool never gave anyone
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), bad)
+    number = sum(1 for r in rows[:at + 1] if r["depth"] == 0)
+    assert replay(good, "builtin:vllm", mode="remap", device="cpu").status == "clean"
+    for mode in ("remap", "strict"):
+        got = replay(bad, "builtin:vllm", mode=mode, device="cpu")
+        first = got.first_divergence
+        assert got.status == "divergence" and first.call == number and first.method == "get_computed_blocks", mode
+    assert "never handed out" in replay(bad, "builtin:vllm", mode="remap", device="cpu").first_divergence.message

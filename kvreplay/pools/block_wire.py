@@ -44,6 +44,12 @@ def hashes_in(flat: Sequence[int], length: int) -> list[bytes]:
             for i in range(0, len(flat), words)]
 
 
+# The block a pool keeps as its null placeholder (a sliding window's skipped blocks point
+# at it): the first of its free queue, 0, in vLLM's pool and the builtin one alike. Never
+# handed out, never cached, yet a hit may name it.
+NULL_BLOCK_ID = 0
+
+
 def groups_out(groups: Sequence[Sequence[Any]]) -> tuple[int, ...]:
     """Per-group block lists (KVCacheBlock objects or ids) as one tuple of ints."""
     ids = [b if isinstance(b, int) else b.block_id for g in groups for b in g]

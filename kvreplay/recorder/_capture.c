@@ -675,8 +675,12 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
  * nothing to fold into. */
 static int flush_if_old(Capture *c, Wrapped *w) {
     if (c->flush_ns <= 0 || c->rows.len == 0 || c->in_group || !c->flush
-        || (w->finish != FINISH_CALL && w->finish != FINISH_GROUP_BEGIN) || now_ns() - c->batch_t0 < c->flush_ns)
+        || (w->finish != FINISH_CALL && w->finish != FINISH_GROUP_BEGIN))
         return 0;
+    /* A group's begin may fold into the row before it: it goes first only when the batch
+     * is much older (a program that makes nothing but free groups still flushes). */
+    int64_t age = now_ns() - c->batch_t0;
+    if (age < (w->finish == FINISH_GROUP_BEGIN ? 5 * c->flush_ns : c->flush_ns)) return 0;
     PyObject *r = PyObject_CallNoArgs(c->flush);
     if (!r) return -1;
     Py_DECREF(r);

@@ -279,8 +279,10 @@ class PyCapture:
     def _flush_if_old(self, finish: int) -> None:
         """The native engine's flush_if_old: an old batch goes before a state-changing
         top-level call, so what folds into that call's row finds it in the same batch."""
-        if (self.flush_ns and self.batch.rows and not self.in_group and finish in (FINISH_CALL, FINISH_GROUP_BEGIN)
-                and time.time_ns() - self.batch_t0 >= self.flush_ns):
+        if not self.flush_ns or not self.batch.rows or self.in_group or finish not in (FINISH_CALL, FINISH_GROUP_BEGIN):
+            return
+        # a group's begin may fold into the row before it: it goes first only when much older
+        if time.time_ns() - self.batch_t0 >= self.flush_ns * (5 if finish == FINISH_GROUP_BEGIN else 1):
             self.flush()
 
     def reset(self) -> None:

@@ -290,10 +290,11 @@ class Recording:
                 # calls): leave the batch to it, which flushes it within flush_s of its next row.
                 continue
             with self._lock:
-                # Only once the recorded thread went quiet: while it makes calls it hands its
-                # batch over itself, before a state-changing call (which the reads and empty
-                # group after it fold into). Never a batch older than a few periods.
-                batch = self._engine.take_if_idle(every_s, 5 * every_s)
+                # Only once the recorded thread went quiet (half a period without a row): while
+                # it makes calls it hands its batch over itself, before a state-changing call
+                # (which the reads and empty group after it fold into). Never a batch older
+                # than a few periods.
+                batch = self._engine.take_if_idle(every_s / 2, 5 * every_s)
                 if batch is not None:
                     self._deliver(batch, idle=True)
 

@@ -23,7 +23,7 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.block_pool import BlockPoolChecker
 from kvreplay.errors import BadInput, BuildUnsupported, one_of
 from kvreplay.pool_api import VLLM_BLOCK_METHODS
-from kvreplay.pools.block_wire import EMPTY, groups_in, groups_out
+from kvreplay.pools.block_wire import EMPTY, NULL_BLOCK_ID, groups_in, groups_out
 from kvreplay.replay.compare import block_remap_difference, exception_difference, json_value, same
 from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.replayer import UNSUPPORTED, compose_report, few_collections
@@ -67,7 +67,9 @@ class BlockReplayer:
         self._methods: dict[str | tuple[str, str], Callable[..., Any]] = {}
         self.unsupported: str | None = None
         self._log: list[tuple[str, Any]] = []
-        self.remap = BlockRemap(int(self.meta.ctor_args["block_size"])) if self.mode == "remap" else None
+        # a recording that starts mid-life (a snapshot, a later part) may hit blocks cached before it
+        fresh = self.meta.initial_state is None and not (self.meta.extra.get("part") or {}).get("index")
+        self.remap = BlockRemap(int(self.meta.ctor_args["block_size"]), fresh) if self.mode == "remap" else None
         self.pool.wire_blocks.log = self._log
         self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_entries)
         self._see = self.timeline.seer("blocks")
@@ -129,7 +131,7 @@ class BlockReplayer:
                 self._compare(tc, result, want, avail, log)
         else:
             self.remap.learn(tc, args, result, log)
-            why = block_remap_difference(c.result, result)
+            why = block_remap_difference(c.result, result) or self.remap.unstored_hit(tc)
             if why is not None:
                 self._diverge(n, c.method, "result", c.result, result, why)
         checker = self.checker
@@ -217,10 +219,30 @@ class BlockRemap:
     reaches the same length), and a scheduler's free with the ids the build popped.
     Other recorded ids go through what the build handed out in their place."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, fresh: bool = True) -> None:
         self.block_size = block_size
         self.hits: dict[str, tuple[Any, Any]] = {}  # request -> (recorded lookup, the build's)
         self.ids: dict[int, int] = {}  # recorded block id -> the build's, as handed out
+        # The recorded ids the recording's pool ever handed out (since its cache was last
+        # reset): only those can it have cached. None: a recording that started mid-life.
+        self.handed_out: set[int] | None = set() if fresh else None
+
+    def unstored_hit(self, tc: Any) -> str | None:
+        """Remap issues the build's own lookups, so nothing else sees the recording's:
+        a recorded prefix hit on a block the recording never handed out (so never
+        filled, never cached) is its pool's fault, and remap would otherwise pass it."""
+        c = tc.call
+        if self.handed_out is None or c.method != "get_computed_blocks" or not isinstance(c.result, tuple):
+            return None
+        try:
+            groups = groups_in(c.result[2:]) or []
+        except (ValueError, TypeError):
+            return None  # not the wire's form: the comparison and the checker say what is wrong
+        for b in (b for g in groups for b in g):
+            if b != NULL_BLOCK_ID and b not in self.handed_out:
+                return (f"the recording's prefix hit names block {b}, which its pool never handed out: a hit on a "
+                        "block that was never stored")
+        return None
 
     def args(self, c: Any) -> dict[str, Any]:
         a = c.args
@@ -260,6 +282,14 @@ class BlockRemap:
               and isinstance(result, (tuple, list))):
             self.ids.update(zip(c.result, result, strict=False))
         rec = [x.result for x in tc.nested if x.method == "get_new_blocks"]
+        if c.target == "blocks" and c.method == "get_new_blocks":
+            rec.insert(0, c.result)
+        if self.handed_out is not None:
+            if c.method == "reset_prefix_cache" and c.result is True:
+                self.handed_out.clear()  # every cached block is forgotten: nothing before can hit
+            for r_ids in rec:
+                if isinstance(r_ids, (tuple, list)):
+                    self.handed_out.update(b for b in r_ids if type(b) is int)
         got = [r for m, r in log if m == "get_new_blocks"]
         for r_ids, g_ids in zip(rec, got, strict=False):
             if isinstance(r_ids, (tuple, list)) and isinstance(g_ids, (tuple, list)):
