@@ -4,7 +4,8 @@ vLLM traces are fuzzed with the others in test_fuzz.py.
 
 Whatever the input: exit 0, 1, 2 or 125; one line on stderr for bad input; no
 traceback; nothing stored; an answer within the case's deadline; no page answers 500.
-The fast tier runs 20 cases of each, the slow tier (.ci/run) 500 of each (2,000 in all).
+Each campaign runs under a memory cap (its peak may grow 1 GiB at most). The fast tier
+runs 20 cases of each, the slow tier (.ci/run) 500 of each (2,000 in all).
 ``KVREPLAY_FUZZ_SEED`` picks another campaign."""
 
 from __future__ import annotations
@@ -73,6 +74,39 @@ def _workload(rng: random.Random, path: Path) -> None:
             line = b"x" * rng.randint(1 << 20, 3 << 20)
         lines.append(line)
     path.write_bytes(b"\n".join(lines) + rng.choice([b"\n", b""]))
+
+
+GROWTH_CAP = 1 << 30  # what a campaign may add to the process's peak resident memory
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@pytest.fixture(autouse=True)
+def memory_cap():
+    """Each campaign under a memory cap: its peak resident memory (the kernel's high-water
+    mark, reset at the start) may grow at most GROWTH_CAP over what the process held,
+    and an address-space limit stops a bomb that would take the machine first."""
+    import resource
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current VmRSS
+    except OSError:
+        pytest.skip("this kernel cannot reset a process's peak memory")
+    base = _status_kib("VmRSS") * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = _status_kib("VmSize") * 1024 + 4 * GROWTH_CAP  # virtual: thread stacks and arenas count too
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    grew = _status_kib("VmHWM") * 1024 - base
+    assert grew < GROWTH_CAP, f"the campaign's peak resident memory grew {grew / 2**20:.0f} MB"
 
 
 def _check(res, what: str, wrote: Path | None = None) -> None:
