@@ -167,14 +167,15 @@ def assert_toolbar_covers_nothing(page) -> None:
     """With the pointer on the chart (the toolbar shows), the toolbar's box meets no
     legend entry and no axis label: it once sat on both on the compare and history pages."""
     page.hover("#chart .plot-container")
-    bar = page.locator("#chart .modebar")
-    if not bar.count() or not bar.first.is_visible():
-        return
-    box = bar.first.bounding_box()
-    covered = [t for t in page.locator("#chart .legend .traces text, #chart .xtick text, #chart .ytick text, "
-                                       "#chart .g-xtitle text, #chart .g-ytitle text").all()
-               if (r := t.bounding_box()) and _overlaps(box, r)]
-    assert not covered, [t.text_content() for t in covered]
+    bar = page.locator("#chart .modebar").first
+    bar.wait_for(state="visible", timeout=10_000)  # a toolbar that never shows is a failure, not a pass
+    box = bar.bounding_box()
+    labels = [r for t in page.locator("#chart .legend .traces text, #chart .xtick text, #chart .ytick text, "
+                                      "#chart .g-xtitle text, #chart .g-ytitle text").all()
+              if (r := t.bounding_box())]
+    assert box is not None and labels, "nothing to measure: no toolbar box or no label drawn"
+    covered = [r for r in labels if _overlaps(box, r)]
+    assert not covered, covered
 
 
 def _drawn_without_errors(b, url: str, shots: Path, name: str):
