@@ -126,6 +126,17 @@ SLOW_TESTS = {
 # Single cases: the SIGKILL timing matrix (the fast tier keeps
 # test_sigkill_keeps_a_small_last_batch[native], a kill -9 of its own), and more.
 SLOW_CASES = {
+    # Each hostile case starts a CLI process that imports torch: two kinds of each class
+    # stay in the fast tier, the rest run here.
+    "test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds[sliding_window:-5]",
+    "test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds[sliding_window:]",
+    "test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds[sliding_window]",
+    "test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds[sliding_window:0]",
+    "test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds[full,,full]",
+    "test_rows_of_the_other_engines_methods_are_damage[50-free_group_begin-trace1-builtin:vllm]",
+    "test_rows_of_the_other_engines_methods_are_damage[0-get_new_blocks-trace3-builtin:swa]",
+    # the watch across parts stays in the fast tier (carries its state); retired parts here
+    "test_a_clean_pool_watched_across_retired_parts_stays_clean",
     # 2,000 cases of the other surfaces' fuzz (workloads, answers, build specs, serve URLs)
     "test_hostile_workload_files[slow]",
     "test_hostile_server_answers[slow]",
