@@ -34,6 +34,7 @@ from kvreplay.trace.format import (
     folded_calls,
     part_name,
 )
+from kvreplay.trace.reader import folded_per_row
 
 STOP = object()  # the queue item that ends a writer thread
 
@@ -58,8 +59,7 @@ def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(seq, depth, top-level calls folded in) of a written table's rows, gap rows given depth 1: they are not calls."""
     depth = table.column("depth").to_numpy().astype(np.int64)
     depth[pc.equal(table.column("target"), GAP_TARGET).to_numpy(zero_copy_only=False)] = 1
-    folded = folded_calls(table.column("folded_reads").fill_null(0).to_numpy(),
-                          table.column("folded_group_at").fill_null(-1).to_numpy())
+    folded = folded_per_row(table.column("folded_reads"), table.column("folded_group_at"))
     return table.column("seq").to_numpy(), depth, folded
 
 

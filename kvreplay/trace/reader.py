@@ -198,8 +198,8 @@ class TraceReader:
             folds += _check_folds(self.path, folded, pattern, depth)
             folds += _check_groups(self.path, folded, group_at, group_targets, depth, names)
             if folds > MAX_TRACE_FOLDED_READS:
-                raise TraceFormatError(f"{self.path}: the rows fold more than {MAX_TRACE_FOLDED_READS:,} counter "
-                                       "reads in all (KVREPLAY_MAX_TRACE_FOLDED_READS raises the limit)")
+                raise TraceFormatError(f"{self.path}: the rows fold more than {MAX_TRACE_FOLDED_READS:,} calls "
+                                       "in all (KVREPLAY_MAX_TRACE_FOLDED_READS raises the limit)")
             _check_dtypes(self.path, arg_dtypes, result_dtypes)
             recorded = pc.filter(depth, pc.not_equal(target, GAP_TARGET))
             if first and len(recorded):
@@ -235,8 +235,8 @@ class TraceReader:
 
     @property
     def num_entries(self) -> int:
-        """Rows plus the counter reads folded into them: what a replay walks through, and
-        a bound on its call numbers. A scan of one small column, once."""
+        """Rows plus the calls folded into them: what a replay walks through, and a bound
+        on its call numbers. A scan of two small columns, once."""
         if self._entries is None:
             self._entries = self.num_rows + sum(int(folded_per_row(b.column(0), b.column(1)).sum())
                                                 for b in self.iter_batches(columns=["folded_reads",
