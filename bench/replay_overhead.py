@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from kvreplay.builds.resolve import load_build
-from kvreplay.pool_api import SLOT_FAMILIES
+from kvreplay.families.registry import family as family_record
 from kvreplay.replay.dispatch import make_replayer
 from kvreplay.trace.format import CHECKPOINT_METHOD
 from kvreplay.trace.reader import TraceReader
@@ -125,8 +125,9 @@ def main() -> None:
     gc.set_threshold(20_000, *gc.get_threshold()[1:])
     reader = TraceReader(trace)
     family = reader.meta.family
-    a.build = a.build or ("builtin:swa" if family in SLOT_FAMILIES else f"builtin:{family}")
-    modes = ("strict", "remap") if family in SLOT_FAMILIES else ("strict",)  # block ids have no remap yet
+    slots = family_record(family).slots
+    a.build = a.build or ("builtin:swa" if slots else family_record(family).default_build)
+    modes = ("strict", "remap") if slots else ("strict",)  # block ids have no remap yet
     if a.instructions:
         return count_instructions(trace, a.build, n=reader.count_calls())
     for _tc in reader.top_calls():  # warm-up: the first pass also pays one-time set-up (page cache, imports)

@@ -32,7 +32,8 @@ import torch
 
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, KvreplayError
-from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, SLOT_FAMILIES, VLLM_HOUSEKEEPING, method_kind
+from kvreplay.families.registry import family
+from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, VLLM_HOUSEKEEPING, method_kind
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
 from kvreplay.replay.replayer import start_point
@@ -208,7 +209,7 @@ class Subject:
         self.reader = TraceReader(trace)
         self.reader.check_calls()  # once, not per candidate: candidates replay with checked=True
         self.meta = self.reader.meta
-        self.slots = self.meta.family in SLOT_FAMILIES  # else block ids (vLLM's manager)
+        self.slots = family(self.meta.family).slots  # else block ids (vLLM's manager)
         self.start = start_point(self.reader, after_gap=False)
         self.calls: list[TopCall] = []  # decoded up to the failure by first_failure
         self.deps: Dependencies | None = None

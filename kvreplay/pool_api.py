@@ -1,17 +1,15 @@
 """The allocator vocabulary: the one place that knows the KV-pool APIs kvreplay speaks,
 sglang's allocators and vLLM's KV-cache manager.
 
-Which methods exist and what kind of call each is, which attributes hold the
-sub-allocators, which pool families there are and how they are constructed, and
-which arguments carry slot indices. The recorder, the replayer, the checker, the
-minimizer and the trace summary all read this table; when sglang adds a method,
-this file changes and nothing else has to.
+Which methods exist, what kind of call each is, and which arguments carry slot
+indices. The recorder, the replayer, the checker, the minimizer and the trace summary
+all read this table; when sglang adds a method, this file changes and nothing else
+has to. What a pool family is (its constructor, its sub-pools, its builds) is its
+record's (families/).
 
 Nothing here imports torch: the trace writer's process reads it too."""
 
 from __future__ import annotations
-
-from typing import Any
 
 # -- methods and their kinds ---------------------------------------------------------
 ALLOCS = frozenset({"alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail"})
@@ -55,7 +53,6 @@ VLLM_METHODS: tuple[str, ...] = (*VLLM_MANAGER_METHODS, *VLLM_BLOCK_METHODS, "av
 # What a manager's own method is called where the wire renames it.
 VLLM_MANAGER_NAMES = {"free_request": "free"}
 
-API_METHODS = frozenset(RECORDED_METHODS) | frozenset(VLLM_METHODS)  # a trace's names are checked against it
 # vLLM calls that return nothing: a None from them is not a refusal for room.
 VLLM_VOID_METHODS = frozenset({"free_request", "cache_blocks", "remove_skipped_blocks", "evict_blocks",
                                "new_step_starts", "free_blocks", "touch"})
@@ -82,17 +79,6 @@ def method_kind(method: str) -> str:
     return method
 
 
-# -- sub-allocators ---------------------------------------------------------------------
-# (name in traces and reports, attribute on the SWA allocator)
-SUB_POOLS: tuple[tuple[str, str], ...] = (("full", "full_attn_allocator"), ("swa", "swa_attn_allocator"),
-                                          ("blocks", "wire_blocks"))
-# The counter column that holds each sub-pool's available count, and what it counts.
-SUB_POOL_COUNTER = {"full": "full_available", "swa": "swa_available", "pool": "available", "blocks": "available"}
-
-
-def unit_of(sub_pool: str) -> str:
-    """What a sub-pool's sizes and counts are in: token slots, or vLLM's blocks."""
-    return "blocks" if sub_pool == "blocks" else "slots"
 # Counter columns of a trace, and the reads that fill them, in the same order.
 COUNTERS = ("available", "full_available", "swa_available")
 COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
@@ -101,29 +87,6 @@ COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
 FULL_TOKEN_ARGS = ("free_index", "last_loc", "full_indices", "indices")
 SWA_TOKEN_ARGS = ("swa_indices",)
 
-# -- families ---------------------------------------------------------------------------------
-# Constructor parameters per family, in sglang 0.5.23's positional order. A family
-# fixes the signature, so a trace recorded on one build can construct another.
-FAMILY_ARGS: dict[str, tuple[str, ...]] = {
-    "token": ("size", "dtype", "device", "kvcache", "need_sort"),
-    "paged": ("size", "page_size", "dtype", "device", "kvcache", "need_sort"),
-    "swa": ("size", "size_swa", "page_size", "dtype", "device", "kvcache", "need_sort"),
-    # vLLM: the block pool's size, the manager's block and hash sizes, what it admits.
-    "vllm": ("num_blocks", "block_size", "hash_block_size", "max_model_len", "max_in_flight_tokens",
-             "enable_caching", "watermark", "attention", "retention_interval", "use_eagle"),
-}
-# The whole-number constructor arguments of each family (checked against MAX_POOL_SLOTS)
-# and those of them that must be at least 1.
-FAMILY_SIZES: dict[str, tuple[str, ...]] = {
-    "token": ("size",), "paged": ("size", "page_size"), "swa": ("size", "page_size", "size_swa"),
-    "vllm": ("num_blocks", "block_size", "hash_block_size", "max_model_len", "max_in_flight_tokens"),
-}
-FAMILY_UNITS: dict[str, tuple[str, ...]] = {
-    "token": (), "paged": ("page_size",), "swa": ("page_size",), "vllm": ("block_size", "hash_block_size"),
-}
-# The families whose calls name token slots (sglang's allocator API); the commands that
-# reason about slots (minimize, remap) take these only.
-SLOT_FAMILIES = ("token", "paged", "swa")
 # The attention a vLLM manager is replayed with: one name per KV-cache group, in the
 # manager's order, joined by commas: ``full``, or ``sliding_window:W`` for a window of W
 # tokens (``full,sliding_window:128``: a hybrid model's two groups).
@@ -141,46 +104,3 @@ def vllm_groups(attention: str) -> tuple[int, ...] | None:
         else:
             return None
     return tuple(groups) if len(groups) <= 16 else None
-
-
-def methods_of(family: str) -> tuple[str, ...]:
-    """The methods a recorder wraps and a replay may call on a pool of ``family``."""
-    return VLLM_METHODS if family == "vllm" else RECORDED_METHODS
-
-
-def family_of_pool(pool: Any) -> str:
-    """A live pool's family, from the state it keeps."""
-    if hasattr(pool, "wire_blocks"):
-        return "vllm"
-    if hasattr(pool, "full_to_swa_index_mapping"):
-        return "swa"
-    if getattr(pool, "page_size", 1) > 1 or hasattr(pool, "num_pages"):
-        return "paged"
-    return "token"
-
-
-def ctor_args_of_pool(pool: Any) -> dict[str, Any]:
-    """The constructor arguments of a live pool, as a trace records them."""
-    family = family_of_pool(pool)
-    if family == "vllm":
-        return dict(pool.ctor_args)
-    args: dict[str, Any] = {
-        "size": int(getattr(pool, "size_full", pool.size) if family == "swa" else pool.size),
-        "dtype": str(getattr(pool, "dtype", "torch.int64")),
-        "device": str(getattr(pool, "device", "cpu")),
-        "need_sort": bool(getattr(pool, "need_sort", False)),
-    }
-    if family in ("paged", "swa"):
-        args["page_size"] = int(pool.page_size)
-    if family == "swa":
-        args["size_swa"] = int(pool.size_swa)
-    return args
-
-
-def sub_pool_sizes(family: str, ctor_args: dict[str, Any]) -> dict[str, int]:
-    """Token capacity per sub-pool, as reports name them (full/swa, or pool)."""
-    if family == "swa":
-        return {"full": int(ctor_args["size"]), "swa": int(ctor_args["size_swa"])}
-    if family == "vllm":
-        return {"blocks": int(ctor_args["num_blocks"])}
-    return {"pool": int(ctor_args["size"])}

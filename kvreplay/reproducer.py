@@ -17,7 +17,8 @@ import torch
 
 from kvreplay.check.rules import INVARIANTS
 from kvreplay.errors import BadInput
-from kvreplay.pool_api import ALLOCS, API_METHODS, FULL_TOKEN_ARGS
+from kvreplay.families.registry import all_methods
+from kvreplay.pool_api import ALLOCS, FULL_TOKEN_ARGS
 from kvreplay.trace.format import TopCall
 from kvreplay.trace.reader import TraceReader
 
@@ -87,7 +88,7 @@ def _comment(text: str) -> str:
 
 def _call_line(i: int, tc: TopCall, slots: _Slots, note: str = "") -> tuple[list[str], str | None]:
     c = tc.call
-    if c.method not in API_METHODS:
+    if c.method not in all_methods():
         raise BadInput(f"call #{tc.number} names {c.method!r}, not a method of the allocator API")
     bad = [k for k in c.args if not k.isidentifier() or keyword.iskeyword(k)]
     if bad:

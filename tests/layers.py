@@ -23,12 +23,14 @@ LAYERS: list[list[str]] = [
     ["corpus"],
     ["bisect", "minimize", "demo", "matrix", "dashboard"],
     ["stored_replay", "reproducer", "report", "watch"],
+    ["families.sglang", "families.vllm"],  # each family's own code, named by its record
     ["workload"],
     ["recorder", "replay", "checked_pool"],
     ["check", "store"],
     ["builds"],
     ["pools", "trace", "fanout"],
-    ["pool_api", "errors", "version", "scratch"],
+    ["families"],  # the records and their registry
+    ["pool_api", "errors", "version", "scratch", "limits"],
 ]
 
 

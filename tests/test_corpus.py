@@ -11,8 +11,7 @@ import pytest
 
 from kvreplay.corpus.expectations import check_report
 from kvreplay.corpus.manifest import load_manifest
-from kvreplay.pool_api import SLOT_FAMILIES
-from kvreplay.pools.registry import BUILTINS
+from kvreplay.families.registry import BUILTINS, family
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.hashing import content_hash as sha256_of
 from kvreplay.trace.summary import summarize
@@ -54,7 +53,7 @@ def test_corpus_expectation(entry, exp, mode):
 # The C index kernels serve the slot checker (sglang's pools); a block pool's checker has none.
 BUGGY = [(e, b) for n, b in sorted({(e.name, x.build) for e in ENTRIES for x in e.expect
                                     if x.status == "violation" and x.build.startswith("builtin:")})
-         for e in ENTRIES if e.name == n and BUILTINS[b.removeprefix("builtin:")].family in SLOT_FAMILIES]
+         for e in ENTRIES if e.name == n and family(BUILTINS[b.removeprefix("builtin:")].family).slots]
 
 
 @pytest.mark.parametrize("entry, build", BUGGY, ids=[f"{e.name}-{b.removeprefix('builtin:')}" for e, b in BUGGY])

@@ -11,10 +11,11 @@ def test_the_package_keeps_its_import_contract():
     assert layers.breaches(layers.graph()) == []
 
 
-def test_every_package_and_top_module_is_in_a_layer():
+def test_every_package_top_module_and_family_folder_is_in_a_layer():
     named = {e for layer in layers.LAYERS for e in layer}
     found = {p.stem if p.is_file() else p.name for p in layers.ROOT.iterdir()
              if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
+    found |= {f"families.{p.name}" for p in (layers.ROOT / "families").iterdir() if (p / "__init__.py").exists()}
     assert found == named
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvreplay.builds.resolve import resolve
+from kvreplay.families.registry import BUILTINS
 from kvreplay.pools.paged import PagedPool
-from kvreplay.pools.registry import BUILTINS
 from kvreplay.pools.swa import SWAPool
 from kvreplay.pools.token import TokenPool
 

@@ -33,33 +33,36 @@ from packaging.version import InvalidVersion, Version
 from kvreplay.builds.cache import cache_root, made_once, size_of
 from kvreplay.builds.overlay import Overlay, exact_pins, overlay_for
 from kvreplay.errors import BadInput, BuildUnloadable
+from kvreplay.families.registry import engine as engine_record
+from kvreplay.families.registry import engines, git_engine
 
-ENGINES = ("sglang", "vllm")  # the package index names whose releases are builds
-EXAMPLE = {"sglang": "0.5.12", "vllm": "0.31.0"}
 # Digits, dots and a post segment: what a release spec may hand to pip, nothing else.
 _VERSION = re.compile(r"^\d+(\.\d+){1,3}(\.post\d+)?$")
 _INDEX_TTL_S = 24 * 3600
 
 
-def check_version(text: str, engine: str = "sglang") -> str:
+def check_version(text: str, engine: str | None = None) -> str:
     """The version of ``ENGINE==VERSION``, or BadInput."""
+    engine = engine or git_engine()
     if not _VERSION.match(text):
-        e = EXAMPLE[engine]
+        rec = engine_record(engine)
+        e = rec.example if rec is not None else "1.0"
         raise BadInput(f"{engine}=={text}: not a release version (expected e.g. {engine}=={e} or {e}.post1)")
     return text
 
 
 def engine_of(spec: str) -> str | None:
     """The engine a release spec (or range) names, else None."""
-    return next((e for e in ENGINES if spec.startswith(f"{e}==")), None)
+    return next((e.name for e in engines() if spec.startswith(f"{e.name}==")), None)
 
 
 def is_range(spec: str) -> bool:
     return engine_of(spec) is not None and ".." in spec
 
 
-def available_versions(engine: str = "sglang") -> list[str]:
+def available_versions(engine: str | None = None) -> list[str]:
     """The engine's final and post releases on the package index, oldest first (cached a day)."""
+    engine = engine or git_engine()
     cached = cache_root() / "releases" / f"{engine}-index.json"
     if cached.is_file() and time.time() - cached.stat().st_mtime < _INDEX_TTL_S:
         return json.loads(cached.read_text())
@@ -139,15 +142,12 @@ def _safe_members(names: list[str]) -> None:
             raise BuildUnloadable(f"the release archive holds an unsafe path: {n!r}")
 
 
-# What a vLLM release keeps of its wheel: Python and the data files it reads at import.
-_VLLM_KEEP = (".py", ".json", ".jinja", ".txt", ".typed")
-
-
 def _unpack_wheel(archive: Path, dest: Path, engine: str) -> list[str]:
+    suffixes = _engine(engine).wheel_suffixes
     with zipfile.ZipFile(archive) as zf:
         names = zf.namelist()
         _safe_members(names)
-        keep = [n for n in names if n.startswith(f"{engine}/") and (engine != "vllm" or n.endswith(_VLLM_KEEP))]
+        keep = [n for n in names if n.startswith(f"{engine}/") and (suffixes is None or n.endswith(suffixes))]
         meta = next((n for n in names if n.endswith(".dist-info/METADATA")), None)
         zf.extractall(dest, members=keep)
         text = zf.read(meta).decode("utf-8", "replace") if meta else ""
@@ -155,25 +155,27 @@ def _unpack_wheel(archive: Path, dest: Path, engine: str) -> list[str]:
 
 
 def _unpack_sdist(archive: Path, dest: Path, engine: str) -> list[str]:
-    if engine != "sglang":
+    if not _engine(engine).sdists:
         raise BuildUnloadable(f"{archive.name}: {engine} releases are replayed from wheels only")
     src = dest / ".src"
     with tarfile.open(archive) as tar:
         _safe_members(tar.getnames())
         tar.extractall(src, filter="data")
-    pkg = next(iter(sorted(src.glob("*/python/sglang/__init__.py")) + sorted(src.glob("*/sglang/__init__.py"))),
+    pkg = next(iter(sorted(src.glob(f"*/python/{engine}/__init__.py")) + sorted(src.glob(f"*/{engine}/__init__.py"))),
                None)
     if pkg is None:
-        raise BuildUnloadable(f"{archive.name}: no sglang package inside")
-    shutil.move(str(pkg.parent), dest / "sglang")
-    reqs = requirements_of_tree(pkg.parent.parent)
+        raise BuildUnloadable(f"{archive.name}: no {engine} package inside")
+    shutil.move(str(pkg.parent), dest / engine)
+    reqs = requirements_of_tree(pkg.parent.parent, engine)
     shutil.rmtree(src)
     return reqs
 
 
-def requirements_of_tree(tree: Path) -> list[str]:
-    """An sglang checkout's requirements, from its own pyproject.toml (``python/`` or
-    the root), runtime extras included; [] for a tree that is not sglang."""
+def requirements_of_tree(tree: Path, engine: str | None = None) -> list[str]:
+    """An engine checkout's requirements (sglang's by default: git: builds are its
+    trees), from its own pyproject.toml (``python/`` or the root), runtime extras
+    included; [] for a tree that is not that engine's."""
+    engine = engine or git_engine()
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -184,7 +186,7 @@ def requirements_of_tree(tree: Path) -> list[str]:
                 project = tomllib.loads(candidate.read_text()).get("project", {})
             except (tomllib.TOMLDecodeError, UnicodeDecodeError):
                 return []
-            if project.get("name") != "sglang":
+            if project.get("name") != engine:
                 return []
             reqs = list(project.get("dependencies", []))
             for extra, items in project.get("optional-dependencies", {}).items():
@@ -229,11 +231,19 @@ def _fetch(version: str, engine: str, dest: Path) -> None:
     (dest / "release.json").write_text(json.dumps(info, indent=1))
 
 
-def fetch(version: str, engine: str = "sglang") -> Release:
-    """The release's code (and, for sglang, its overlay), fetched and made on first use."""
+def _engine(name: str) -> Any:
+    rec = engine_record(name)
+    if rec is None:
+        raise BadInput(f"{name} is not an engine whose releases are builds")
+    return rec
+
+
+def fetch(version: str, engine: str | None = None) -> Release:
+    """The release's code (and, where its engine says so, its overlay of pinned
+    dependencies), fetched and made on first use."""
+    engine = engine or git_engine()
     check_version(version, engine)
     root = made_once(cache_root() / "releases" / f"{engine}-{version}", lambda tmp: _fetch(version, engine, tmp))
     info = json.loads((root / "release.json").read_text())
-    # vLLM's pins are a GPU server's (CUDA torch and more): it imports with what is installed
-    overlay = overlay_for(exact_pins(info["requires"])) if engine == "sglang" else Overlay(None, (), ())
+    overlay = overlay_for(exact_pins(info["requires"])) if _engine(engine).overlay else Overlay(None, (), ())
     return Release(version, root, info, overlay)

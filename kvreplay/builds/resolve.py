@@ -1,7 +1,7 @@
 """From a build spec to a pool: which class, and how to construct it for a trace.
 
 A trace records its pool family and constructor arguments; a build of the same
-family is constructed from them (pool_api.FAMILY_ARGS gives the signature)."""
+family is constructed from them, the way the family's record says."""
 
 from __future__ import annotations
 
@@ -11,16 +11,10 @@ from typing import Any
 
 import torch
 
-from kvreplay.builds import sglang as sglang_adapter
-from kvreplay.builds import vllm as vllm_adapter
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable, FamilyMismatch, UnknownBuild
-from kvreplay.pool_api import FAMILY_ARGS
-from kvreplay.pools.block_pool import BlockManager
-from kvreplay.pools.paged import PagedPool
-from kvreplay.pools.registry import BUILTINS
-from kvreplay.pools.swa import SWAPool
-from kvreplay.pools.token import TokenPool
+from kvreplay.families.record import load
+from kvreplay.families.registry import BUILTINS, engine, families, family
 from kvreplay.trace.format import POOL_DTYPES
 
 
@@ -33,21 +27,12 @@ class Build:
     cls: type
 
     def construct(self, ctor: dict[str, Any], device: str | torch.device = "cpu") -> Any:
-        family = self.family or family_of_class(self.cls)
-        kwargs = {name: ctor.get(name) for name in FAMILY_ARGS[family]}
-        if "device" not in kwargs:  # a block pool (vLLM's family) keeps no tensors: the device is the caller's
-            return self.cls(**kwargs)
-        kwargs["device"] = device
-        kwargs["dtype"] = _dtype(kwargs.get("dtype"))
-        kwargs["need_sort"] = bool(kwargs.get("need_sort"))
-        if kwargs.get("kvcache") is None and sglang_adapter.needs_kv_standin(self.cls, family):
-            kwargs["kvcache"] = sglang_adapter.kv_standin(self.cls)
-        if sglang_adapter.is_sglang(self.cls):
-            kwargs = sglang_adapter.fit_signature(self.cls, kwargs)
-        return self.cls(**kwargs)
+        fam = family(self.family or family_of_class(self.cls))
+        return load(fam.construct)(fam, self.cls, ctor, device)
 
 
-def _dtype(value: Any) -> torch.dtype:
+def dtype_of(value: Any) -> torch.dtype:
+    """A trace's dtype name as a torch dtype (int64 where this torch lacks it)."""
     if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str) and value in POOL_DTYPES:
@@ -62,12 +47,9 @@ def resolve(spec: str | BuildSpec, family: str | None = None, recorded_class: st
 
     ``sglang`` needs the trace's family (and recorded class, if any) to pick a class."""
     s = spec if isinstance(spec, BuildSpec) else BuildSpec.parse(spec)
-    if s.kind == "sglang":
-        if family is None:
-            raise UnknownBuild("--build sglang needs a trace (or scenario) to choose the pool family")
-        return resolve(sglang_adapter.spec_for(family, recorded_class))
-    if s.kind == "vllm":
-        return Build(s.text, "vllm", vllm_adapter.InstalledManager)
+    eng = engine(s.kind)
+    if eng is not None:  # the installed engine's pool for the trace's family
+        return Build(*load(eng.installed)(family, recorded_class))
     if s.kind == "git":
         raise UnknownBuild(f"{s}: git: builds replay in a worker process (kvreplay replay); this command "
                            "takes in-process builds only (builtin:, py:, sglang)")
@@ -85,18 +67,18 @@ def resolve(spec: str | BuildSpec, family: str | None = None, recorded_class: st
 
 
 def family_of_class(cls: type) -> str:
-    """A class's pool family: from a builtin pool it derives from, else from its name
-    (sglang's classes say SWA or Paged in theirs)."""
-    for base, family in ((SWAPool, "swa"), (PagedPool, "paged"), (TokenPool, "token"), (BlockManager, "vllm"),
-                         (vllm_adapter.ManagerWire, "vllm")):
-        if issubclass(cls, base):
-            return family
+    """A class's pool family: from a family's base class it derives from (the most
+    specific family first), else from the words in its names (sglang's classes say SWA
+    or Paged in theirs), else the least specific family of all."""
+    ranked = sorted(families(), key=lambda f: -f.specificity)
+    for fam in ranked:
+        if any(issubclass(cls, load(b)) for b in fam.base_classes):
+            return fam.name
     name = " ".join(c.__name__ for c in cls.__mro__).lower()
-    if "swa" in name:
-        return "swa"
-    if "paged" in name:
-        return "paged"
-    return "token"
+    for fam in ranked:
+        if any(w in name for w in fam.class_words):
+            return fam.name
+    return ranked[-1].name
 
 
 def load_build(spec: str, family: str, ctor: dict[str, Any], device: str, recorded_class: str = "") -> Any:

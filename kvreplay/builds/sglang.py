@@ -21,19 +21,10 @@ import inspect
 import sys
 from typing import Any
 
-from kvreplay.errors import BuildUnloadable, BuildUnsupported
+from kvreplay.errors import BuildUnloadable, BuildUnsupported, UnknownBuild
+from kvreplay.families.record import Family
+from kvreplay.families.registry import family as family_record
 
-# Where each family's allocator lives, newest layout first (the allocator package
-# was split into modules over the 0.5 series).
-CLASSES: dict[str, tuple[str, ...]] = {
-    "token": ("sglang.srt.mem_cache.allocator.token:TokenToKVPoolAllocator",
-              "sglang.srt.mem_cache.allocator:TokenToKVPoolAllocator"),
-    "paged": ("sglang.srt.mem_cache.allocator.paged:PagedTokenToKVPoolAllocator",
-              "sglang.srt.mem_cache.allocator:PagedTokenToKVPoolAllocator"),
-    "swa": ("sglang.srt.mem_cache.allocator.swa:SWATokenToKVPoolAllocator",
-            "sglang.srt.mem_cache.allocator:SWATokenToKVPoolAllocator",
-            "sglang.srt.mem_cache.swa_memory_pool:SWATokenToKVPoolAllocator"),
-}
 # The SWA KV-pool classes an allocator may check its kvcache against, newest first.
 _SWA_KV_NAMES = ("BaseSWAKVPool", "SWAKVPool")
 _BASE_SWA_KV = ("sglang.srt.mem_cache.base_swa_memory_pool:BaseSWAKVPool",
@@ -68,7 +59,7 @@ def _first(paths: tuple[str, ...], what: str = "") -> tuple[str, Any]:
             if not _absent(path.partition(":")[0], exc):
                 broken.append(f"{path}: {type(exc).__name__}: {exc}")
                 name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
-                if name and not name.startswith("sglang"):
+                if name and not name.startswith(ENGINE):
                     missing.add(name.split(".")[0])
     if broken:
         hint = ""
@@ -83,8 +74,11 @@ def _first(paths: tuple[str, ...], what: str = "") -> tuple[str, Any]:
                            + ", ".join(p.replace(":", ".") for p in paths) + ")")
 
 
+ENGINE = "sglang"
+
+
 def is_sglang(cls: type) -> bool:
-    return cls.__module__.split(".")[0] == "sglang"
+    return cls.__module__.split(".")[0] == ENGINE
 
 
 def spec_for(family: str, recorded_class: str = "") -> str:
@@ -92,21 +86,35 @@ def spec_for(family: str, recorded_class: str = "") -> str:
     trace was recorded on when it is one of the family's known classes (the trace only
     ever selects among them; it never names a module to import), else the first of
     them this release has."""
-    if family in CLASSES and recorded_class in CLASSES[family]:
+    try:
+        classes = family_record(family).release_classes
+    except KeyError:
+        classes = ()
+    if not classes or family_record(family).engine != ENGINE:
+        raise BuildUnsupported(f"no sglang allocator for pool family {family!r}")
+    if recorded_class in classes:
         try:
             _load(recorded_class)
             return "py:" + recorded_class
         except (ImportError, AttributeError):
             pass  # another layout in this release: fall back to the family's class
-    if family not in CLASSES:
-        raise BuildUnsupported(f"no sglang allocator for pool family {family!r}")
-    path, _ = _first(CLASSES[family], f"{family} allocator")
+    path, _ = _first(classes, f"{family} allocator")
     return "py:" + path
+
+
+def installed(family: str | None, recorded_class: str = "") -> tuple[str, str | None, type]:
+    """The installed sglang's allocator for a trace of ``family``: (spec, family, class)."""
+    from kvreplay.builds.resolve import resolve
+
+    if family is None:
+        raise UnknownBuild("--build sglang needs a trace (or scenario) to choose the pool family")
+    b = resolve(spec_for(family, recorded_class))
+    return b.spec, b.family, b.cls
 
 
 def version() -> str | None:
     try:
-        return str(importlib.import_module("sglang").__version__)
+        return str(importlib.import_module(ENGINE).__version__)
     except Exception:
         return None
 
@@ -171,8 +179,28 @@ def fit_signature(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def needs_kv_standin(cls: type, family: str) -> bool:
-    """sglang SWA allocators (and subclasses) insist on a BaseSWAKVPool."""
-    if family != "swa":
-        return False
-    return is_sglang(cls) or any(is_sglang(base) for base in cls.__mro__[1:])
+def construct(fam: Family, cls: type, ctor: dict[str, Any], device: Any) -> Any:
+    """A pool of ``cls`` (a builtin pool or an sglang allocator) from a trace's
+    constructor arguments: tensors on ``device``, sglang's signature of the release."""
+    return cls(**_kwargs(fam, cls, ctor, device))
+
+
+def construct_swa(fam: Family, cls: type, ctor: dict[str, Any], device: Any) -> Any:
+    """The same for an SWA allocator: sglang's (and subclasses) insist on an SWA KV
+    pool, which a replay has none of: they get the memory-free stand-in."""
+    kwargs = _kwargs(fam, cls, ctor, device)
+    if kwargs.get("kvcache") is None and (is_sglang(cls) or any(is_sglang(b) for b in cls.__mro__[1:])):
+        kwargs["kvcache"] = kv_standin(cls)
+    return cls(**kwargs)
+
+
+def _kwargs(fam: Family, cls: type, ctor: dict[str, Any], device: Any) -> dict[str, Any]:
+    from kvreplay.builds.resolve import dtype_of
+
+    kwargs = {name: ctor.get(name) for name in fam.ctor_args}
+    kwargs["device"] = device
+    kwargs["dtype"] = dtype_of(kwargs.get("dtype"))
+    kwargs["need_sort"] = bool(kwargs.get("need_sort"))
+    if is_sglang(cls):
+        kwargs = fit_signature(cls, kwargs)
+    return kwargs

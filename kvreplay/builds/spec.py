@@ -24,10 +24,12 @@ from typing import Any
 
 from kvreplay.builds.releases import check_version, engine_of
 from kvreplay.errors import UnknownBuild, did_you_mean
-from kvreplay.pools.registry import BUILTINS
+from kvreplay.families.registry import BUILTINS, engines
+from kvreplay.families.registry import engine as engine_record
 from kvreplay.version import __version__
 
-KINDS = ("builtin", "py", "sglang", "vllm", "release", "git")
+# builtin | py | release | git, and each engine's name (the installed engine's pool)
+KINDS = ("builtin", "py", "release", "git")
 _HEX = frozenset(string.hexdigits.lower())
 # Longest build spec taken: a git: spec's path and ref fit in it many times over.
 MAX_SPEC = 4096
@@ -37,7 +39,7 @@ _LOOKS_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+]*$")
 @dataclass(frozen=True)
 class BuildSpec:
     text: str
-    kind: str  # builtin | py | sglang | vllm | release | git
+    kind: str  # builtin | py | release | git | an engine's name (its installed pool)
     name: str = ""  # builtin: NAME[@VARIANT]
     cls: str = ""  # py: and git: MODULE:CLASS ("" for git: the tree's sglang allocator)
     repo: Path | None = None  # git:
@@ -48,7 +50,7 @@ class BuildSpec:
     @classmethod
     def parse(cls, text: str) -> BuildSpec:
         """The spec, or UnknownBuild naming what exists (and the closest match)."""
-        if text in ("sglang", "vllm"):
+        if engine_record(text) is not None:
             return cls(text, text)
         if len(text) > MAX_SPEC:  # echoed in errors, and a path or a ref of this length is no build
             raise UnknownBuild(f"a build spec of {len(text):,} characters ({text[:60]!r}...): at most {MAX_SPEC:,}")
@@ -82,9 +84,11 @@ class BuildSpec:
             if target and ":" not in target:
                 raise UnknownBuild(f"bad build spec {text!r}: the class must be MODULE:CLASS")
             return cls(text, "git", cls=target, repo=Path(repo).expanduser(), rev=rev)
-        hint = did_you_mean(text, [f"builtin:{n}" for n in BUILTINS] + ["sglang", "vllm"])
-        raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, sglang, vllm, "
-                           "sglang==VERSION, vllm==VERSION or git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
+        names = [e.name for e in engines()]
+        hint = did_you_mean(text, [f"builtin:{n}" for n in BUILTINS] + names)
+        raise UnknownBuild(f"unknown build {text!r}{hint}: use builtin:NAME, py:MODULE:CLASS, "
+                           + ", ".join(names + [f"{n}==VERSION" for n in names])
+                           + " or git:REPO@REV[:MODULE:CLASS] (see `kvreplay builds`)")
 
     @property
     def in_process(self) -> bool:
@@ -115,7 +119,7 @@ class BuildSpec:
         if pool is not None:  # a wire over an engine's object names the engine
             top = getattr(pool, "engine", None) or type(pool).__module__.split(".")[0]
         else:
-            top = {"builtin": "kvreplay", "sglang": "sglang", "vllm": "vllm"}.get(self.kind, "")
+            top = "kvreplay" if self.kind == "builtin" else self.kind if engine_record(self.kind) is not None else ""
         if top == "kvreplay":
             return f"kvreplay {__version__}"
         if not top:

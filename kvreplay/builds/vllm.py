@@ -37,7 +37,7 @@ from kvreplay.pools.block_wire import (
 )
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
-CLASSES: dict[str, tuple[str, ...]] = {"vllm": (MANAGER_CLASS,)}
+ENGINE = "vllm"
 
 # -- the wire -------------------------------------------------------------------------------
 def real_ids(blocks: Sequence[Any]) -> tuple[int, ...]:
@@ -72,7 +72,7 @@ class ManagerWire:
     ``live`` the wire serves a running engine: the caller's objects reach the
     original methods; otherwise requests are stand-ins rebuilt from the arguments."""
 
-    engine = "vllm"
+    engine = ENGINE
 
     def __init__(self, manager: Any, ctor_args: dict[str, Any], *, live: bool = False,
                  status: Callable[[str], Any] = str) -> None:
@@ -438,7 +438,7 @@ class InstalledManager(ManagerWire):
             from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
             from vllm.v1.request import RequestStatus
         except ModuleNotFoundError as exc:
-            if exc.name and exc.name.partition(".")[0] != "vllm":  # a release's own dependency, not vLLM's code
+            if exc.name and exc.name.partition(".")[0] != ENGINE:  # a release's own dependency, not vLLM's code
                 raise BuildUnloadable(f"this vLLM imports {exc.name}, which is not installed here (a vLLM build uses "
                                       f"the installed vLLM's dependencies: pip install {exc.name.partition('.')[0]})"
                                       ) from None
@@ -478,3 +478,19 @@ class InstalledManager(ManagerWire):
         if use_eagle:
             args["use_eagle"] = True
         super().__init__(manager, args, status=lambda name: RequestStatus[name] if name else None)
+
+
+def installed(family: str | None, recorded_class: str = "") -> tuple[str, str | None, type]:
+    """``--build vllm``: the installed vLLM's manager, for a trace of the vllm family."""
+    return ENGINE, ENGINE, InstalledManager
+
+
+def construct(fam: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
+    """A manager of ``cls`` from a trace's constructor arguments; it keeps no tensors,
+    so the device is the caller's."""
+    return cls(**{name: ctor.get(name) for name in fam.ctor_args})
+
+
+def wire_for(obj: Any) -> ManagerWire | None:
+    """What a recording of an engine object records: the wire before a vLLM manager."""
+    return attach(obj) if is_manager(obj) else None

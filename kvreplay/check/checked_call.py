@@ -11,14 +11,14 @@ from kvreplay.builds.translations import abstract, dropped_args, translate
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import PoolView
 from kvreplay.errors import BadInput
-from kvreplay.pool_api import API_METHODS
+from kvreplay.families.registry import all_methods
 
 
 def method_of(pool: Any, method: str) -> tuple[Callable[..., Any] | None, bool]:
     """(what to call for ``method`` on ``pool``, whether it is a translation); None
     when the build has neither. Only methods of the allocator API are ever looked up:
     a name from a trace never reaches ``getattr`` otherwise."""
-    if method not in API_METHODS:
+    if method not in all_methods():
         raise BadInput(f"{method!r} is not a method of the allocator API")
     fn = getattr(pool, method, None)
     if fn is not None and callable(fn) and not abstract(pool, method, fn):

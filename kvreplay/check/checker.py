@@ -4,7 +4,8 @@ A shadow ownership model (shadow.py) is fed by the call stream: which pages the 
 holds, which tokens it was handed. Per call it costs time in proportion to the call's
 indices, never the pool. The O(pool) checks (free lists) run every
 ``full_check_every`` calls and at the end. The checks of an SWA pool's mapping and SWA
-sub-pool are in swa.py, which this checker calls for pools of that family only.
+sub-pool are in swa.py, which this checker calls for pools of that family only (its
+record names them: ``Family.checks``).
 
 A violation names the call that created the bad state: a page released with its
 SWA mapping still set is reported at the free that released it, even when the free
@@ -21,7 +22,8 @@ from kvreplay.check import kernels
 from kvreplay.check.pool_view import PoolView, to_np
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.check.shadow import Shadow, packed, unpacked
-from kvreplay.check.swa import SWAMappingChecker
+from kvreplay.families.record import load
+from kvreplay.families.registry import family
 from kvreplay.pool_api import ALLOCS, FREES, SWA_ONLY_FREES
 
 MAX_INDICES = 8
@@ -43,9 +45,9 @@ def _index_args(method: str, args: dict[str, Any], ps: int) -> np.ndarray | list
 class InvariantChecker:
     def __init__(self, view: PoolView, *, full_check_every: int = 1000, keep: int = 20) -> None:
         self.view = view
-        self.swa = view.family == "swa"
         self.shadows = {name: Shadow(sub) for name, sub in view.subs.items()}
-        self.main = self.shadows["full"] if self.swa else self.shadows["pool"]
+        self.main_name = next(iter(self.shadows))  # the first sub-pool: the one the API's own indices name
+        self.main = self.shadows[self.main_name]
         self.ps = self.main.ps
         # A pool's size never changes: read once, not after every call.
         self._bounds = [(name, sh, sh.sub.size, sh.sub.capacity) for name, sh in self.shadows.items()]
@@ -56,9 +58,9 @@ class InvariantChecker:
         self._since_full = 0
         self.settles = 0  # calls settled outside free groups, ever: full checks fall every full_check_every
         self._avail: dict[str, int] | None = None  # sub-pool counters the last call left, outside groups
-        # The SWA checks report through _flag, looked up at each finding (a test may wrap it).
-        self.mapping = SWAMappingChecker(view, self.main, self.shadows["swa"],
-                                         lambda *a, **k: self._flag(*a, **k)) if self.swa else None
+        # A family's own checks report through _flag, looked up at each finding (a test may wrap it).
+        checks = family(view.family).checks
+        self.mapping = load(checks)(view, self.shadows, lambda *a, **k: self._flag(*a, **k)) if checks else None
 
     def adopt(self) -> None:
         """Start from the pool's state now, for a trace that begins with a snapshot.
@@ -176,7 +178,7 @@ class InvariantChecker:
         if not isinstance(result, torch.Tensor):
             return
         tokens = to_np(result)
-        sub = "full" if self.swa else "pool"
+        sub = self.main_name
         bad, again = self.main.handout(tokens)
         if len(bad):
             self._flag(call, method, "ownership", "handout-out-of-range", sub, bad,
@@ -188,7 +190,7 @@ class InvariantChecker:
             self.mapping.after_alloc(call, method, args, tokens)
 
     def _after_free(self, call: int, method: str, pages: np.ndarray, swa_peers: np.ndarray | None) -> None:
-        sub = "full" if self.swa else "pool"
+        sub = self.main_name
         if method not in SWA_ONLY_FREES:
             not_held = self.main.release(pages)
             if len(not_held):

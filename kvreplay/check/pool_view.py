@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvreplay.families.registry import family as family_record
+from kvreplay.pool_api import COUNTER_READS, COUNTERS
+
 
 def to_np(t: Any) -> np.ndarray:
     """Host copy of an index tensor as int64 numpy (free for CPU int64 tensors)."""
@@ -118,11 +121,12 @@ class PoolView:
         return lambda i: int(mapping[i])
 
     def pending_pages(self, name: str) -> np.ndarray:
-        """Pages of sub-pool ``name`` freed in the free group in progress (the SWA pool
-        also defers SWA frees at its top level)."""
-        pages = self.subs[name].pending_pages()
-        if name == "swa":
-            top = _group_pages(self.pool, "swa_free_group", "swa_page_ids_group", self.subs[name].page_size)
+        """Pages of sub-pool ``name`` freed in the free group in progress (a pool may
+        also defer a sub-pool's frees at its own level: the SWA pool's ``swa_free_group``)."""
+        sub = self.subs[name]
+        pages = sub.pending_pages()
+        if sub.obj is not self.pool:
+            top = _group_pages(self.pool, f"{name}_free_group", f"{name}_page_ids_group", sub.page_size)
             pages = np.concatenate([pages, top[top > 0]])
         return pages
 
@@ -132,23 +136,25 @@ class PoolView:
         return {name: int(read()) for name, read in self._readers}
 
     def counters(self, avail: dict[str, int] | None = None) -> tuple[int | None, int | None, int | None]:
-        """The counters a trace records: available_size() and, on SWA pools, those of
-        the full and SWA sub-pools (``avail`` reuses sub-pool reads already made)."""
+        """The counters a trace records (pool_api.COUNTERS): available_size() and, on a
+        pool of several sub-pools, each sub-pool's (``avail`` reuses sub-pool reads
+        already made)."""
         p = self.pool
+        if len(self.subs) == 1:
+            return (int(p.available_size()) if avail is None else avail[next(iter(self.subs))]), None, None
+        column = family_record(self.family).counter_of
         if avail is None:
-            if self.family == "swa":
-                full, swa = int(p.full_available_size()), int(p.swa_available_size())
-                try:
-                    total = int(p.available_size())
-                except NotImplementedError:  # abstract on SWA pools before 0.5.11
-                    total = min(full, swa)
-                return total, full, swa
-            return int(p.available_size()), None, None
-        if self.family == "swa":
-            # The recorder read these through the pool's methods; for the SWA pools
-            # that exist they are the sub-pools' sizes and their minimum.
-            return min(avail["full"], avail["swa"]), avail["full"], avail["swa"]
-        return avail["pool"], None, None
+            got = {column[name]: int(getattr(p, _READ_OF[column[name]])()) for name in self.subs}
+            try:
+                total = int(p.available_size())
+            except NotImplementedError:  # abstract on SWA pools before 0.5.11
+                total = min(got.values())
+        else:
+            # The recorder read these through the pool's methods; for the pools that
+            # exist they are the sub-pools' sizes and their minimum.
+            got = {column[name]: avail[name] for name in self.subs}
+            total = min(got.values())
+        return total, got.get(COUNTERS[1]), got.get(COUNTERS[2])
 
 
 def _sub(name: str, obj: Any) -> SubPoolView:
@@ -157,9 +163,15 @@ def _sub(name: str, obj: Any) -> SubPoolView:
     return SubPoolView(name, obj, ps, num_pages)
 
 
+_READ_OF = dict(zip(COUNTERS, COUNTER_READS, strict=True))
+
+
 def view_of(pool: Any, family: str) -> PoolView:
-    if family == "swa":
-        subs = {"full": _sub("full", pool.full_attn_allocator), "swa": _sub("swa", pool.swa_attn_allocator)}
+    """The checker's view of a pool of ``family``: its sub-allocators as its record
+    names them, or the pool itself as its one sub-pool."""
+    fam = family_record(family)
+    if fam.sub_allocators:
+        subs = {name: _sub(name, getattr(pool, attr)) for name, attr in fam.sub_allocators}
     else:
-        subs = {"pool": _sub("pool", pool)}
+        subs = {fam.sub_pools[0]: _sub(fam.sub_pools[0], pool)}
     return PoolView(family, subs, pool)

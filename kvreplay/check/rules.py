@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.pool_api import unit_of
+from kvreplay.families.registry import unit_of
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,11 @@ from kvreplay.pool_api import FULL_ONLY_FREES, SWA_ONLY_FREES
 Flag = Callable[..., None]  # the checker's: (call, method, invariant, rule, sub, indices, message, detected=)
 
 
+def mapping_checks(view: PoolView, shadows: dict[str, Shadow], flag: Flag) -> SWAMappingChecker:
+    """The SWA family's checks beyond the shared ones (its record names this)."""
+    return SWAMappingChecker(view, shadows["full"], shadows["swa"], flag)
+
+
 class SWAMappingChecker:
     def __init__(self, view: PoolView, full: Shadow, swa: Shadow, flag: Flag) -> None:
         self.view, self.full, self.swa, self.ps = view, full, swa, full.ps

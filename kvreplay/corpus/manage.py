@@ -16,7 +16,7 @@ from typing import Any
 from kvreplay.corpus.expectations import expectation_of
 from kvreplay.corpus.manifest import MANIFEST, NAME, check_entry, load_manifest, read_document, write_document
 from kvreplay.errors import BadInput
-from kvreplay.pools.registry import DEFAULT_FOR_FAMILY
+from kvreplay.families.registry import family
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader
@@ -37,7 +37,7 @@ def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", build
     manifest = read_document(corpus, missing_ok=True)
     if any(e["name"] == name for e in manifest["traces"]) and not force:
         raise BadInput(f"{name} is already in {corpus / MANIFEST} (--force replaces it)")
-    builds = builds or [DEFAULT_FOR_FAMILY[reader.meta.family]]
+    builds = builds or [family(reader.meta.family).default_build]
     expect = [expectation_of(replay(trace, b, device="cpu")) for b in builds]
     dest = corpus / f"{name}.parquet"
     extra = reader.meta.extra or {}

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvreplay.builds.engines import RECORD_CLASSES, recordable
+from kvreplay.builds.engines import record_classes, recordable
 from kvreplay.recorder.rotation import Rotation
 from kvreplay.recorder.switches import (
     CHECKPOINT_ENV,
@@ -53,7 +53,7 @@ from kvreplay.recorder.switches import (
 
 log = logging.getLogger("kvreplay.autorecord")
 
-DEFAULT_CLASSES = RECORD_CLASSES  # sglang's allocators and vLLM's KV-cache manager (builds/engines.py)
+DEFAULT_CLASSES = record_classes()  # every family's engine classes (sglang's allocators, vLLM's manager)
 
 _state = threading.local()
 _counter = itertools.count()

@@ -29,15 +29,8 @@ from typing import Any
 
 import torch
 
-from kvreplay.pool_api import (
-    COUNTER_METHODS,
-    COUNTER_READS,
-    SLOT_FAMILIES,
-    SUB_POOLS,
-    ctor_args_of_pool,
-    family_of_pool,
-    methods_of,
-)
+from kvreplay.families.registry import ctor_args_of_pool, family, family_of_pool
+from kvreplay.pool_api import COUNTER_METHODS, COUNTER_READS
 from kvreplay.recorder.capture import Engine, default_backend
 from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ
 from kvreplay.recorder.py_buffers import Names
@@ -122,7 +115,7 @@ class Recording:
         self.rotation = Rotation(rotate_rows, rotate_s, keep_parts, keep_bytes)
         self._parts = PartClock(self.rotation) if self.rotation.on and path is not None else None
         # Only the slot families' pools snapshot; another family's parts are chained.
-        self._part_snapshots = family_of_pool(pool) in SLOT_FAMILIES
+        self._part_snapshots = family(self.meta.family).snapshots
         # No path: the batches stay with a subclass (the flight recorder keeps them in memory).
         self._writer = None if path is None else self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"),
                                                             path, rows_per_group)
@@ -137,11 +130,12 @@ class Recording:
                               self._flush, rows_per_batch, self._failed, flush_ns=int(flush_s * 1e9),
                               raised=self._raised, counters_every=counters_every, fold_reads=fold_reads)
         self._patched: list[tuple[Any, str]] = []
-        self._methods = methods_of(self.meta.family)
+        fam = family(self.meta.family)
+        self._methods = fam.methods
         # Checkpoints need a writer (the flight recorder keeps its own snapshots).
         self._checkpoints = _Checkpointer(self, checkpoint_every) if checkpoint_every > 0 and path else None
         self._patch(pool, "root")
-        for target, attr in SUB_POOLS:
+        for target, attr in fam.sub_allocators:
             sub = getattr(pool, attr, None)
             if sub is not None and sub is not pool:
                 self._patch(sub, target)

@@ -28,7 +28,8 @@ from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
 from kvreplay.check.rules import ViolationLog
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
-from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, RECORDED_METHODS, SUB_POOLS
+from kvreplay.families.registry import family
+from kvreplay.pool_api import ALLOCS, COUNTER_METHODS
 from kvreplay.replay.compare import alike, exception_difference, json_value, remap_difference, same
 from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.remap import PageTable, Remapper
@@ -63,14 +64,15 @@ UNSUPPORTED = Unsupported()
 class NestedCapture:
     """Collects a build's sub-allocator calls, as the recorder would see them."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, family_name: str) -> None:
         self.calls: list[tuple[str, str, Any]] = []
         self._stack: list[str] = []
-        for target, attr in SUB_POOLS:
+        fam = family(family_name)
+        for target, attr in fam.sub_allocators:
             sub = getattr(pool, attr, None)
             if sub is None or sub is pool:
                 continue
-            for name in RECORDED_METHODS:
+            for name in fam.methods:
                 fn = getattr(sub, name, None)
                 if fn is not None and name not in COUNTER_METHODS:
                     setattr(sub, name, self._wrap(target, name, fn))
@@ -165,7 +167,7 @@ class Replayer:
         if segment is not None and segment.start_row > 0:
             self._start_segment(segment)
         self.ended_at: int | None = None  # the checkpoint row a segment replay ended at
-        self.capture = NestedCapture(self.pool) if mode == "strict" else None
+        self.capture = NestedCapture(self.pool, self.meta.family) if mode == "strict" else None
         self.stop_at_first = stop_at_first
         self.divergences: list[Divergence] = []
         self.div_counts: Counter[str] = Counter()
@@ -173,11 +175,12 @@ class Replayer:
         self.keep = keep
         self.remap: Remapper | None = None
         if mode == "remap":
-            subs = self.view.subs
-            main = subs["full"] if "full" in subs else subs["pool"]
-            swa = subs.get("swa")
+            # the first sub-pool's slots are what the API's indices name; a second one's
+            # (SWA) are reached through the pool's mapping
+            subs = list(self.view.subs.values())
+            main, second = subs[0], (subs[1] if len(subs) > 1 else None)
             self.remap = Remapper(PageTable(main.num_pages, main.page_size),
-                                  PageTable(swa.num_pages, swa.page_size) if swa else None)
+                                  PageTable(second.num_pages, second.page_size) if second else None)
         self.calls = 0
         self.timeline = Timeline({name: sub.size for name, sub in self.view.subs.items()}, self.reader.num_entries)
         if self.checker is not None:
@@ -295,7 +298,8 @@ class Replayer:
     def _learn_swa(self, tc: TopCall, result: torch.Tensor) -> None:
         if self.remap is None or self.remap.swa is None or tc.call.method not in ALLOCS:
             return
-        rec = [n.result for n in tc.nested if n.target == "swa" and isinstance(n.result, torch.Tensor)]
+        second = list(self.view.subs)[1]
+        rec = [n.result for n in tc.nested if n.target == second and isinstance(n.result, torch.Tensor)]
         if not rec:
             return
         mapped = result[-rec[-1].numel():] if rec[-1].numel() else result[:0]

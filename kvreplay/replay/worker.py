@@ -280,17 +280,19 @@ def _breadcrumbs(trace: str, replayer: Any) -> Any:
 
 def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | None) -> dict[str, Any]:
     try:
-        from kvreplay.builds.sglang import spec_for
+        from kvreplay.families.record import load
+        from kvreplay.families.registry import engine, git_engine
         from kvreplay.replay.replayers import make_replayer
 
         build = request["spec"]
         spec = BuildSpec.parse(build)
-        if not spec.in_process:  # the code on sys.path: its class, or its engine's pool (sglang's by default)
-            build = "py:" + request["cls"] if request["cls"] else (spec.engine or "sglang")
+        if not spec.in_process:  # the code on sys.path: its class, or its engine's pool (a git tree's engine's)
+            build = "py:" + request["cls"] if request["cls"] else (spec.engine or git_engine())
         replayer = make_replayer(trace, build, **request["options"])
         replayer.build_spec = request["spec"]  # findings name the build as the user gave it
-        if build == "sglang":
-            spec_for(replayer.meta.family, replayer.meta.pool_class)  # fail early, with the class named
+        eng = engine(build)
+        if eng is not None:  # fail early, with the class named
+            load(eng.installed)(replayer.meta.family, replayer.meta.pool_class)
         before = kernels["launches"] if kernels else 0
         report = replayer.run(progress=_breadcrumbs(trace, replayer))
         if kernels and kernels["launches"] > before:

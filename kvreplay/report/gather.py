@@ -12,7 +12,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from kvreplay.errors import KvreplayError
-from kvreplay.pool_api import COUNTER_METHODS, SUB_POOL_COUNTER, sub_pool_sizes
+from kvreplay.families.registry import family
+from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET
 from kvreplay.trace.reader import TraceReader, folded_per_row
@@ -33,7 +34,7 @@ def open_trace(location: str) -> TraceReader:
 
 
 def sizes_of(reader: TraceReader) -> dict[str, int]:
-    return sub_pool_sizes(reader.meta.family, reader.meta.ctor_args)
+    return family(reader.meta.family).sizes_of(reader.meta.ctor_args)
 
 
 def recorded_occupancy(reader: TraceReader, stride: int | None = None) -> dict[str, Any]:
@@ -42,7 +43,8 @@ def recorded_occupancy(reader: TraceReader, stride: int | None = None) -> dict[s
     recorded, inside free groups)."""
     sizes = sizes_of(reader)
     stride = stride or stride_for(reader.num_entries)
-    cols = ["depth", "target"] + [SUB_POOL_COUNTER[s] for s in sizes] + ["folded_reads", "folded_group_at"]
+    column = family(reader.meta.family).counter_of
+    cols = ["depth", "target"] + [column[s] for s in sizes] + ["folded_reads", "folded_group_at"]
     buckets: list[np.ndarray] = []
     used: dict[str, list[np.ndarray]] = {s: [] for s in sizes}
     calls = 0

@@ -8,7 +8,6 @@ any kind (None, bool, int, float, str, integer/bool tensor, list of ints, list o
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -16,7 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvreplay.pool_api import FAMILY_ARGS, FAMILY_SIZES, FAMILY_UNITS
+from kvreplay.families.registry import family, family_names, is_family, sub_allocators
+from kvreplay.limits import MAX_POOL_SLOTS, limit
 
 # 2: counter reads that told nothing new are folded into the row before them
 # (``folded_reads``, ``folded_pattern``); a version 1 trace reads as one without folds.
@@ -24,23 +24,17 @@ from kvreplay.pool_api import FAMILY_ARGS, FAMILY_SIZES, FAMILY_UNITS
 # version 1 or 2 trace reads as one without folded groups.
 SCHEMA_VERSION = 3
 META_PREFIX = "kvreplay."
-# The pools a row can target: the allocator itself, its sub-allocators, and the recorder (gap rows).
-TARGETS = frozenset({"root", "full", "swa", "blocks", "recorder"})
-
-# -- bounds on what a trace can make kvreplay allocate --------------------------------------
-# Every reader checks these before it allocates (trace/reader.py, trace/snapshot.py): a
-# trace from another machine may be damaged or hostile, and a 19 KB file can declare
-# 10^8 indices. Each is overridable for the rare user who needs more.
-def _limit(env: str, default: int) -> int:
-    raw = os.environ.get(env, "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else default
+# The pools a row can target: the allocator itself, the recorder (gap rows), and the
+# sub-allocators the families' records name (targets()).
+BASE_TARGETS = frozenset({"root", "recorder"})
 
 
-# A pool's slots: 2^27 tokens is several times the KV capacity of today's largest GPUs.
-MAX_POOL_SLOTS = _limit("KVREPLAY_MAX_POOL_SLOTS", 1 << 27)
-# A vLLM block pool's blocks: each is a Python object in the pool (vLLM's and the builtin
-# one alike, ~200 bytes), so 2^21 blocks is ~400 MB; real servers have tens of thousands.
-MAX_BLOCKS = _limit("KVREPLAY_MAX_BLOCKS", 1 << 21)
+def targets() -> frozenset[str]:
+    """Every target a row may name."""
+    return BASE_TARGETS | {t for t, _ in sub_allocators()}
+
+# -- bounds on what a trace can make kvreplay allocate (limits.py) ---------------------------
+_limit = limit
 # One recorded string (a request id, a reason, an exception's message): recorders cut
 # theirs far below this, so a longer one is damage, and decoding it would copy it per call.
 MAX_STRING_BYTES = _limit("KVREPLAY_MAX_STRING_BYTES", 1 << 16)
@@ -237,8 +231,8 @@ class TraceMeta:
             extra=_json_object("extra", get.get("extra", "{}")),
             schema_version=_schema_version(get["schema_version"]),
         )
-        if meta.family not in FAMILY_ARGS:
-            raise ValueError(f"pool family {meta.family!r} is not one of {', '.join(FAMILY_ARGS)}")
+        if not is_family(meta.family):
+            raise ValueError(f"pool family {meta.family[:40]!r} is not one of {', '.join(family_names())}")
         check_ctor_args(meta.family, meta.ctor_args)
         return meta
 
@@ -256,17 +250,15 @@ def _schema_version(text: str) -> int:
     return int(text)
 
 
-def check_ctor_args(family: str, args: dict[str, Any]) -> None:
+def check_ctor_args(name_of_family: str, args: dict[str, Any]) -> None:
     """The constructor arguments a trace records, as its family needs them: sizes
     whole numbers in range, need_sort a bool, dtype a torch dtype name."""
-    for name in FAMILY_SIZES[family]:
+    fam = family(name_of_family)
+    for name in fam.sizes:
         v = args.get(name)
         if type(v) is not int or not 0 <= v <= MAX_POOL_SLOTS:
             raise ValueError(f"constructor argument {name} must be a whole number in 0..{MAX_POOL_SLOTS}, not {v!r}")
-    if family == "vllm" and args["num_blocks"] > MAX_BLOCKS:
-        raise ValueError(f"constructor argument num_blocks is {args['num_blocks']:,}, more than {MAX_BLOCKS:,} "
-                         "(KVREPLAY_MAX_BLOCKS raises the limit)")
-    for name in FAMILY_UNITS[family]:
+    for name in fam.units:
         if args[name] < 1:
             raise ValueError(f"constructor argument {name} must be at least 1")
     if "need_sort" in args and type(args["need_sort"]) is not bool:
@@ -274,20 +266,8 @@ def check_ctor_args(family: str, args: dict[str, Any]) -> None:
     if "dtype" in args and args["dtype"] not in POOL_DTYPES:
         raise ValueError(f"constructor argument dtype must be a torch dtype name (torch.bfloat16, torch.int64, ...), "
                          f"not {str(args['dtype'])[:80]!r}")
-    if family == "vllm":
-        if type(args.get("enable_caching")) is not bool:
-            raise ValueError(f"constructor argument enable_caching must be true or false, not "
-                             f"{str(args.get('enable_caching'))[:40]!r}")
-        w = args.get("watermark")
-        if type(w) not in (int, float) or not 0 <= w <= 1:
-            raise ValueError(f"constructor argument watermark must be a number in 0..1, not {str(w)[:40]!r}")
-        ri = args.get("retention_interval")
-        if ri is not None and (type(ri) is not int or not 0 <= ri <= MAX_POOL_SLOTS):
-            raise ValueError(f"constructor argument retention_interval must be null or a whole number, not "
-                             f"{str(ri)[:40]!r}")
-        if args.get("use_eagle") is not None and type(args["use_eagle"]) is not bool:
-            raise ValueError(f"constructor argument use_eagle must be true or false, not "
-                             f"{str(args.get('use_eagle'))[:40]!r}")
+    if fam.check_ctor is not None:
+        fam.check_ctor(args)
         att = args.get("attention")
         if type(att) is not str or not 0 < len(att) <= 200:
             # any KV-cache spec kinds a manager had (a hybrid model's several); the builds

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvreplay.errors import BadInput, TraceFormatError
-from kvreplay.pool_api import COUNTER_METHODS, SLOT_FAMILIES, sub_pool_sizes
+from kvreplay.families.registry import family, same_engine
+from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.trace.reader import TraceReader
 
 GROUP_METHODS = ("free_group_begin", "free_group_end")
@@ -84,8 +85,9 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
     reader = TraceReader(path)
     reader.check_calls()  # known methods, sane rows and values, before any figure is taken
     meta = reader.meta
-    capacity = max(1, next(iter(sub_pool_sizes(meta.family, meta.ctor_args).values())))
-    counter = "full_available" if meta.family == "swa" else "available"  # the first pool's, as capacity
+    fam = family(meta.family)
+    capacity = max(1, next(iter(fam.sizes_of(meta.ctor_args).values())))
+    counter = fam.capacity_counter  # the first pool's, as capacity
     methods: Counter[str] = Counter()
     reads = 0
     extend: list[int] = []
@@ -206,7 +208,7 @@ def compare(a: TraceProfile, b: TraceProfile) -> Comparison:
     """Figure by figure, ``b`` against ``a`` (``a``: the live server, by convention).
     Only traffic of one engine compares: sglang's pools (token, paged, SWA) with each
     other, vLLM's manager with itself."""
-    if a.family != b.family and not (a.family in SLOT_FAMILIES and b.family in SLOT_FAMILIES):
+    if not same_engine(a.family, b.family):
         raise BadInput(f"{b.path} records a {b.family} pool and {a.path} a {a.family} pool: their figures do not "
                        "compare (profile --against takes two traces of one engine)")
     rows: list[tuple[str, float | None, float | None, float | None]] = []

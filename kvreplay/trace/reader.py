@@ -20,7 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.pool_api import API_METHODS, COUNTER_READS, methods_of, sub_pool_sizes
+from kvreplay.families.registry import all_methods, family
+from kvreplay.pool_api import COUNTER_READS
 from kvreplay.trace.footer import row_group_counts
 from kvreplay.trace.format import (
     ADDED_COLUMNS,
@@ -37,12 +38,14 @@ from kvreplay.trace.format import (
     PART_GLOB,
     SCHEMA,
     SCHEMA_VERSION,
-    TARGETS,
     TENSOR_DTYPES,
     Call,
     TopCall,
     TraceMeta,
     folded_calls,
+)
+from kvreplay.trace.format import (
+    targets as row_targets,
 )
 from kvreplay.trace.location import local_path
 
@@ -76,7 +79,7 @@ def _check_sizes(part: Path, f: pq.ParquetFile, meta: TraceMeta) -> None:
     """Refuse, from the footer alone, a row group that lists more values than any call of
     this pool could: none lists more slots than the pool has, and no group more than
     MAX_GROUP_VALUES. Decoding such a group would allocate gigabytes from a small file."""
-    slots = sum(sub_pool_sizes(meta.family, meta.ctor_args).values()) + int(meta.ctor_args.get("page_size", 1)) + 2
+    slots = sum(family(meta.family).sizes_of(meta.ctor_args).values()) + int(meta.ctor_args.get("page_size", 1)) + 2
     try:
         groups = row_group_counts(part)
     except (OSError, ValueError) as exc:
@@ -178,7 +181,7 @@ class TraceReader:
         last_seq = -1
         first = True
         # the methods of this trace's family: another family's rows are damage, not calls a build lacks
-        names = frozenset(methods_of(self.meta.family)) | {GAP_METHOD, CHECKPOINT_METHOD}
+        names = frozenset(family(self.meta.family).methods) | {GAP_METHOD, CHECKPOINT_METHOD}
         # (the columns a version 1 trace lacks come last: the reader adds them there)
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
                                                 "result.dtype", "args.list.element.s", "result.s", "exc_type",
@@ -217,12 +220,12 @@ class TraceReader:
             if unknown:
                 name = sorted(unknown)[0]
                 whose = f"a method of another engine's pools, not of a {self.meta.family} pool" \
-                    if name in API_METHODS else "not a method of the allocator API"
+                    if name in all_methods() else "not a method of the allocator API"
                 raise TraceFormatError(f"{self.path}: rows name {name[:64]!r}, {whose}")
-            odd = set(pc.unique(target).to_pylist()) - TARGETS
+            odd = set(pc.unique(target).to_pylist()) - row_targets()
             if odd:
                 raise TraceFormatError(f"{self.path}: rows target {sorted(map(repr, odd))[0]}, not a pool "
-                                       f"(one of {', '.join(sorted(TARGETS))})")
+                                       f"(one of {', '.join(sorted(row_targets()))})")
             top = pc.equal(depth, 0)
             calls += int(pc.sum(pc.and_(top, pc.not_equal(target, GAP_TARGET))).as_py() or 0)
         if calls == 0:
@@ -517,9 +520,10 @@ def _check_groups(path: Path, folded: pa.Array, group_at: pa.Array, targets: pa.
         raise TraceFormatError(f"{path}: a row's folded free group comes after more reads than the row folds")
     for t in set(pc.take(targets, pa.array(some)).to_pylist()):
         parts = t.split(",") if t else []
-        if t is None or len(parts) > GROUP_NESTED_MAX or not set(parts) <= TARGETS - {GAP_TARGET, "root"}:
+        subs = row_targets() - {GAP_TARGET, "root"}
+        if t is None or len(parts) > GROUP_NESTED_MAX or not set(parts) <= subs:
             raise TraceFormatError(f"{path}: a row's folded free group names sub-allocators {str(t)[:80]!r}, not "
-                                   f"up to {GROUP_NESTED_MAX} of {', '.join(sorted(TARGETS - {GAP_TARGET, 'root'}))}")
+                                   f"up to {GROUP_NESTED_MAX} of {', '.join(sorted(subs))}")
     return 2 * len(some)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvreplay.pool_api import SUB_POOLS
+from kvreplay.families.registry import sub_allocators
 from kvreplay.trace.format import MAX_POOL_SLOTS
 
 FORMAT = 1
@@ -31,7 +31,7 @@ _SCALARS = (bool, int, float, type(None))
 
 def _objects(pool: Any) -> dict[str, Any]:
     out = {"root": pool}
-    for name, attr in SUB_POOLS:
+    for name, attr in sub_allocators():
         sub = getattr(pool, attr, None)
         if sub is not None and sub is not pool:
             out[name] = sub

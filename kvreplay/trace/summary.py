@@ -11,7 +11,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvreplay.pool_api import SUB_POOL_COUNTER, VOID_METHODS, sub_pool_sizes
+from kvreplay.families.registry import family
+from kvreplay.pool_api import VOID_METHODS
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD, GROUP_FOLD_METHODS
 from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace, local_path
 from kvreplay.trace.reader import TraceReader
@@ -46,13 +47,13 @@ class TraceSummary:
 def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     reader = TraceReader(path)
     meta = reader.meta
-    sizes = sub_pool_sizes(meta.family, meta.ctor_args)
+    sizes = family(meta.family).sizes_of(meta.ctor_args)
     methods: Counter[str] = Counter()
     rows = top = exceptions = nones = indices = folded = groups = 0
     t_min: int | None = None
     t_max: int | None = None
     min_avail: dict[str, int] = {}
-    counter_col = SUB_POOL_COUNTER
+    counter_col = family(meta.family).counter_of
     for batch in reader.iter_batches(columns=_COLUMNS):
         rows += batch.num_rows
         is_top = pc.equal(batch["depth"], 0)

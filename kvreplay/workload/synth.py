@@ -23,40 +23,13 @@ from kvreplay.builds.resolve import resolve_device
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.builds.worker_code import prepare
 from kvreplay.errors import BadInput, BuildUnloadable, BuildUnsupported, KvreplayError, PoolFailed, one_of
+from kvreplay.families.record import Scenario, load
+from kvreplay.families.registry import SCENARIOS, family
 from kvreplay.recorder.recording import record
 from kvreplay.trace.location import output_path, publish
 from kvreplay.trace.reader import TraceReader
-from kvreplay.workload.decode import DecodeServer
-from kvreplay.workload.disagg_mtp import DisaggMTPServer
-from kvreplay.workload.radix_swa import RadixSWAServer
 from kvreplay.workload.requests import load_requests
 from kvreplay.workload.server import SynthStats
-from kvreplay.workload.vllm_prefix import VllmPrefixServer
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    family: str
-    default_build: str
-    need_sort: bool
-    summary: str
-
-
-SCENARIOS: dict[str, Scenario] = {
-    s.name: s
-    for s in [
-        Scenario("decode", "paged", "builtin:paged", False,
-                 "continuous batching on a paged pool: batched prefill, alloc_decode, retraction"),
-        Scenario("disagg-mtp", "swa", "builtin:swa", True,
-                 "disaggregated decode with MTP speculation on an SWA pool (need_sort on)"),
-        Scenario("radix-swa", "swa", "builtin:swa", False,
-                 "prefix cache over an SWA pool: hits, leaf eviction, SWA tombstones"),
-        Scenario("vllm-prefix", "vllm", "builtin:vllm", False,
-                 "vLLM's scheduler on its KV-cache manager: prefix caching, chunked prefill, preemption "
-                 "(--block-tokens is the block size, --full-size the pool's tokens)"),
-    ]
-}
 
 
 @dataclass
@@ -79,16 +52,12 @@ class SynthConfig:
     sglang_scheduler: bool = False  # free groups and end of trace as sglang 0.5.23's scheduler (server.py)
     speedup: float = 1.0
     prefix_caching: bool = True  # vllm-prefix: the manager's enable_caching
-    attention: str = "full"  # vllm-prefix: the manager's KV-cache groups (ATTENTION; windows of `window` tokens)
+    attention: str = "full"  # vllm-prefix: its KV-cache groups (full, sliding, hybrid; windows of `window` tokens)
     max_model_len: int | None = None  # vllm-prefix: longest sequence served (default: full_size)
     batch_tokens: int = 2048  # vllm-prefix: the scheduler's token budget per step (vLLM's max_num_batched_tokens)
     eagle: bool = False  # vllm-prefix: an EAGLE drafter (k draft tokens a step): hits give up a block, k slots reserved
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
-
-
-# vllm-prefix's --attention: the manager's KV-cache groups, as a trace names them
-ATTENTION = {"full": "full", "sliding": "sliding_window:{window}", "hybrid": "full,sliding_window:{window}"}
 
 
 @dataclass(kw_only=True)
@@ -107,25 +76,14 @@ def validate(cfg: SynthConfig) -> Scenario:
     if cfg.scenario not in SCENARIOS:
         one_of("scenario", cfg.scenario, SCENARIOS)
     sc = SCENARIOS[cfg.scenario]
-    if sc.family == "vllm":
-        if cfg.block_tokens < 1 or cfg.full_size < 2 * cfg.block_tokens:
-            raise BadInput("--full-size must hold at least two blocks of --block-tokens (block 0 is the null block)")
-    elif cfg.page_size < 2:
-        raise BadInput("--page-size must be at least 2 (the paged and SWA pools page in step)")
-    elif cfg.full_size < cfg.page_size or cfg.swa_size < cfg.page_size:
-        raise BadInput("pool sizes must hold at least one page")
-    elif cfg.block_tokens % cfg.page_size:
-        raise BadInput(f"--block-tokens {cfg.block_tokens} must be a multiple of --page-size {cfg.page_size}")
-    if cfg.attention not in ATTENTION:
-        one_of("attention", cfg.attention, ATTENTION)
-    if cfg.attention != "full" and sc.family != "vllm":
-        raise BadInput(f"--attention is vLLM's manager's (vllm-prefix); {sc.name} has its own SWA pool (radix-swa)")
-    if not cfg.prefix_caching and sc.family != "vllm":
-        raise BadInput(f"--no-prefix-caching is vLLM's manager's (vllm-prefix); {sc.name} has no such switch")
-    if cfg.eagle and sc.family != "vllm":
-        raise BadInput(f"--eagle is vLLM's manager's (vllm-prefix); {sc.name} speculates with --k on its own pool")
-    if cfg.max_model_len is not None and sc.family != "vllm":
-        raise BadInput(f"--max-model-len is vLLM's manager's (vllm-prefix); {sc.name}'s pool size bounds a sequence")
+    if sc.check:
+        load(sc.check)(cfg)
+    defaults = SynthConfig(scenario=cfg.scenario, out=cfg.out)
+    for name in sorted(_scenario_options() - sc.options):  # another scenario's option, set
+        if getattr(cfg, name) != getattr(defaults, name):
+            owners = ", ".join(s.name for s in SCENARIOS.values() if name in s.options)
+            flag = "--no-prefix-caching" if name == "prefix_caching" else f"--{name.replace('_', '-')}"
+            raise BadInput(f"{flag} is an option of scenario {owners}, not of {sc.name}")
     for name in ("window", "k", "max_running", "batch_tokens"):
         if getattr(cfg, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
@@ -139,29 +97,22 @@ def validate(cfg: SynthConfig) -> Scenario:
     return sc
 
 
+def _scenario_options() -> frozenset[str]:
+    return frozenset().union(*(s.options for s in SCENARIOS.values()))
+
+
 def make_pool(cfg: SynthConfig, sc: Scenario) -> tuple[Any, str]:
-    spec = cfg.build or sc.default_build
+    spec = cfg.build or family(sc.family).default_build
     build = builds.resolve(spec, sc.family)
-    family = build.family or builds.family_of_class(build.cls)
-    if family != sc.family:
-        raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {family} pool")
-    if family == "vllm":  # a block pool of full_size tokens
-        ctor: dict[str, Any] = {"num_blocks": cfg.full_size // cfg.block_tokens, "block_size": cfg.block_tokens,
-                                "hash_block_size": cfg.block_tokens,
-                                "max_model_len": cfg.max_model_len or cfg.full_size,
-                                # one step in flight: a step's tokens are settled before the next is scheduled
-                                "max_in_flight_tokens": cfg.batch_tokens, "enable_caching": cfg.prefix_caching,
-                                "watermark": 0.0,
-                                "attention": ATTENTION[cfg.attention].format(window=cfg.window)}
-        if cfg.eagle:
-            ctor["use_eagle"] = True
-    else:
-        ctor = {"size": cfg.full_size, "size_swa": cfg.swa_size, "page_size": cfg.page_size,
-                "need_sort": sc.need_sort, "dtype": "torch.int64"}
+    got = build.family or builds.family_of_class(build.cls)
+    if got != sc.family:
+        raise BadInput(f"scenario {sc.name} needs a {sc.family} pool, but {spec} is a {got} pool")
+    ctor = load(sc.ctor)(cfg)
     try:
         return build.construct(ctor, device=cfg.device), spec
     except (ValueError, TypeError, BuildUnsupported) as exc:
-        hint = f" (--attention {cfg.attention} needs --build vllm)" if cfg.attention != "full" else ""
+        hint = f" (--attention {cfg.attention} needs a manager with those KV-cache groups)" \
+            if cfg.attention != "full" else ""
         raise BadInput(f"{spec} cannot be built for scenario {sc.name}: {exc}{hint}") from None
 
 
@@ -171,18 +122,7 @@ def run_model(pool: Any, cfg: SynthConfig, sc: Scenario,
     reqs = load_requests(cfg.workload, count=cfg.requests, seed=cfg.seed,
                          block_tokens=cfg.block_tokens, length_scale=cfg.length_scale,
                          output_scale=cfg.output_scale)
-    common: dict[str, Any] = {"seed": cfg.seed, "max_running": cfg.max_running, "speedup": cfg.speedup,
-                              "progress": progress, "sglang_scheduler": cfg.sglang_scheduler}
-    if sc.name == "decode":
-        server: Any = DecodeServer(pool, reqs, **common)
-    elif sc.name == "vllm-prefix":
-        server = VllmPrefixServer(pool, reqs, block_size=cfg.block_tokens, max_running=cfg.max_running,
-                                  token_budget=cfg.batch_tokens, lookahead=cfg.k if cfg.eagle else 0,
-                                  speedup=cfg.speedup, progress=progress)
-    elif sc.name == "disagg-mtp":
-        server = DisaggMTPServer(pool, reqs, window=cfg.window, k=cfg.k, **common)
-    else:
-        server = RadixSWAServer(pool, reqs, window=cfg.window, block_tokens=cfg.block_tokens, **common)
+    server = load(sc.server)(pool, reqs, cfg, progress)
     try:
         return server.run()
     except RuntimeError as exc:
@@ -249,11 +189,12 @@ _ERRORS: dict[str, type[KvreplayError]] = {c.__name__: c for c in (BadInput, Poo
 def _synthesize_on_release(cfg: SynthConfig, sc: Scenario, progress: Callable[[int, int], None] | None,
                            command: str | None) -> SynthResult:
     spec = BuildSpec.parse(cfg.build or "")
-    if sc.family != "vllm" or spec.engine != "vllm":
-        raise BadInput(f"synth drives a release's pool for vllm-prefix only (--build vllm==VERSION), not {spec} "
+    if not sc.releases or spec.engine != family(sc.family).engine:
+        able = [f"{s.name} (--build {family(s.family).engine}==VERSION)" for s in SCENARIOS.values() if s.releases]
+        raise BadInput(f"synth drives a release's pool for {', '.join(able) or 'no scenario'} only, not {spec} "
                        f"for {sc.name}")
-    code = prepare(spec)  # fetched once; BuildUnloadable where no vLLM is installed
-    child_cfg = {**_plain(cfg), "build": "vllm"}
+    code = prepare(spec)  # fetched once; BuildUnloadable where the engine's release cannot load here
+    child_cfg = {**_plain(cfg), "build": spec.engine}
     request = json.dumps({"cfg": child_cfg, "command": command, "as_build": spec.text})
     with tempfile.TemporaryFile("w+") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "kvreplay.workload.synth"], stdin=subprocess.PIPE,
@@ -281,7 +222,7 @@ def _synthesize_on_release(cfg: SynthConfig, sc: Scenario, progress: Callable[[i
 
 
 def _child() -> int:
-    """A release's child: the scenario on the ``vllm`` now first on ``sys.path``."""
+    """A release's child: the scenario on the engine release now first on ``sys.path``."""
     request = json.loads(sys.stdin.read())
     cfg = SynthConfig(**request["cfg"])
     cfg = replace(cfg, out=Path(cfg.out) if "://" not in str(cfg.out) else cfg.out,

@@ -1,0 +1,124 @@
+"""What kvreplay knows of a pool family and of an engine, as records.
+
+A family is a kind of pool a trace records (sglang's token, paged and SWA allocators,
+vLLM's KV-cache manager): its constructor, its methods, its sub-pools, its builds, how
+its traces replay and are checked, which scenarios synthesize it. An engine is a
+serving system whose releases are builds (``sglang==X``, ``vllm==X``). The jobs ask
+these records and never a family's name; a family's code lives in its own folder
+under ``kvreplay/families/`` and enters through one registration line (registry.py).
+
+Code is named as ``MODULE:ATTR`` and loaded when first asked for: reading a record
+(to parse a build spec, to list families, in the trace writer's process) imports
+neither torch nor the family's code."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def load(where: str) -> Any:
+    """The object ``MODULE:ATTR`` names (kvreplay's own code only: records name it)."""
+    module, _, attr = where.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class BuiltinBuild:
+    """A reference pool or bug variant of this kvreplay, under its ``builtin:`` name."""
+
+    name: str
+    family: str
+    where: str  # MODULE:CLASS
+    summary: str
+
+    @property
+    def cls(self) -> type:
+        return load(self.where)
+
+    @property
+    def base(self) -> str:
+        """The correct pool a variant breaks (``swa`` for ``swa@stale-tail``)."""
+        return self.name.partition("@")[0]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A ``kvreplay synth`` scenario: a model of a server's scheduler driving a pool."""
+
+    name: str
+    family: str
+    summary: str
+    server: str  # MODULE:FUNC (pool, requests, cfg, progress) -> an object whose run() gives its stats
+    ctor: str  # MODULE:FUNC (cfg) -> the pool's constructor arguments
+    check: str = ""  # MODULE:FUNC (cfg) raising BadInput for sizes this scenario cannot take
+    options: frozenset[str] = frozenset()  # SynthConfig fields only this scenario's model reads
+    releases: bool = False  # can drive an engine release's pool in a child process (--build ENGINE==X)
+
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything the rest of kvreplay asks about one pool family."""
+
+    name: str
+    summary: str
+    engine: str | None  # the engine whose releases are builds of this family (None: builtin builds only)
+    ctor_args: tuple[str, ...]  # constructor parameters, in order: a trace records these
+    sizes: tuple[str, ...]  # whole-number constructor arguments (bounded by MAX_POOL_SLOTS)
+    units: tuple[str, ...]  # of those, the ones that must be at least 1
+    methods: tuple[str, ...]  # what a recorder wraps and a replay may call, in a stable order
+    sub_pools: tuple[str, ...]  # sub-pool names as reports give them; the first is the capacity's
+    sub_counters: tuple[str, ...]  # the counter column (format.COUNTERS) of each sub-pool, in that order
+    unit: str  # what sizes and counts are in: "slots" or "blocks"
+    builtins: tuple[BuiltinBuild, ...]  # the first is the correct pool: what a trace replays clean on
+    replayer: str  # MODULE:CLASS taking (trace, build, reader=..., **options); its run() gives a ReplayReport
+    detect: Callable[[Any], bool]  # is this live pool one of this family (asked most specific first)
+    ctor_of: Callable[[Any], dict[str, Any]]  # a live pool's constructor arguments, as a trace records them
+    sizes_of: Callable[[dict[str, Any]], dict[str, int]]  # capacity per sub-pool, from constructor arguments
+    construct: str  # MODULE:FUNC (cls, ctor, device) -> a pool: how a build is made for a trace
+    specificity: int = 0  # detection order: higher is asked first
+    base_classes: tuple[str, ...] = ()  # MODULE:CLASS: a class deriving from one is of this family
+    class_words: tuple[str, ...] = ()  # words in an engine class's names that say this family
+    release_classes: tuple[str, ...] = ()  # MODULE:CLASS in an engine release, newest layout first
+    sub_allocators: tuple[tuple[str, str], ...] = ()  # (target in traces, attribute): calls recorded nested
+    slots: bool = True  # calls name token slots (minimize shrinks them), else ids of the family's own
+    snapshots: bool = True  # a live pool's state can be taken: each recorded part starts from one
+    check_ctor: Callable[[dict[str, Any]], None] | None = None  # more checks of a trace's constructor arguments
+    checks: str = ""  # MODULE:FUNC (view, shadows, flag) -> the family's checks beyond the shared checker's
+    wire: str = ""  # MODULE:FUNC (engine object) -> the wire a recording records in front of it, or None
+    scenarios: tuple[Scenario, ...] = ()
+
+    @property
+    def default_build(self) -> str:
+        return f"builtin:{self.builtins[0].name}"
+
+    @property
+    def counter_of(self) -> dict[str, str]:
+        """The counter column of each sub-pool."""
+        return dict(zip(self.sub_pools, self.sub_counters, strict=True))
+
+    @property
+    def capacity_counter(self) -> str:
+        """The counter column that tracks the first sub-pool (a profile's capacity)."""
+        return self.sub_counters[0]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A serving system whose releases are builds: ``NAME`` (the installed one) and
+    ``NAME==VERSION`` (a release fetched from the package index)."""
+
+    name: str  # the package index name
+    example: str  # a release to show in messages
+    summary: str
+    installed: str  # MODULE:FUNC (family, recorded_class) -> (family or None, class): the installed engine's pool
+    dists: tuple[str, ...] = ()  # distributions that provide it (an install to import a release's code with)
+    wheel_suffixes: tuple[str, ...] | None = None  # files of the wheel a release keeps (None: all)
+    sdists: bool = False  # a release may come as a source archive
+    overlay: bool = True  # a release imports with its own pinned dependencies (an overlay), not the installed ones
+    installed_only: str = ""  # why a release needs the engine installed here ("": it does not)
+    git_trees: bool = False  # a git: build that names no class is this engine's pool in the tree
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,197 @@
+"""The registry of pool families and engines: the one place that lists them.
+
+Each family package under ``kvreplay/families/`` exports ``FAMILIES`` (and, for an
+engine's families, ``ENGINE``); adding a family is its folder plus one line in
+``PACKAGES``. ``register`` adds one at run time (a plugin, a test's toy family)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from kvreplay.families.record import BuiltinBuild, Engine, Family, Scenario
+
+# The family packages kvreplay ships, one line each.
+PACKAGES: tuple[str, ...] = (
+    "kvreplay.families.sglang",
+    "kvreplay.families.vllm",
+)
+
+_families: dict[str, Family] = {}
+_engines: dict[str, Engine] = {}
+_loaded = False
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for name in PACKAGES:
+        pkg = importlib.import_module(name)
+        if getattr(pkg, "ENGINE", None) is not None:
+            register_engine(pkg.ENGINE)
+        for fam in pkg.FAMILIES:
+            register(fam)
+
+
+def register(fam: Family) -> Family:
+    """Add a family (or replace one of the same name); returns it."""
+    _load()
+    if fam.engine is not None and fam.engine not in _engines:
+        raise ValueError(f"family {fam.name!r} names engine {fam.engine!r}, which is not registered")
+    names = {b.name for b in fam.builtins}
+    for other in _families.values():
+        if other.name != fam.name and names & {b.name for b in other.builtins}:
+            raise ValueError(f"family {fam.name!r} reuses builtin build names of family {other.name!r}")
+    _families[fam.name] = fam
+    return fam
+
+
+def unregister(name: str) -> None:
+    _load()
+    _families.pop(name, None)
+
+
+def register_engine(engine: Engine) -> Engine:
+    _engines[engine.name] = engine
+    return engine
+
+
+def families() -> list[Family]:
+    """Every registered family, in registration order."""
+    _load()
+    return list(_families.values())
+
+
+def family_names() -> list[str]:
+    return [f.name for f in families()]
+
+
+def family(name: str) -> Family:
+    """The family's record; KeyError naming the families there are."""
+    _load()
+    try:
+        return _families[name]
+    except KeyError:
+        raise KeyError(f"pool family {name!r} is not one of {', '.join(_families)}") from None
+
+
+def is_family(name: Any) -> bool:
+    _load()
+    return isinstance(name, str) and name in _families
+
+
+def engines() -> list[Engine]:
+    _load()
+    return list(_engines.values())
+
+
+def engine(name: str) -> Engine | None:
+    _load()
+    return _engines.get(name)
+
+
+def git_engine() -> str:
+    """The engine whose trees a ``git:`` build without a class names."""
+    return next(e.name for e in engines() if e.git_trees)
+
+
+def families_of_engine(name: str) -> list[Family]:
+    return [f for f in families() if f.engine == name]
+
+
+def same_engine(a: str, b: str) -> bool:
+    """Do traces of families ``a`` and ``b`` come from one engine's API (their
+    figures compare)?"""
+    fa, fb = family(a), family(b)
+    return a == b or (fa.engine is not None and fa.engine == fb.engine)
+
+
+def family_of_pool(pool: Any) -> str:
+    """A live pool's family, from the state it keeps."""
+    for fam in sorted(families(), key=lambda f: -f.specificity):
+        if fam.detect(pool):
+            return fam.name
+    raise ValueError(f"{type(pool).__name__} is a pool of no registered family")
+
+
+def ctor_args_of_pool(pool: Any) -> dict[str, Any]:
+    """The constructor arguments of a live pool, as a trace records them."""
+    return family(family_of_pool(pool)).ctor_of(pool)
+
+
+def sub_pool_sizes(name: str, ctor_args: dict[str, Any]) -> dict[str, int]:
+    """Capacity per sub-pool, as reports name them."""
+    return family(name).sizes_of(ctor_args)
+
+
+def unit_of(sub_pool: str) -> str:
+    """What a sub-pool's sizes and counts are in (slots, blocks, ...)."""
+    for fam in families():
+        if sub_pool in fam.sub_pools:
+            return fam.unit
+    return "slots"
+
+
+def sub_allocators() -> tuple[tuple[str, str], ...]:
+    """(target in traces, attribute) of every family's sub-allocators: the calls a
+    recorder records nested, under their target's name."""
+    seen: dict[str, str] = {}
+    for fam in families():
+        for target, attr in fam.sub_allocators:
+            seen.setdefault(target, attr)
+    return tuple(seen.items())
+
+
+def all_methods() -> frozenset[str]:
+    """Every method name a trace of any family may hold."""
+    return frozenset(m for f in families() for m in f.methods)
+
+
+class _Builtins(Mapping[str, BuiltinBuild]):
+    """Every family's builtin builds by name, as families stand now (a family
+    registered later is in it too)."""
+
+    def _all(self) -> dict[str, BuiltinBuild]:
+        return {b.name: b for f in families() for b in f.builtins}
+
+    def __getitem__(self, name: str) -> BuiltinBuild:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._all()
+
+
+BUILTINS: Mapping[str, BuiltinBuild] = _Builtins()
+
+
+class _Scenarios(Mapping[str, Scenario]):
+    """Every family's synth scenarios by name, as families stand now."""
+
+    def _all(self) -> dict[str, Scenario]:
+        return {s.name: s for f in families() for s in f.scenarios}
+
+    def __getitem__(self, name: str) -> Scenario:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+SCENARIOS: Mapping[str, Scenario] = _Scenarios()
+
+
+def record_classes() -> tuple[str, ...]:
+    """The engine classes a recorder patches in a running server, every family's."""
+    return tuple(p for f in families() for p in f.release_classes)

