@@ -8,11 +8,11 @@ no corruption) or ``misreports`` (counters or results wrong, state intact)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.families.registry import unit_of
+from kvreplay.families.registry import families, generation, unit_of
 
 
 @dataclass(frozen=True)
@@ -27,19 +27,18 @@ class Rule:
         return f"{self.invariant}/{self.rule}"
 
 
-INVARIANTS: dict[str, str] = {
+# The invariants every family shares; a family's record adds its own (Family.invariants)
+# and its rules (Family.rules, lines of the table below).
+_SHARED_INVARIANTS: dict[str, str] = {
     "capacity": "1 capacity: 0 <= available_size() <= size per sub-pool",
     "free-list": "2 free list: no duplicate pages in free + staged, ids in 1..num_pages, page 0 never free",
     "ownership": "3 ownership: no index handed out while live, no free of a non-live index, live + available == size",
     "none-unchanged": "4 a call that returned None changed nothing",
-    "swa-mapping": "5 SWA mapping: injective over live full slots, peers live, released pages unmapped, sentinel -1",
     "quiescence": "6 quiescence: at the end everything allocated is accounted for",
-    "block-pool": "7 block pool (vLLM): reference counts equal the block tables that list a block, free exactly "
-                  "when unreferenced, the free queue's links agree with its count, cached hashes match their blocks",
 }
 
 # invariant/rule | severity | what happened (docs/invariants.md explains each at length)
-_TABLE = """
+_SHARED_RULES = """
 capacity/available-out-of-bounds | corrupts | available_size() is below 0 or above size
 free-list/duplicate-free-page | corrupts | a page is on the free (or staged) list twice
 free-list/padding-page-free | corrupts | page 0, the padding page, is free
@@ -51,28 +50,12 @@ ownership/live-plus-available | misreports | slots the caller holds + available_
 ownership/live-page-free | corrupts | a page the caller holds is on the free list
 ownership/leaked-page | leaks | a page is neither held nor free
 none-unchanged/none-changed-state | leaks | a call returned None but changed the counters
-swa-mapping/released-page-keeps-peer | corrupts | a released full page (or one whose SWA peer was freed) still maps
-swa-mapping/tail-prealloc-nontail-mapped | corrupts | after alloc_extend_swa_tail, a non-tail slot maps to an SWA slot
-swa-mapping/shared-swa-slot | corrupts | two live full slots map to one SWA slot
-swa-mapping/peer-not-live | corrupts | a live full slot maps to an SWA slot that is free
-swa-mapping/allocated-without-peer | corrupts | an allocated full slot has no SWA peer
-swa-mapping/orphan-swa-slot | leaks | a live SWA slot is mapped from no live full slot
-swa-mapping/sentinel-changed | corrupts | the mapping's trailing -1 was overwritten
 quiescence/leaked-page | leaks | at the end, a page is neither held nor free
-quiescence/orphan-swa-slot | leaks | at the end, a live SWA slot is mapped from nothing
-quiescence/held-block | leaks | at the end, with no request left, a block is still referenced
-block-pool/negative-ref-count | corrupts | a block's reference count went below zero (freed once too often)
-block-pool/ref-count-not-owners | corrupts | a block's reference count is not the number of block tables listing it
-block-pool/free-queue-mismatch | corrupts | a block with no references is not in the free queue, or a referenced one is
-block-pool/handout-while-held | corrupts | get_new_blocks handed out a block a request still holds
-block-pool/free-queue-links | corrupts | the free queue's links hold a block twice, disagree, or disagree with its count
-block-pool/null-block-free | corrupts | the null block (block 0, a placeholder) is in the free queue
-block-pool/null-block-ref-count | misreports | the null block's reference count went below zero (a free counted it)
-block-pool/stale-cached-hash | corrupts | a cached hash maps to a block that carries another hash
 """
 
 
-def _rules(table: str) -> dict[str, Rule]:
+def rules_of(table: str) -> dict[str, Rule]:
+    """The rules of a table of ``invariant/rule | severity | what happened`` lines."""
     rules = {}
     for line in table.strip().splitlines():
         rule_id, severity, doc = (part.strip() for part in line.split("|"))
@@ -81,10 +64,54 @@ def _rules(table: str) -> dict[str, Rule]:
     return rules
 
 
-RULES = _rules(_TABLE)
 SEVERITIES = ("corrupts", "leaks", "misreports")
-assert {r.severity for r in RULES.values()} <= set(SEVERITIES)
-assert {r.invariant for r in RULES.values()} == set(INVARIANTS)
+
+
+class _Vocabulary(Mapping[str, Any]):
+    """The shared table and every registered family's, as families stand now."""
+
+    def __init__(self, pick: Callable[[], dict[str, Any]]) -> None:
+        self._pick = pick
+        self._made: tuple[int, dict[str, Any]] = (-1, {})
+
+    def _all(self) -> dict[str, Any]:
+        gen = generation()
+        if self._made[0] != gen:
+            self._made = (gen, self._pick())
+        return self._made[1]
+
+    def __getitem__(self, key: str) -> Any:
+        return self._all()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._all()
+
+
+def _invariants() -> dict[str, str]:
+    out = dict(_SHARED_INVARIANTS)
+    for fam in families():
+        out.update(fam.invariants)
+    return out
+
+
+def _all_rules() -> dict[str, Rule]:
+    out = rules_of(_SHARED_RULES)
+    for fam in families():
+        out.update(rules_of(fam.rules) if fam.rules.strip() else {})
+    bad = [r.id for r in out.values() if r.severity not in SEVERITIES or r.invariant not in INVARIANTS]
+    if bad:
+        raise ValueError(f"rules {bad} name an unknown severity or invariant")
+    return out
+
+
+INVARIANTS: Mapping[str, str] = _Vocabulary(_invariants)
+RULES: Mapping[str, Rule] = _Vocabulary(_all_rules)
 
 
 

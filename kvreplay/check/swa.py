@@ -8,17 +8,15 @@ reported at the free that released it, when the group ends."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvreplay.check import kernels
+from kvreplay.check.family_checks import FamilyChecks, Flag
 from kvreplay.check.pool_view import PoolView, to_np
 from kvreplay.check.shadow import Shadow, squeezed, unsqueezed
 from kvreplay.pool_api import FULL_ONLY_FREES, SWA_ONLY_FREES
-
-Flag = Callable[..., None]  # the checker's: (call, method, invariant, rule, sub, indices, message, detected=)
 
 
 def mapping_checks(view: PoolView, shadows: dict[str, Shadow], flag: Flag) -> SWAMappingChecker:
@@ -26,8 +24,9 @@ def mapping_checks(view: PoolView, shadows: dict[str, Shadow], flag: Flag) -> SW
     return SWAMappingChecker(view, shadows["full"], shadows["swa"], flag)
 
 
-class SWAMappingChecker:
+class SWAMappingChecker(FamilyChecks):
     def __init__(self, view: PoolView, full: Shadow, swa: Shadow, flag: Flag) -> None:
+        super().__init__(view, {"full": full, "swa": swa}, flag)
         self.view, self.full, self.swa, self.ps = view, full, swa, full.ps
         self._flag = flag
         self.owner = np.zeros(len(swa.live_tok), dtype=np.int64)  # the full slot each SWA slot was mapped from

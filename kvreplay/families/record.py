@@ -90,6 +90,8 @@ class Family:
     checks: str = ""  # MODULE:FUNC (view, shadows, flag) -> the family's checks beyond the shared checker's
     wire: str = ""  # MODULE:FUNC (engine object) -> the wire a recording records in front of it, or None
     scenarios: tuple[Scenario, ...] = ()
+    invariants: tuple[tuple[str, str], ...] = ()  # (name, what it says) of the invariants only it has
+    rules: str = ""  # its rules: lines of ``invariant/rule | severity | what happened`` (check/rules.py)
 
     @property
     def default_build(self) -> str:
@@ -121,4 +123,5 @@ class Engine:
     overlay: bool = True  # a release imports with its own pinned dependencies (an overlay), not the installed ones
     installed_only: str = ""  # why a release needs the engine installed here ("": it does not)
     git_trees: bool = False  # a git: build that names no class is this engine's pool in the tree
+    drive: str = ""  # MODULE:ATTR: the workload.drive.Protocol of its servers' native API ("": OpenAI's only)
     extra: dict[str, Any] = field(default_factory=dict)

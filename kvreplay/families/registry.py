@@ -21,6 +21,12 @@ PACKAGES: tuple[str, ...] = (
 _families: dict[str, Family] = {}
 _engines: dict[str, Engine] = {}
 _loaded = False
+_generation = 0  # changes whenever a family is registered or removed: views of them rebuild
+
+
+def generation() -> int:
+    _load()
+    return _generation
 
 
 def _load() -> None:
@@ -46,12 +52,19 @@ def register(fam: Family) -> Family:
         if other.name != fam.name and names & {b.name for b in other.builtins}:
             raise ValueError(f"family {fam.name!r} reuses builtin build names of family {other.name!r}")
     _families[fam.name] = fam
+    _bump()
     return fam
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
 
 
 def unregister(name: str) -> None:
     _load()
     _families.pop(name, None)
+    _bump()
 
 
 def register_engine(engine: Engine) -> Engine:

@@ -28,9 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvreplay.errors import BadInput
+from kvreplay.families.record import load
+from kvreplay.families.registry import engines
 from kvreplay.workload.requests import Request
 
-APIS = ("sglang", "openai")
 FIRST_TOKEN = 3  # below: ids models keep for padding, BOS and EOS
 # A server's answer to one request: its token counts, a few KB. Read no more than this.
 MAX_ANSWER_BYTES = 16 << 20
@@ -38,6 +39,42 @@ MAX_ANSWER_BYTES = 16 << 20
 
 class BadAnswer(Exception):
     """The server answered, but not with what the API answers (a list, no counts, too much)."""
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How ``drive`` talks to a server: the path it asks before sending anything, and
+    one request sent as token ids, answered with (prompt, output, cached) token counts
+    as the server counted them. OpenAI's completions API is here; an engine's record
+    names its own native one (``Engine.drive``)."""
+
+    name: str
+    probe: str
+    send: Callable[[str, str, list[int], int, float], tuple[int, int, int]]  # (base, model, ids, n_out, timeout)
+    names_model: bool = False  # the probe's answer names the model to ask for
+
+
+def _openai_send(base: str, model: str, ids: list[int], n_out: int, timeout: float) -> tuple[int, int, int]:
+    got = post_json(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": n_out,
+                                               "ignore_eos": True, "temperature": 0}, timeout)
+    if not isinstance(got.get("choices"), list):
+        raise BadAnswer("no choices in the answer: not an OpenAI completions server")
+    usage = got.get("usage", {})
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("prompt_tokens_details") or {}
+    cached = token_count(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0
+    return (token_count(usage.get("prompt_tokens", len(ids))), token_count(usage.get("completion_tokens", n_out)),
+            cached)
+
+
+OPENAI = Protocol("openai", "/v1/models", _openai_send, names_model=True)
+
+
+def protocols() -> dict[str, Protocol]:
+    """The APIs ``--api`` takes: each engine's native one, and OpenAI's."""
+    out: dict[str, Protocol] = {e.name: load(e.drive) for e in engines() if e.drive}
+    out[OPENAI.name] = OPENAI
+    return out
 
 
 @dataclass
@@ -91,7 +128,7 @@ def prompt_ids(req: Request, block_tokens: int, vocab: int) -> list[int]:
     return ids[: req.input_len]
 
 
-def _post(url: str, body: dict[str, object], timeout: float) -> dict[str, object]:
+def post_json(url: str, body: dict[str, object], timeout: float) -> dict[str, object]:
     """POST ``body``; the JSON object answered, all of it within ``timeout`` seconds in
     total (a server that answers a byte at a time does not get a fresh timeout per
     byte), and at most MAX_ANSWER_BYTES of it."""
@@ -128,13 +165,15 @@ def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = Non
     parts = urllib.parse.urlsplit(cfg.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise BadInput(f"server URL {cfg.url!r}: want http://HOST:PORT")
-    if cfg.api not in APIS:
-        raise BadInput(f"--api {cfg.api!r}: one of {', '.join(APIS)}")
+    apis = protocols()
+    if cfg.api not in apis:
+        raise BadInput(f"--api {cfg.api[:40]!r}: one of {', '.join(apis)}")
+    api = apis[cfg.api]
     if not 0 <= cfg.wait_s <= 86400:
         raise BadInput(f"--wait must be 0..86400 seconds, got {cfg.wait_s}")
     if not 0 < cfg.timeout_s <= 86400:
         raise BadInput(f"--timeout must be a number of seconds in (0, 86400], got {cfg.timeout_s}")
-    probe = "/health" if cfg.api == "sglang" else "/v1/models"
+    probe = api.probe
     t0 = time.monotonic()
     while True:
         try:
@@ -156,7 +195,7 @@ def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = Non
         if waiting is not None:
             waiting(time.monotonic() - t0)
         time.sleep(1.0)
-    if cfg.api == "openai" and not cfg.model:
+    if api.names_model and not cfg.model:
         try:
             return str(json.loads(body)["data"][0]["id"])
         except (ValueError, KeyError, IndexError, TypeError):
@@ -168,27 +207,10 @@ def _send(cfg: DriveConfig, model: str, req: Request) -> tuple[int, int, int]:
     """Send one request; (prompt, output, cached) tokens as the server counted them."""
     ids = prompt_ids(req, cfg.block_tokens, cfg.vocab)
     n_out = min(req.output_len, cfg.max_output) if cfg.max_output else req.output_len
-    base = cfg.url.rstrip("/")
-    if cfg.api == "sglang":
-        got = _post(base + "/generate", {"input_ids": ids, "sampling_params": {
-            "max_new_tokens": n_out, "ignore_eos": True, "temperature": 0}}, cfg.timeout_s)
-        meta = got.get("meta_info")
-        if not isinstance(meta, dict):
-            raise BadAnswer("no meta_info in the answer: not sglang's /generate")
-        return (_count(meta.get("prompt_tokens", len(ids))), _count(meta.get("completion_tokens", n_out)),
-                _count(meta.get("cached_tokens", 0)))
-    got = _post(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": n_out,
-                                           "ignore_eos": True, "temperature": 0}, cfg.timeout_s)
-    if not isinstance(got.get("choices"), list):
-        raise BadAnswer("no choices in the answer: not an OpenAI completions server")
-    usage = got.get("usage", {})
-    usage = usage if isinstance(usage, dict) else {}
-    details = usage.get("prompt_tokens_details") or {}
-    cached = _count(details.get("cached_tokens", 0) or 0) if isinstance(details, dict) else 0
-    return _count(usage.get("prompt_tokens", len(ids))), _count(usage.get("completion_tokens", n_out)), cached
+    return protocols()[cfg.api].send(cfg.url.rstrip("/"), model, ids, n_out, cfg.timeout_s)
 
 
-def _count(v: object) -> int:
+def token_count(v: object) -> int:
     """A token count the server reported: a whole number no request can pass."""
     if type(v) is not int or not 0 <= v <= 1 << 40:
         raise BadAnswer(f"a token count of {str(v)[:20]}")

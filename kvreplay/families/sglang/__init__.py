@@ -20,6 +20,7 @@ ENGINE = Engine(
     dists=("sglang",),
     sdists=True,
     git_trees=True,
+    drive="kvreplay.families.sglang.drive:NATIVE",
 )
 
 _BUILD = "kvreplay.builds.sglang:construct"
@@ -138,6 +139,18 @@ SWA = Family(
     sizes_of=lambda ctor: {"full": int(ctor["size"]), "swa": int(ctor["size_swa"])},
     construct=_BUILD + "_swa",
     checks="kvreplay.check.swa:mapping_checks",
+    invariants=(("swa-mapping", "5 SWA mapping: injective over live full slots, peers live, released pages "
+                                "unmapped, sentinel -1"),),
+    rules="""
+swa-mapping/released-page-keeps-peer | corrupts | a released full page (or one whose SWA peer was freed) still maps
+swa-mapping/tail-prealloc-nontail-mapped | corrupts | after alloc_extend_swa_tail, a non-tail slot maps to an SWA slot
+swa-mapping/shared-swa-slot | corrupts | two live full slots map to one SWA slot
+swa-mapping/peer-not-live | corrupts | a live full slot maps to an SWA slot that is free
+swa-mapping/allocated-without-peer | corrupts | an allocated full slot has no SWA peer
+swa-mapping/orphan-swa-slot | leaks | a live SWA slot is mapped from no live full slot
+swa-mapping/sentinel-changed | corrupts | the mapping's trailing -1 was overwritten
+quiescence/orphan-swa-slot | leaks | at the end, a live SWA slot is mapped from nothing
+""",
     specificity=2,
     base_classes=("kvreplay.pools.swa:SWAPool",),
     class_words=("swa",),

@@ -91,6 +91,20 @@ VLLM = Family(
     snapshots=False,  # the manager cannot be snapshotted: its parts are chained
     wire="kvreplay.builds.vllm:wire_for",
     check_ctor=_check_ctor,
+    invariants=(("block-pool", "7 block pool (vLLM): reference counts equal the block tables that list a block, "
+                               "free exactly when unreferenced, the free queue's links agree with its count, cached "
+                               "hashes match their blocks"),),
+    rules="""
+quiescence/held-block | leaks | at the end, with no request left, a block is still referenced
+block-pool/negative-ref-count | corrupts | a block's reference count went below zero (freed once too often)
+block-pool/ref-count-not-owners | corrupts | a block's reference count is not the number of block tables listing it
+block-pool/free-queue-mismatch | corrupts | a block with no references is not in the free queue, or a referenced one is
+block-pool/handout-while-held | corrupts | get_new_blocks handed out a block a request still holds
+block-pool/free-queue-links | corrupts | the free queue's links hold a block twice, disagree, or disagree with its count
+block-pool/null-block-free | corrupts | the null block (block 0, a placeholder) is in the free queue
+block-pool/null-block-ref-count | misreports | the null block's reference count went below zero (a free counted it)
+block-pool/stale-cached-hash | corrupts | a cached hash maps to a block that carries another hash
+""",
     scenarios=(
         Scenario("vllm-prefix", "vllm",
                  "vLLM's scheduler on its KV-cache manager: prefix caching, chunked prefill, preemption "

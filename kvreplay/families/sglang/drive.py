@@ -1,0 +1,18 @@
+"""How ``kvreplay drive`` talks to an sglang server natively: /generate with token ids."""
+
+from __future__ import annotations
+
+from kvreplay.workload.drive import BadAnswer, Protocol, post_json, token_count
+
+
+def _send(base: str, model: str, ids: list[int], n_out: int, timeout: float) -> tuple[int, int, int]:
+    got = post_json(base + "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": n_out, "ignore_eos": True, "temperature": 0}}, timeout)
+    meta = got.get("meta_info")
+    if not isinstance(meta, dict):
+        raise BadAnswer("no meta_info in the answer: not sglang's /generate")
+    return (token_count(meta.get("prompt_tokens", len(ids))), token_count(meta.get("completion_tokens", n_out)),
+            token_count(meta.get("cached_tokens", 0)))
+
+
+NATIVE = Protocol("sglang", "/health", _send)
