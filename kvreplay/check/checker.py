@@ -3,9 +3,9 @@
 A shadow ownership model (shadow.py) is fed by the call stream: which pages the caller
 holds, which tokens it was handed. Per call it costs time in proportion to the call's
 indices, never the pool. The O(pool) checks (free lists) run every
-``full_check_every`` calls and at the end. The checks of an SWA pool's mapping and SWA
-sub-pool are in swa.py, which this checker calls for pools of that family only (its
-record names them: ``Family.checks``).
+``full_check_every`` calls and at the end. A family's own checks (an SWA pool's
+mapping and SWA sub-pool) are a FamilyChecks its record names (``Family.checks``),
+which this checker calls at the same moments.
 
 A violation names the call that created the bad state: a page released with its
 SWA mapping still set is reported at the free that released it, even when the free

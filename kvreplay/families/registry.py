@@ -2,11 +2,15 @@
 
 Each family package under ``kvreplay/families/`` exports ``FAMILIES`` (and, for an
 engine's families, ``ENGINE``); adding a family is its folder plus one line in
-``PACKAGES``. ``register`` adds one at run time (a plugin, a test's toy family)."""
+``PACKAGES``. A family kept outside kvreplay is a package of the same shape named in
+``KVREPLAY_FAMILIES`` (comma-separated modules, imported at first use, in every
+kvreplay process that inherits the variable: replay workers, recorded servers);
+``register`` adds one at run time."""
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,6 +21,7 @@ PACKAGES: tuple[str, ...] = (
     "kvreplay.families.sglang",
     "kvreplay.families.vllm",
 )
+FAMILIES_ENV = "KVREPLAY_FAMILIES"  # more family packages, outside kvreplay (a user's configuration)
 
 _families: dict[str, Family] = {}
 _engines: dict[str, Engine] = {}
@@ -34,8 +39,12 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    for name in PACKAGES:
-        pkg = importlib.import_module(name)
+    extra = [m.strip() for m in os.environ.get(FAMILIES_ENV, "").split(",") if m.strip()]
+    for name in [*PACKAGES, *extra]:
+        try:
+            pkg = importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(f"{FAMILIES_ENV} names {name!r}, which does not import: {exc}") from None
         if getattr(pkg, "ENGINE", None) is not None:
             register_engine(pkg.ENGINE)
         for fam in pkg.FAMILIES:

@@ -3,7 +3,7 @@ families, and sglang as an engine whose releases are builds.
 
 The families speak sglang's allocator API (pool_api.RECORDED_METHODS): the generic
 replayer and invariant checker serve all three; the SWA family adds its mapping
-checks (check/swa.py) through the sub-pools it declares."""
+checks (swa_checks.py here) through the sub-pools it declares."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ SWA = Family(
     ctor_of=_swa_ctor,
     sizes_of=lambda ctor: {"full": int(ctor["size"]), "swa": int(ctor["size_swa"])},
     construct=_BUILD + "_swa",
-    checks="kvreplay.check.swa:mapping_checks",
+    checks="kvreplay.families.sglang.swa_checks:mapping_checks",
     invariants=(("swa-mapping", "5 SWA mapping: injective over live full slots, peers live, released pages "
                                 "unmapped, sentinel -1"),),
     rules="""
