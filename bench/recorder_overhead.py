@@ -151,7 +151,7 @@ class _Floor:
 def recording_path(model_change_ns: float | None = None, n: int = 200_000) -> None:
     """Print ns per call of the recording path against the floor, and its share of a
     live scheduler at the live trace's call rate."""
-    from kvreplay.pools.swa import SWAPool
+    from kvreplay.families.sglang.swa import SWAPool
     from kvreplay.trace.reader import TraceReader
 
     floor = _loop_ns(_Floor().read, n)
@@ -204,7 +204,7 @@ def vllm_recording_path(rounds: int = 5) -> None:
     Every call is timed on both, alternately, so drift hits both alike; the recording
     path per call is the difference of the sums (fastest round each), its share of a
     scheduler is that cost times the recording's call rate."""
-    from kvreplay.builds.vllm import InstalledManager, attach
+    from kvreplay.families.vllm.wire import InstalledManager, attach
     from kvreplay.trace.reader import TraceReader
 
     reader = TraceReader(LIVE_VLLM_TRACE)

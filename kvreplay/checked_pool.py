@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvreplay.builds.resolve import load_build
-from kvreplay.check.block_pool import BlockPoolChecker
 from kvreplay.check.checked_call import checked_call, method_of
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
@@ -24,7 +23,7 @@ from kvreplay.check.rules import describe_violation
 from kvreplay.pool_api import COUNTER_METHODS
 
 
-class _Checked:
+class Checked:
     """What both checked drivers share: a build, its checker, and a call per attribute."""
 
     checker: Any
@@ -58,7 +57,7 @@ class _Checked:
                 raise AssertionError(f"{self.build}: {describe_violation(v, long=True)}")
 
 
-class CheckedPool(_Checked):
+class CheckedPool(Checked):
     def __init__(self, build: str, *, family: str, ctor: dict[str, Any], device: str = "cpu",
                  invariant: str | None = None) -> None:
         super().__init__(build, load_build(build, family, ctor, device), invariant)
@@ -80,35 +79,4 @@ class CheckedPool(_Checked):
         return result
 
 
-class CheckedManager(_Checked):
-    """The same for a vLLM-family build (a KV-cache manager on the family's wire):
-
-        m = CheckedManager("builtin:vllm", ctor={...})
-        m.allocate_slots(request_id="a", ..., num_new_tokens=64)
-        m.free_request(request_id="a")   # AssertionError here if the free breaks a rule
-        m.finish()
-
-    The whole pool is checked after every call."""
-
-    def __init__(self, build: str, *, ctor: dict[str, Any], invariant: str | None = None) -> None:
-        super().__init__(build, load_build(build, "vllm", ctor, "cpu"), invariant)
-        self.checker = BlockPoolChecker(self.pool, full_check_every=1, keep=1 << 30)
-
-    def call(self, method: str, **args: Any) -> Any:
-        """One manager call (wire arguments, as a trace records them), checked."""
-        self.calls += 1
-        fn = getattr(self.pool, method, None)
-        if fn is None:
-            raise AttributeError(f"{self.build} has no method {method}")
-        log: list[tuple[str, Any]] = []
-        self.pool.wire_blocks.log = log
-        try:
-            result = fn(**args)
-        finally:
-            self.pool.wire_blocks.log = None
-        self.checker.after(self.calls, method, args, result, log)
-        self._assert_clean()
-        return result
-
-
-__all__ = ["CheckedManager", "CheckedPool"]
+__all__ = ["CheckedPool"]

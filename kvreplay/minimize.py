@@ -16,7 +16,7 @@ on, so its indices are the ones the build hands out and it replays strict.
 
 A vLLM trace (block ids, requests) shrinks the same way, by requests first: its
 dependencies are a request's calls on its admission (``RequestDependencies``), and its
-remap mode hands each request the build's own prefix hit (replay/blocks.py)."""
+remap mode hands each request the build's own prefix hit (families/vllm/replayer.py)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ assert frozenset(RECORDED_METHODS) == ALLOCS | FREES | GROUP_METHODS | MAPPING_M
 
 # -- vLLM's KV-cache manager: the "vllm" family ------------------------------------------
 # vLLM's scheduler calls its KVCacheManager with Request objects and gets blocks back;
-# kvreplay records those calls in a wire form (builds/vllm.py): a request as its id, the
+# kvreplay records those calls in a wire form (families/vllm/wire.py): a request as its id, the
 # counts the manager reads of it and the block hashes it has not sent before; blocks by
 # id. The BlockPool calls the manager makes are nested rows with target "blocks".
 # ``free_request`` is the manager's ``free(request)``: the name keeps it apart from

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.recorder.recording import record
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvreplay.pools.block_pool import Block, BlockManager, BlockPool
+from kvreplay.families.vllm.pool import Block, BlockManager, BlockPool
 
 
 class DoubleFreeManager(BlockManager):

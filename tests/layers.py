@@ -28,7 +28,7 @@ LAYERS: list[list[str]] = [
     ["recorder", "replay", "checked_pool"],
     ["check", "store"],
     ["builds"],
-    ["pools", "trace", "fanout"],
+    ["trace", "fanout"],
     ["families"],  # the records and their registry
     ["pool_api", "errors", "version", "scratch", "limits"],
 ]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.pools.paged import PagedPool
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.paged import PagedPool
+from kvreplay.families.sglang.swa import SWAPool
 
 
 class HighPagesFirstPagedPool(PagedPool):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.pools.paged import PagedPool
-from kvreplay.pools.swa import SWAPool
-from kvreplay.pools.token import TokenPool
+from kvreplay.families.sglang.paged import PagedPool
+from kvreplay.families.sglang.swa import SWAPool
+from kvreplay.families.sglang.token import TokenPool
 
 
 class OverReportingTokenPool(TokenPool):

@@ -24,7 +24,7 @@ POOL_GOOD = '''"""A small SWA pool package, as a pool engineer's repository woul
 
 import torch
 
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 
 
 class Pool(SWAPool):

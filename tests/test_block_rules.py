@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from kvreplay.check.block_pool import BlockPoolChecker
-from kvreplay.checked_pool import CheckedManager
-from kvreplay.pools.block_wire import hashes_out
+from kvreplay.families.vllm.block_wire import hashes_out
+from kvreplay.families.vllm.checked import CheckedManager
+from kvreplay.families.vllm.checker import BlockPoolChecker
 
 CTOR = dict(num_blocks=8, block_size=4, hash_block_size=4, max_model_len=64, max_in_flight_tokens=64,
             enable_caching=True, watermark=0.0, attention="full")

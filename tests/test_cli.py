@@ -273,8 +273,8 @@ def test_show_says_what_the_capacity_call_is(cli, tmp_path):
 
 
 def test_a_release_missing_its_dependencies_says_which_environment_it_needs(tmp_path, monkeypatch):
-    from kvreplay.builds import sglang as adapter
     from kvreplay.errors import BuildUnloadable
+    from kvreplay.families.sglang import release as adapter
 
     (tmp_path / "fake_release_pool.py").write_text("import orjson_not_installed_anywhere\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from kvreplay.pools.swa import SWAPool
-from kvreplay.pools.variants import UnfilteredPage0SWAPool
+from kvreplay.families.sglang.swa import SWAPool
+from kvreplay.families.sglang.variants import UnfilteredPage0SWAPool
 from kvreplay.recorder.flight import flight_recorder
 from kvreplay.replay.dispatch import replay
 from kvreplay.replay.replayer import Replayer

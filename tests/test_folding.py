@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from unfolded import unfolded
 
+from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.pool_api import COUNTER_READS
-from kvreplay.pools.swa import SWAPool
 from kvreplay.recorder import layout
 from kvreplay.recorder.capture import native_available
 from kvreplay.recorder.recording import record
@@ -163,7 +163,7 @@ def test_the_capture_layout_and_the_trace_format_agree_on_the_pattern():
 
 
 def _grouped(path, engine: str, program) -> list:
-    from kvreplay.pools.paged import PagedPool
+    from kvreplay.families.sglang.paged import PagedPool
 
     pool = PagedPool(256, 4)
     rec = record(pool, path, backend=engine)
@@ -206,7 +206,7 @@ def test_only_a_group_where_nothing_happened_folds(tmp_path, engine):
 def test_a_build_that_changes_its_state_in_an_empty_group_diverges_at_the_next_read(tmp_path):
     """The folded group's end carries no counters (none were read); a build whose empty
     group changes the pool is caught by the read after it."""
-    from kvreplay.pools.paged import PagedPool
+    from kvreplay.families.sglang.paged import PagedPool
 
     path = tmp_path / "t.parquet"
     pool = PagedPool(256, 4)

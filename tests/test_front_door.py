@@ -193,8 +193,8 @@ def test_every_docs_command_has_a_tier_that_runs_it():
 
 
 # A pool of the reader's, as bisect.md's --repo bisect names it: good at v1.4, broken on main.
-MYPOOL_GOOD = "from kvreplay.pools.swa import SWAPool as Pool\n"
-MYPOOL_BAD = "from kvreplay.pools.variants import StaleTailSWAPool as Pool\n"
+MYPOOL_GOOD = "from kvreplay.families.sglang.swa import SWAPool as Pool\n"
+MYPOOL_BAD = "from kvreplay.families.sglang.variants import StaleTailSWAPool as Pool\n"
 
 
 def _stage_mypool(home: Path) -> None:

@@ -9,15 +9,16 @@ from git_repos import commit_all, new_repo
 
 from kvreplay.replay.dispatch import replay
 
-GOOD = "from kvreplay.pools.swa import SWAPool as Pool\n"
-BUGGY = "from kvreplay.pools.variants import StaleTailSWAPool as Pool\n"
-BROKEN = "from kvreplay.pools.swa import SWAPool as Pool\nimport no_such_module_kvreplay\n"
-CRASH = "import os\nfrom kvreplay.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
+GOOD = "from kvreplay.families.sglang.swa import SWAPool as Pool\n"
+BUGGY = "from kvreplay.families.sglang.variants import StaleTailSWAPool as Pool\n"
+BROKEN = "from kvreplay.families.sglang.swa import SWAPool as Pool\nimport no_such_module_kvreplay\n"
+CRASH = "import os\nfrom kvreplay.families.sglang.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
         "    def alloc_extend(self, *a, **k):\n        os.abort()\n"
-LATE_CRASH = "import os\nfrom kvreplay.pools.variants import StaleTailSWAPool\n\n\nclass Pool(StaleTailSWAPool):\n" \
+LATE_CRASH = "import os\nfrom kvreplay.families.sglang.variants import StaleTailSWAPool\n\n\n" \
+             "class Pool(StaleTailSWAPool):\n" \
              "    n = 0\n\n    def free_group_begin(self):\n        Pool.n += 1\n" \
              "        if Pool.n == 400:\n            os.abort()\n        return super().free_group_begin()\n"
-HANG = "import time\nfrom kvreplay.pools.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
+HANG = "import time\nfrom kvreplay.families.sglang.swa import SWAPool\n\n\nclass Pool(SWAPool):\n" \
        "    def alloc_extend(self, *a, **k):\n        time.sleep(600)\n"
 
 

@@ -73,8 +73,8 @@ def test_only_methods_of_the_allocator_api_are_replayed(method, tmp_path, cli):
 
 
 def test_the_recorded_class_never_names_a_module_to_import(tmp_path, monkeypatch):
-    from kvreplay.builds import sglang as adapter
     from kvreplay.errors import BuildUnloadable
+    from kvreplay.families.sglang import release as adapter
 
     pkg = tmp_path / "sglang"
     pkg.mkdir()
@@ -298,7 +298,7 @@ def test_ci_gives_up_on_a_case_past_its_timeout(tmp_path, cli, monkeypatch):
     root, doc = _corpus(tmp_path)
     (root / "manifest.json").write_text(json.dumps(doc))
     (tmp_path / "looping_pool.py").write_text(textwrap.dedent("""
-        from kvreplay.pools.swa import SWAPool
+        from kvreplay.families.sglang.swa import SWAPool
 
         class Pool(SWAPool):
             def alloc_extend(self, *args, **kwargs):
@@ -383,7 +383,7 @@ def test_one_sigusr2_writes_one_dump(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent("""
         import time, torch
-        from kvreplay.pools.swa import SWAPool
+        from kvreplay.families.sglang.swa import SWAPool
         pool = SWAPool(2048, 512, 1, need_sort=False)
         print("ready", flush=True)
         deadline = time.monotonic() + 20
@@ -393,7 +393,8 @@ def test_one_sigusr2_writes_one_dump(tmp_path):
     """))
     out = tmp_path / "dumps"
     child = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "record", "--flight", "5000", "--out",
-                              str(out), "--class", "kvreplay.pools.swa:SWAPool", "--", sys.executable, str(prog)],
+                              str(out), "--class", "kvreplay.families.sglang.swa:SWAPool", "--", sys.executable,
+                              str(prog)],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
@@ -477,7 +478,7 @@ def test_a_snapshot_that_inflates_past_its_declared_shape_is_refused(tmp_path, c
 
     rows, schema = _rows(PAGE0)
     bomb = base64.b64encode(zlib.compress(b"\0" * (64 << 20), 9)).decode()  # 64 MB of zeros, 65 KB packed
-    from kvreplay.pools.swa import SWAPool
+    from kvreplay.families.sglang.swa import SWAPool
     from kvreplay.trace import snapshot
 
     state = snapshot.take(SWAPool(2048, 512, 16))  # a real state, one tensor of it made a bomb
@@ -579,7 +580,7 @@ def test_a_gap_row_whose_lost_call_count_is_text_is_one_line_in_inspect(tmp_path
 
 @pytest.mark.parametrize("value", ["abc", 7, None, [1, 2], {"list": "x"}])
 def test_a_snapshot_attribute_of_the_wrong_kind_is_one_line(tmp_path, cli, value):
-    from kvreplay.pools.swa import SWAPool
+    from kvreplay.families.sglang.swa import SWAPool
     from kvreplay.trace import snapshot
 
     rows, schema = _rows(PAGE0)

@@ -19,7 +19,7 @@ from servers import pids
 
 SLOW_POOL = '''
 import time
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 
 
 class Pool(SWAPool):

@@ -13,10 +13,10 @@ import time
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.reader import TraceReader
 
-TARGET = "kvreplay.pools.swa:SWAPool"
+TARGET = "kvreplay.families.sglang.swa:SWAPool"
 DRIVE = """
 import torch
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 
 def t(*v):
     return torch.tensor(v, dtype=torch.int64)

@@ -8,9 +8,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvreplay.pools.paged import PagedPool
-from kvreplay.pools.swa import SWAPool
-from kvreplay.pools.token import TokenPool
+from kvreplay.families.sglang.paged import PagedPool
+from kvreplay.families.sglang.swa import SWAPool
+from kvreplay.families.sglang.token import TokenPool
 
 PS = 4
 

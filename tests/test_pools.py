@@ -7,9 +7,9 @@ import torch
 
 from kvreplay.builds.resolve import resolve
 from kvreplay.families.registry import BUILTINS
-from kvreplay.pools.paged import PagedPool
-from kvreplay.pools.swa import SWAPool
-from kvreplay.pools.token import TokenPool
+from kvreplay.families.sglang.paged import PagedPool
+from kvreplay.families.sglang.swa import SWAPool
+from kvreplay.families.sglang.token import TokenPool
 
 
 def t(*v: int) -> torch.Tensor:

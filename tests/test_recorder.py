@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import kill_a_second_after_its_mark
 
-from kvreplay.pools.swa import SWAPool
-from kvreplay.pools.token import TokenPool
+from kvreplay.families.sglang.swa import SWAPool
+from kvreplay.families.sglang.token import TokenPool
 from kvreplay.recorder.capture import native_available
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
@@ -138,7 +138,7 @@ def test_interpreter_exit_flushes_an_open_recording(tmp_path):
         f"""
         import torch
         from kvreplay.recorder.recording import record
-        from kvreplay.pools.paged import PagedPool
+        from kvreplay.families.sglang.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r})
         for _ in range(5):
@@ -162,7 +162,7 @@ def test_sigkill_loses_no_call_older_than_a_second(tmp_path, backend, then):
         f"""
         import time
         from kvreplay.recorder.recording import record
-        from kvreplay.pools.paged import PagedPool
+        from kvreplay.families.sglang.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r})  # default batch (4,096 rows): only time flushes this workload
         time.sleep(1.0)  # the writer process starting up (a server's start-up, not its steady state)
@@ -194,7 +194,7 @@ def test_sigkill_keeps_a_small_last_batch(tmp_path):
         f"""
         import time
         from kvreplay.recorder.recording import record
-        from kvreplay.pools.paged import PagedPool
+        from kvreplay.families.sglang.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r})
         time.sleep(1.0)  # the writer process starting up

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvreplay.errors import BadInput
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.recorder.raw_batch import RawBatch
 from kvreplay.recorder.recording import record
 from kvreplay.recorder.writer import ParquetSink

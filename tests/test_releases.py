@@ -83,8 +83,8 @@ def test_a_vllm_wheel_keeps_its_python_not_its_kernels(tmp_path):
 def test_a_release_method_without_an_argument_takes_the_call_only_if_the_argument_was_neutral():
     import inspect
 
-    from kvreplay.builds.vllm import fit_arguments
     from kvreplay.errors import BuildUnsupported
+    from kvreplay.families.vllm.wire import fit_arguments
 
     def allocate_slots(request, num_new_tokens, full_sequence_must_fit=False):  # an older release's
         pass
@@ -268,8 +268,8 @@ def test_a_release_whose_manager_checks_the_whole_sequence_itself_is_asked_first
     """Before 0.21 the scheduler called can_fit_full_sequence before allocate_slots; a
     replayed call that asks allocate_slots for that check asks the method instead, and a
     refusal answers None without allocating (as allocate_slots does from 0.21)."""
-    from kvreplay.builds.vllm import ManagerWire
-    from kvreplay.pools.block_wire import hashes_out
+    from kvreplay.families.vllm.block_wire import hashes_out
+    from kvreplay.families.vllm.wire import ManagerWire
 
     class Pool:
         blocks: list = []

@@ -108,7 +108,7 @@ def test_a_build_that_raises_where_the_recording_did_not_is_an_exception_diverge
     out = tmp_path / "walk.parquet"
     import torch
 
-    from kvreplay.pools.swa import SWAPool
+    from kvreplay.families.sglang.swa import SWAPool
     from kvreplay.recorder.recording import record
 
     def t(*v):

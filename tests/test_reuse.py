@@ -44,21 +44,21 @@ def test_only_statuses_that_follow_from_code_and_trace_are_reused():
 
 def test_a_spec_that_does_not_pin_its_code_is_never_reused(swa_trace_80, tmp_path):
     db = str(tmp_path / "k.db")
-    replay_and_store(swa_trace_80, "py:kvreplay.pools.swa:SWAPool", db=db)
+    replay_and_store(swa_trace_80, "py:kvreplay.families.sglang.swa:SWAPool", db=db)
     st = open_store(db)
     try:
-        assert reusable_run(st, content_hash(swa_trace_80), BuildSpec.parse("py:kvreplay.pools.swa:SWAPool"),
+        assert reusable_run(st, content_hash(swa_trace_80), BuildSpec.parse("py:kvreplay.families.sglang.swa:SWAPool"),
                             "strict") is None
     finally:
         st.close()
 
 
 def test_what_a_build_resolved_to_has_one_answer():
-    from kvreplay.pools.swa import SWAPool
+    from kvreplay.families.sglang.swa import SWAPool
     from kvreplay.version import __version__
 
     assert BuildSpec.parse("builtin:swa@stale-tail").resolved() == f"kvreplay {__version__}"
     assert BuildSpec.parse("sglang==0.5.12").resolved(code_id="0.5.12") == "sglang 0.5.12"
     assert BuildSpec.parse("git:/repo@" + "a" * 40).resolved(code_id="a" * 12) == "git " + "a" * 12
     pool = SWAPool(64, 32, 4)
-    assert BuildSpec.parse("py:kvreplay.pools.swa:SWAPool").resolved(pool=pool) == f"kvreplay {__version__}"
+    assert BuildSpec.parse("py:kvreplay.families.sglang.swa:SWAPool").resolved(pool=pool) == f"kvreplay {__version__}"

@@ -9,7 +9,7 @@ from conftest import kill_a_second_after_its_mark
 from unfolded import unfolded
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.hashing import content_hash as file_hash
@@ -47,7 +47,7 @@ def test_killed_with_its_writer_a_rotated_trace_keeps_its_closed_parts(tmp_path)
         f"""
         import time
         from kvreplay.recorder.recording import record
-        from kvreplay.pools.paged import PagedPool
+        from kvreplay.families.sglang.paged import PagedPool
         pool = PagedPool(64, 4)
         record(pool, {str(path)!r}, writer="thread", rotate_s=0.2)
         n = 0

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
-from kvreplay.builds import sglang as sglang_adapter  # noqa: E402
+from kvreplay.families.sglang import release as sglang_adapter  # noqa: E402
 from kvreplay.replay.dispatch import replay  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -85,7 +85,7 @@ def test_a_program_driving_real_sglang_under_kvreplay_record_leaves_a_clean_trac
     program.write_text(textwrap.dedent("""
         import torch
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-        from kvreplay.builds.sglang import kv_standin
+        from kvreplay.families.sglang.release import kv_standin
         from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 
         pool = SWATokenToKVPoolAllocator(512, 256, 4, torch.int64, "cpu", kv_standin(), True)

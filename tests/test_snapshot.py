@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
 from kvreplay.replay.replayer import Replayer

@@ -85,7 +85,7 @@ def test_a_double_free_is_named_at_the_free_and_a_changed_free_order_at_its_call
     assert r.status == "violation" and (first.invariant, first.rule) == ("block-pool", "negative-ref-count")
     assert first.method == "free_request"
     (tmp_path / "forward.py").write_text(
-        "from kvreplay.pools.block_pool import BlockManager\n"
+        "from kvreplay.families.vllm.pool import BlockManager\n"
         "class Forward(BlockManager):\n"
         "    def _free(self, **wire):\n"
         "        blocks = self._pop(wire['request_id'])\n"
@@ -194,7 +194,7 @@ def test_pinning_a_prefix_hit_before_the_room_check_is_named_at_that_allocate_sl
 def test_remap_hands_a_request_the_builds_own_prefix_hit(crowded_trace, tmp_path):
     """Another manager finds other hits: remap gives allocate_slots the build's lookup,
     its tokens in place of the recorded ones, and the replay stays clean."""
-    from kvreplay.replay.blocks import BlockRemap
+    from kvreplay.families.vllm.replayer import BlockRemap
 
     remap = BlockRemap(32)
 

@@ -28,7 +28,7 @@ def test_the_wire_names_each_group_of_a_live_manager_in_order():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from kvreplay.builds.vllm import attention_of
+    from kvreplay.families.vllm.wire import attention_of
 
     shape = dict(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
     assert attention_of([FullAttentionSpec(**shape)]) == "full"

@@ -25,8 +25,8 @@ from kvreplay.trace.reader import TraceReader
 
 PROG = """
 import sys, time
-from kvreplay.pools.swa import SWAPool
-from kvreplay.pools.variants import StaleTailSWAPool
+from kvreplay.families.sglang.swa import SWAPool
+from kvreplay.families.sglang.variants import StaleTailSWAPool
 from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 cls = StaleTailSWAPool if sys.argv[1] == "buggy" else SWAPool
 cfg = SynthConfig(scenario="disagg-mtp", out="unused.parquet", requests=int(sys.argv[2]), full_size=4096,
@@ -44,7 +44,7 @@ def _record(tmp_path: Path, kind: str, requests: int, idle_s: float, *extra: str
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent(PROG))
     return subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path / "out"),
-                             "--class", "kvreplay.pools.swa:SWAPool", *extra, "--", sys.executable, str(prog),
+                             "--class", "kvreplay.families.sglang.swa:SWAPool", *extra, "--", sys.executable, str(prog),
                              kind, str(requests), str(idle_s)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -76,7 +76,7 @@ def test_a_watched_buggy_pool_is_named_at_its_call_within_a_second_with_a_reprod
     assert 'kvreplay_violations_total{trace="kvreplay-' in metrics and 'rule="swa-mapping/' in metrics
     res = json.loads(out)
     (trace,) = res["traces"]
-    offline = replay(trace, "py:kvreplay.pools.variants:StaleTailSWAPool", device="cpu")
+    offline = replay(trace, "py:kvreplay.families.sglang.variants:StaleTailSWAPool", device="cpu")
     firsts = {}
     for v in offline.violations:
         firsts.setdefault(f"{v.invariant}/{v.rule}", v)
@@ -120,7 +120,7 @@ def test_the_watch_carries_its_state_across_parts(tmp_path):
     (trace,) = res["traces"]
     reader = TraceReader(trace)
     assert proc.returncode == 1 and len(reader.parts) > 3, err
-    build = "py:kvreplay.pools.variants:StaleTailSWAPool"
+    build = "py:kvreplay.families.sglang.variants:StaleTailSWAPool"
     firsts = {}
     for v in replay(trace, build, device="cpu").violations:
         firsts.setdefault(f"{v.invariant}/{v.rule}", v)
@@ -176,7 +176,7 @@ def test_a_stalled_writer_never_slows_the_program_and_the_watch_counts_what_it_l
     """SIGSTOP the writer for seconds: the recorded calls take no longer, the queue to
     the writer stays bounded, the lost calls are a gap in the trace, and the watch
     (which goes on from the gap's snapshot) counts them as unchecked."""
-    from kvreplay.pools.swa import SWAPool
+    from kvreplay.families.sglang.swa import SWAPool
     from kvreplay.recorder.recording import record
 
     monkeypatch.setenv(WATCH_ENV, "check")
@@ -232,11 +232,11 @@ def test_a_class_that_inherits_its_constructor_is_recorded_by_its_own_name(tmp_p
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent(PROG).replace("time.sleep(3)", "pass"))
     res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "record", "--out", str(tmp_path / "out"),
-                          "--class", "kvreplay.pools.variants:StaleTailSWAPool", "--json", "--", sys.executable,
-                          str(prog), "buggy", "20", "0"], capture_output=True, text=True, timeout=300)
+                          "--class", "kvreplay.families.sglang.variants:StaleTailSWAPool", "--json", "--",
+                          sys.executable, str(prog), "buggy", "20", "0"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     (trace,) = json.loads(res.stdout)["traces"]
-    assert TraceReader(trace).meta.pool_class == "kvreplay.pools.variants:StaleTailSWAPool"
+    assert TraceReader(trace).meta.pool_class == "kvreplay.families.sglang.variants:StaleTailSWAPool"
 
 
 def test_the_watch_compares_a_vllm_managers_block_calls_with_their_ids(tmp_path):

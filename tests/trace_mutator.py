@@ -146,7 +146,7 @@ def _metadata(rng: random.Random, table: pa.Table) -> tuple[pa.Table, str]:
     elif key == "pid":
         value = rng.choice(["x", "-1", ""])
     else:
-        value = rng.choice(["sglang.srt.evil:Pool", "os:system", "", "kvreplay.pools.swa:SWAPool"])
+        value = rng.choice(["sglang.srt.evil:Pool", "os:system", "", "kvreplay.families.sglang.swa:SWAPool"])
     md[f"kvreplay.{key}".encode()] = value.encode()
     return table.replace_schema_metadata(md), f"metadata {key} = {value[:40]!r}"
 

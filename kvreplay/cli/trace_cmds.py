@@ -152,8 +152,7 @@ def inspect(
 @app.command("builds")
 def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
     """List the builds: builtin pools, bug variants and other build kinds."""
-    from kvreplay.builds import sglang as sglang_adapter
-    from kvreplay.families.registry import BUILTINS
+    from kvreplay.families.registry import BUILTINS, engines
 
     rows = [{"build": f"builtin:{b.name}", "family": b.family, "summary": b.summary} for b in BUILTINS.values()]
     if as_json:
@@ -163,14 +162,27 @@ def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -
     for r in rows:
         row(t, r["build"], r["family"], r["summary"])
     out.print(t)
-    ver = sglang_adapter.version()
-    say("Also: py:MODULE:CLASS (any importable allocator class); sglang (the installed sglang's allocator "
-        f"for the trace's family{': sglang ' + ver + ' here' if ver else ': not installed here'}); "
-        "sglang==VERSION (that release's pool code, fetched once into the kvreplay cache and replayed in its "
-        "own process; sglang==A..B for every release from A to B where a command takes several builds); "
-        "vllm (the installed vLLM's KV-cache manager) and vllm==VERSION (a vLLM release's manager, on the installed "
-        "vLLM's dependencies; vllm==A..B likewise); "
-        "git:REPO@REV[:MODULE:CLASS] (pool code at a revision, replayed in its own process).")
+    kinds = []
+    for e in engines():
+        ver = _installed_version(e.dists)
+        kinds.append(f"{e.name} (the installed engine's pool for the trace's family, {e.summary}: "
+                     f"{e.name + ' ' + ver + ' here' if ver else 'not installed here'}) and {e.name}==VERSION (that "
+                     f"release's pool code, fetched once into the kvreplay cache and replayed in its own process"
+                     f"{'' if e.overlay else ' on the installed ' + e.name + chr(39) + 's dependencies'}; "
+                     f"{e.name}==A..B for every release from A to B where a command takes several builds)")
+    say("Also: py:MODULE:CLASS (any importable allocator class); " + "; ".join(kinds)
+        + "; git:REPO@REV[:MODULE:CLASS] (pool code at a revision, replayed in its own process).")
+
+
+def _installed_version(dists: tuple[str, ...]) -> str:
+    from importlib import metadata
+
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
 
 
 @app.command()

@@ -11,7 +11,7 @@ and SWA sub-allocators as nested rows) is recorded to its own trace in DIR, name
 
 Targets: ``KVREPLAY_RECORD_CLASSES`` (comma-separated ``MODULE:CLASS``), by default
 sglang's token, paged and SWA allocators and vLLM's KV-cache manager (recorded through
-its wire, builds/vllm.py). A target module imported later is patched
+its wire, families/vllm/wire.py). A target module imported later is patched
 when it is imported (an import hook); one already imported is patched at once.
 
 With ``KVREPLAY_FLIGHT=N`` each allocator gets a flight recorder instead, keeping

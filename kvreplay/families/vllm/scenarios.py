@@ -33,7 +33,7 @@ def pool_ctor(cfg: Any) -> dict[str, Any]:
 
 
 def prefix(pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> Any:
-    from kvreplay.workload.vllm_prefix import VllmPrefixServer
+    from kvreplay.families.vllm.scheduler import VllmPrefixServer
 
     return VllmPrefixServer(pool, reqs, block_size=cfg.block_tokens, max_running=cfg.max_running,
                             token_budget=cfg.batch_tokens, lookahead=cfg.k if cfg.eagle else 0,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.pools.base import PoolBase
+from kvreplay.families.sglang.pool_base import PoolBase
 
 
 def new_pages_needed(prefix_lens_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, page_size: int) -> int:

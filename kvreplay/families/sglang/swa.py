@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from kvreplay.pools.base import PoolBase, expand_to_pages
-from kvreplay.pools.paged import PagedPool, decode_pages_needed, new_pages_needed
-from kvreplay.pools.token import TokenPool
+from kvreplay.families.sglang.paged import PagedPool, decode_pages_needed, new_pages_needed
+from kvreplay.families.sglang.pool_base import PoolBase, expand_to_pages
+from kvreplay.families.sglang.token import TokenPool
 
 
 class SWAPool(PoolBase):

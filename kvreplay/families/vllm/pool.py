@@ -20,8 +20,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvreplay.errors import BuildUnsupported
+from kvreplay.families.vllm.block_wire import EMPTY, RequestBook, StandIn, blocks_by_id, groups_in, groups_out
 from kvreplay.pool_api import VLLM_MANAGER_NAMES
-from kvreplay.pools.block_wire import EMPTY, RequestBook, StandIn, blocks_by_id, groups_in, groups_out
 
 
 class Block:

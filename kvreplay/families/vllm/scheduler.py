@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreplay.pools.block_wire import hashes_out
+from kvreplay.families.vllm.block_wire import hashes_out
 from kvreplay.workload.requests import Request
 from kvreplay.workload.server import SteppedModel
 

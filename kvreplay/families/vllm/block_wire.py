@@ -1,6 +1,6 @@
 """The wire form of vLLM's KV-cache manager calls (the "vllm" family): how a request,
 its block hashes and lists of blocks travel as plain values in a trace, and the
-request a replay rebuilds from them. builds/vllm.py puts the wire in front of vLLM's
+request a replay rebuilds from them. families/vllm/wire.py puts the wire in front of vLLM's
 own manager; block_pool.py is kvreplay's manager speaking it natively."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Recording attaches a wire to a live manager (``attach``): the manager's methods 
 replaced on the instance by shims that call the wire, which the recorder has patched,
 and the wire calls the original with the caller's own objects. A replay builds a
 fresh manager behind a wire (``InstalledManager``) and rebuilds each request from
-what the rows carry. The builtin family (``pools/block_pool.py``) speaks the same wire
+what the rows carry. The builtin family (``families/vllm/pool.py``) speaks the same wire
 with no vLLM at all. Everything here imports vLLM lazily."""
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_groups
-from kvreplay.pools.block_wire import (
+from kvreplay.families.vllm.block_wire import (
     EMPTY,
     HASH_ARGS,
     REQUEST_ARGS,
@@ -35,6 +34,7 @@ from kvreplay.pools.block_wire import (
     groups_out,
     hashes_out,
 )
+from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_groups
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 ENGINE = "vllm"

@@ -5,7 +5,7 @@ state, on the traces vLLM's scheduler makes."""
 
 from __future__ import annotations
 
-from kvreplay.pools.block_pool import Block, BlockManager, BlockPool
+from kvreplay.families.vllm.pool import Block, BlockManager, BlockPool
 
 
 class PinBeforeRoomCheckManager(BlockManager):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvreplay.pools.swa import SWAPool
+from kvreplay.families.sglang.swa import SWAPool
 
 
 class _TokenExactClearing(SWAPool):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.pools.base import PoolBase
+from kvreplay.families.sglang.pool_base import PoolBase
 
 
 class TokenPool(PoolBase):

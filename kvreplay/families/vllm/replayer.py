@@ -1,10 +1,10 @@
 """Replay a trace of vLLM's KV-cache manager (the ``vllm`` family) against a build.
 
-The build is a wire (builds/vllm.py): the installed vLLM's manager, or kvreplay's own
-(pools/block_pool.py). Each recorded top-level row is issued on it as recorded (a
+The build is a wire (families/vllm/wire.py): the installed vLLM's manager, or kvreplay's own
+(families/vllm/pool.py). Each recorded top-level row is issued on it as recorded (a
 manager call, or a block-pool call the scheduler made itself); strict mode compares
 the result, the free-block count after the call and the block-pool calls made inside
-it with the recording; the checker (check/block_pool.py) looks at the blocks each call
+it with the recording; the checker (families/vllm/checker.py) looks at the blocks each call
 named. The report is the one every replay makes (replay/report.py), so the store,
 reports and exit codes treat both families alike."""
 
@@ -20,10 +20,10 @@ import torch
 
 from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.check.block_pool import BlockPoolChecker
 from kvreplay.errors import BadInput, BuildUnsupported, one_of
+from kvreplay.families.vllm.block_wire import EMPTY, NULL_BLOCK_ID, groups_in, groups_out
+from kvreplay.families.vllm.checker import BlockPoolChecker
 from kvreplay.pool_api import VLLM_BLOCK_METHODS
-from kvreplay.pools.block_wire import EMPTY, NULL_BLOCK_ID, groups_in, groups_out
 from kvreplay.replay.compare import block_remap_difference, exception_difference, json_value, same
 from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.replayer import UNSUPPORTED, compose_report, few_collections
