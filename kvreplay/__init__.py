@@ -5,11 +5,16 @@ The public API, for programs and notebooks::
     from kvreplay import record, replay, diff, minimize, bisect, CheckedPool
 
 Names load on first use, so ``import kvreplay`` stays cheap (the pytest plugin and
-the recorder's import hook import the package in every process)."""
+the recorder's import hook import the package in every process). A public name
+stays the API's whatever was imported before: ``replay``, ``minimize`` and
+``bisect`` are also modules, and importing one (``kvreplay.replay.worker``) does not
+bind it over the function here (it is in ``sys.modules`` as any module is)."""
 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 from kvreplay.version import __version__
@@ -39,3 +44,13 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _API and isinstance(value, types.ModuleType):
+            return  # the import system binding a submodule under a public name: the name stays the API's
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -3,6 +3,7 @@ explained, and nothing in the repository points outside it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -48,3 +49,32 @@ def test_every_docs_pointer_in_the_code_leads_to_a_page_and_its_section():
                     assert any(h.startswith(section) for h in headings), \
                         f"{path.relative_to(ROOT)} points to docs/{page}, \"{section}\""
     assert found >= 10
+
+
+def _repo_files() -> set[str]:
+    skip = (".venv", "build", "site", ".git", ".hypothesis", "node_modules")
+    return {str(p.relative_to(ROOT)) + ("/" if p.is_dir() else "") for p in ROOT.rglob("*")
+            if not p.relative_to(ROOT).parts[0].startswith(skip) and "__pycache__" not in p.parts}
+
+
+def test_every_module_the_layout_docs_name_exists():
+    """docs/layout.md's tree and docs/design.md's tables name modules and folders;
+    each must exist, so a move that forgets the docs fails here."""
+    files = _repo_files()
+    missing = []
+    folder = ""
+    for line in (ROOT / "docs" / "layout.md").read_text().splitlines():
+        head = re.match(r"^(kvreplay/\S*)", line)
+        if head:
+            folder = head.group(1) if head.group(1).endswith("/") else head.group(1).rpartition("/")[0] + "/"
+            if head.group(1) not in files:
+                missing.append(f"layout.md: {head.group(1)}")
+        if folder and (head or line.startswith(" ")):
+            text = line[len(head.group(1)):] if head else line
+            for name in re.findall(r"\b([a-z_]+\.(?:py|c))\b", text):
+                if folder + name not in files and not any(f.endswith("/" + name) for f in files):
+                    missing.append(f"layout.md: {folder}{name}")
+    for name in re.findall(r"`([a-z_/]+(?:\.py|\.c|/))`", (ROOT / "docs" / "design.md").read_text()):
+        if not any(f == name or f.endswith("/" + name) or f == "kvreplay/" + name for f in files):
+            missing.append(f"design.md: {name}")
+    assert missing == [], missing
