@@ -33,7 +33,7 @@ import torch
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, KvreplayError
 from kvreplay.families.registry import family
-from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, VLLM_HOUSEKEEPING, method_kind
+from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, method_kind
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
 from kvreplay.replay.replayer import start_point
@@ -397,7 +397,7 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     on_size(len(kept))
     for cut in (
         [i for i in kept if subject.calls[i].call.method not in COUNTER_METHODS],
-        [i for i in kept if subject.calls[i].call.method not in VLLM_HOUSEKEEPING],
+        [i for i in kept if subject.calls[i].call.method not in family(subject.meta.family).housekeeping],
         sorted(deps.cone(at)),
     ):
         if len(cut) < len(kept) and not clock.up and test(cut):

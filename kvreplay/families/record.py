@@ -90,6 +90,9 @@ class Family:
     checks: str = ""  # MODULE:FUNC (view, shadows, flag) -> the family's checks beyond the shared checker's
     wire: str = ""  # MODULE:FUNC (engine object) -> the wire a recording records in front of it, or None
     scenarios: tuple[Scenario, ...] = ()
+    # calls that hand out and free nothing when the build has no work at their point:
+    # minimize tries a trace without all of them at once before it tries calls one by one
+    housekeeping: frozenset[str] = frozenset()
     invariants: tuple[tuple[str, str], ...] = ()  # (name, what it says) of the invariants only it has
     rules: str = ""  # its rules: lines of ``invariant/rule | severity | what happened`` (check/rules.py)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvreplay.families.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.limits import MAX_POOL_SLOTS, limit
-from kvreplay.pool_api import VLLM_METHODS
+from kvreplay.pool_api import VLLM_HOUSEKEEPING, VLLM_METHODS
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 
@@ -91,6 +91,7 @@ VLLM = Family(
     snapshots=False,  # the manager cannot be snapshotted: its parts are chained
     wire="kvreplay.families.vllm.wire:wire_for",
     check_ctor=_check_ctor,
+    housekeeping=VLLM_HOUSEKEEPING,
     invariants=(("block-pool", "7 block pool (vLLM): reference counts equal the block tables that list a block, "
                                "free exactly when unreferenced, the free queue's links agree with its count, cached "
                                "hashes match their blocks"),),
