@@ -394,10 +394,11 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     deps = subject.deps
     assert deps is not None
     kept = list(range(at + 1))  # nothing after the failure can matter to it
+    housekeeping = family(subject.meta.family).housekeeping
     on_size(len(kept))
     for cut in (
         [i for i in kept if subject.calls[i].call.method not in COUNTER_METHODS],
-        [i for i in kept if subject.calls[i].call.method not in family(subject.meta.family).housekeeping],
+        [i for i in kept if subject.calls[i].call.method not in housekeeping],
         sorted(deps.cone(at)),
     ):
         if len(cut) < len(kept) and not clock.up and test(cut):

@@ -82,6 +82,7 @@ class PoolView:
     _np_of: Any = None
     _np: Any = None
     _readers: Any = None  # (name, bound available_size) per sub-pool
+    _columns: Any = None  # the counter column of each sub-pool (the family's record), read once
 
     @property
     def mapping(self) -> torch.Tensor | None:
@@ -142,7 +143,9 @@ class PoolView:
         p = self.pool
         if len(self.subs) == 1:
             return (int(p.available_size()) if avail is None else avail[next(iter(self.subs))]), None, None
-        column = family_record(self.family).counter_of
+        if self._columns is None:
+            self._columns = family_record(self.family).counter_of
+        column = self._columns
         if avail is None:
             got = {column[name]: int(getattr(p, _READ_OF[column[name]])()) for name in self.subs}
             try:

@@ -8,11 +8,11 @@ no corruption) or ``misreports`` (counters or results wrong, state intact)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.families.registry import families, generation, unit_of
+from kvreplay.families.registry import LiveView, families, unit_of
 
 
 @dataclass(frozen=True)
@@ -67,32 +67,6 @@ def rules_of(table: str) -> dict[str, Rule]:
 SEVERITIES = ("corrupts", "leaks", "misreports")
 
 
-class _Vocabulary(Mapping[str, Any]):
-    """The shared table and every registered family's, as families stand now."""
-
-    def __init__(self, pick: Callable[[], dict[str, Any]]) -> None:
-        self._pick = pick
-        self._made: tuple[int, dict[str, Any]] = (-1, {})
-
-    def _all(self) -> dict[str, Any]:
-        gen = generation()
-        if self._made[0] != gen:
-            self._made = (gen, self._pick())
-        return self._made[1]
-
-    def __getitem__(self, key: str) -> Any:
-        return self._all()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._all()
-
-
 def _invariants() -> dict[str, str]:
     out = dict(_SHARED_INVARIANTS)
     for fam in families():
@@ -110,8 +84,8 @@ def _all_rules() -> dict[str, Rule]:
     return out
 
 
-INVARIANTS: Mapping[str, str] = _Vocabulary(_invariants)
-RULES: Mapping[str, Rule] = _Vocabulary(_all_rules)
+INVARIANTS: Mapping[str, str] = LiveView(_invariants)
+RULES: Mapping[str, Rule] = LiveView(_all_rules)
 
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvreplay.families.record import BuiltinBuild, Engine, Family, Scenario
@@ -120,8 +120,6 @@ def git_engine() -> str:
     return next(e.name for e in engines() if e.git_trees)
 
 
-def families_of_engine(name: str) -> list[Family]:
-    return [f for f in families() if f.engine == name]
 
 
 def same_engine(a: str, b: str) -> bool:
@@ -144,9 +142,6 @@ def ctor_args_of_pool(pool: Any) -> dict[str, Any]:
     return family(family_of_pool(pool)).ctor_of(pool)
 
 
-def sub_pool_sizes(name: str, ctor_args: dict[str, Any]) -> dict[str, int]:
-    """Capacity per sub-pool, as reports name them."""
-    return family(name).sizes_of(ctor_args)
 
 
 def unit_of(sub_pool: str) -> str:
@@ -167,42 +162,22 @@ def sub_allocators() -> tuple[tuple[str, str], ...]:
     return tuple(seen.items())
 
 
-def all_methods() -> frozenset[str]:
-    """Every method name a trace of any family may hold."""
-    return frozenset(m for f in families() for m in f.methods)
+class LiveView(Mapping[str, Any]):
+    """A mapping made from the registered families, made again only when a family is
+    registered or removed: every family's builds, scenarios, rules, ..."""
 
+    def __init__(self, make: Callable[[], dict[str, Any]]) -> None:
+        self._make = make
+        self._made: tuple[int, dict[str, Any]] = (-1, {})
 
-class _Builtins(Mapping[str, BuiltinBuild]):
-    """Every family's builtin builds by name, as families stand now (a family
-    registered later is in it too)."""
+    def _all(self) -> dict[str, Any]:
+        gen = generation()
+        if self._made[0] != gen:
+            self._made = (gen, self._make())
+        return self._made[1]
 
-    def _all(self) -> dict[str, BuiltinBuild]:
-        return {b.name: b for f in families() for b in f.builtins}
-
-    def __getitem__(self, name: str) -> BuiltinBuild:
-        return self._all()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._all()
-
-
-BUILTINS: Mapping[str, BuiltinBuild] = _Builtins()
-
-
-class _Scenarios(Mapping[str, Scenario]):
-    """Every family's synth scenarios by name, as families stand now."""
-
-    def _all(self) -> dict[str, Scenario]:
-        return {s.name: s for f in families() for s in f.scenarios}
-
-    def __getitem__(self, name: str) -> Scenario:
-        return self._all()[name]
+    def __getitem__(self, key: str) -> Any:
+        return self._all()[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._all())
@@ -210,8 +185,21 @@ class _Scenarios(Mapping[str, Scenario]):
     def __len__(self) -> int:
         return len(self._all())
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._all()
 
-SCENARIOS: Mapping[str, Scenario] = _Scenarios()
+
+# Every method name a trace of any family may hold (as keys).
+_METHODS = LiveView(lambda: dict.fromkeys(m for f in families() for m in f.methods))
+
+
+def all_methods() -> Mapping[str, Any]:
+    """Every method name a trace of any family may hold (``in`` asks it)."""
+    return _METHODS
+
+
+BUILTINS: Mapping[str, BuiltinBuild] = LiveView(lambda: {b.name: b for f in families() for b in f.builtins})
+SCENARIOS: Mapping[str, Scenario] = LiveView(lambda: {s.name: s for f in families() for s in f.scenarios})
 
 
 def record_classes() -> tuple[str, ...]:

@@ -7,6 +7,7 @@ checks (swa_checks.py here) through the sub-pools it declares."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from kvreplay.families.record import BuiltinBuild, Engine, Family, Scenario
@@ -59,20 +60,20 @@ def _one_pool(ctor: dict[str, Any]) -> dict[str, int]:
     return {"pool": int(ctor["size"])}
 
 
-TOKEN = Family(
+# What the three families share: sglang's allocator API, token slots, the generic replayer.
+_sglang_family = partial(Family, engine=ENGINE.name, methods=RECORDED_METHODS, unit="slots",
+                         replayer="kvreplay.replay.replayer:Replayer")
+
+TOKEN = _sglang_family(
     name="token",
     summary="sglang's token allocator (page size 1)",
-    engine="sglang",
     ctor_args=("size", "dtype", "device", "kvcache", "need_sort"),
     sizes=("size",),
     units=(),
-    methods=RECORDED_METHODS,
     sub_pools=("pool",),
     sub_counters=("available",),
-    unit="slots",
     builtins=(BuiltinBuild("token", "token", "kvreplay.families.sglang.token:TokenPool",
                            "token pool (page_size 1), as sglang 0.5.23"),),
-    replayer="kvreplay.replay.replayer:Replayer",
     detect=lambda pool: callable(getattr(pool, "alloc", None)) and hasattr(pool, "size"),
     ctor_of=_token_ctor,
     sizes_of=_one_pool,
@@ -82,20 +83,16 @@ TOKEN = Family(
     release_classes=_TOKEN_CLASSES,
 )
 
-PAGED = Family(
+PAGED = _sglang_family(
     name="paged",
     summary="sglang's paged allocator",
-    engine="sglang",
     ctor_args=("size", "page_size", "dtype", "device", "kvcache", "need_sort"),
     sizes=("size", "page_size"),
     units=("page_size",),
-    methods=RECORDED_METHODS,
     sub_pools=("pool",),
     sub_counters=("available",),
-    unit="slots",
     builtins=(BuiltinBuild("paged", "paged", "kvreplay.families.sglang.paged:PagedPool",
                            "paged pool, as sglang 0.5.23"),),
-    replayer="kvreplay.replay.replayer:Replayer",
     detect=lambda pool: getattr(pool, "page_size", 1) > 1 or hasattr(pool, "num_pages"),
     ctor_of=_paged_ctor,
     sizes_of=_one_pool,
@@ -110,18 +107,15 @@ PAGED = Family(
     ),
 )
 
-SWA = Family(
+SWA = _sglang_family(
     name="swa",
     summary="sglang's SWA allocator: a full and a sliding-window pool with a mapping between them",
-    engine="sglang",
     ctor_args=("size", "size_swa", "page_size", "dtype", "device", "kvcache", "need_sort"),
     sizes=("size", "page_size", "size_swa"),
     units=("page_size",),
-    methods=RECORDED_METHODS,
     sub_pools=("full", "swa"),
     sub_counters=("full_available", "swa_available"),
     sub_allocators=(("full", "full_attn_allocator"), ("swa", "swa_attn_allocator")),
-    unit="slots",
     builtins=(
         BuiltinBuild("swa", "swa", "kvreplay.families.sglang.swa:SWAPool",
                      "full + SWA pool, as sglang 0.5.23 with #38519 and the alloc_decode None leak fixed"),
@@ -134,7 +128,6 @@ SWA = Family(
         BuiltinBuild("swa@deferred-lookup", "swa", _V + "DeferredLookupSWAPool",
                      "#36081: grouped free_swa reads the mapping at free_group_end"),
     ),
-    replayer="kvreplay.replay.replayer:Replayer",
     detect=lambda pool: hasattr(pool, "full_to_swa_index_mapping"),
     ctor_of=_swa_ctor,
     sizes_of=lambda ctor: {"full": int(ctor["size"]), "swa": int(ctor["size_swa"])},
