@@ -41,7 +41,7 @@ def test_inspect_describes_a_trace(tmp_path, capsys):
     assert code == 0
     assert s["meta"]["family"] == "swa" and s["meta"]["ctor_args"]["need_sort"] is True
     assert s["calls_per_method"]["alloc_extend_swa_tail"] == 40
-    assert s["calls"] + s["nested_rows"] == s["rows"] + s["folded_reads"] + 2 * s["folded_groups"]
+    assert s["calls"] + s["nested_rows"] == s["rows"] + s["folded_reads"] + 2 * s["folded_groups"] + s["folded_bounds"]
     assert 0 < s["peak_used"]["full"] <= 2048 and 0 < s["peak_used"]["swa"] <= 512
     assert s["time_span_s"] > 0 and s["file_bytes"] == p.stat().st_size
     assert 0 < s["bytes_per_index"] < 3

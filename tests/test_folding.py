@@ -169,37 +169,48 @@ def _grouped(path, engine: str, program) -> list:
     rec = record(pool, path, backend=engine)
     program(pool)
     rec.close()
-    return pq.read_table(path, columns=["method", "depth", "folded_reads", "folded_group_at"]).to_pylist()
+    return pq.read_table(path, columns=["method", "depth", "folded_reads", "folded_group_at",
+                                        "folded_group_bounds"]).to_pylist()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_only_a_group_where_nothing_happened_folds(tmp_path, engine):
-    """An empty pair folds (one per row, after the reads before it); a group with a free
-    in it, a read in it, or a second empty pair after the first, stays rows."""
+def test_a_groups_bounds_fold_into_its_calls_and_an_empty_group_into_the_row_before(tmp_path, engine):
+    """An empty pair folds (one per row, after the reads before it); a group that holds
+    calls folds its begin into its first call and its end into its last; a second empty
+    pair on a row stays rows."""
     def program(pool):
-        held = pool.alloc(8)
+        held = pool.alloc(16)
         pool.available_size()
         pool.free_group_begin()  # empty: folds after the one read
         pool.free_group_end()
         pool.available_size()
         pool.free_group_begin()  # a second empty pair on the same row: rows
         pool.free_group_end()
-        pool.free_group_begin()  # a free in it: rows
+        pool.free_group_begin()  # a free in it: both bounds fold into the free's row
         pool.free(held[:4])
         pool.free_group_end()
-        pool.free_group_begin()  # a read in it: rows
+        pool.free_group_begin()  # two frees: the begin folds into the first, the end into the second
+        pool.free(held[4:8])
+        pool.free(held[8:12])
+        pool.free_group_end()
+        pool.free_group_begin()  # a read in it (news: a group's begin reads no counters) is a call like any
         pool.available_size()
         pool.free_group_end()
 
     rows = _grouped(tmp_path / "t.parquet", engine, program)
     methods = [r["method"] for r in rows]
     assert methods[0] == "alloc" and rows[0]["folded_group_at"] == 1 and rows[0]["folded_reads"] == 2
-    assert methods[1:] == ["free_group_begin", "free_group_end", "free_group_begin", "free", "free_group_end",
-                           "free_group_begin", "available_size", "free_group_end"]
+    assert [(m, r["folded_group_bounds"]) for m, r in zip(methods[1:], rows[1:], strict=True)] == [
+        ("free_group_begin", None), ("free_group_end", None), ("free", 3), ("free", 1), ("free", 2),
+        ("available_size", 3)]
     calls = [(c.method, c.from_fold) for c in TraceReader(tmp_path / "t.parquet").calls()]
     assert calls[:5] == [("alloc", False), ("available_size", True), ("free_group_begin", True),
                          ("free_group_end", True), ("available_size", True)]
-    assert summarize(tmp_path / "t.parquet").calls == 13
+    assert calls[7:14] == [("free_group_begin", True), ("free", False), ("free_group_end", True),
+                           ("free_group_begin", True), ("free", False), ("free", False), ("free_group_end", True)]
+    assert [c.seq for c in TraceReader(tmp_path / "t.parquet").calls()] == list(range(17))
+    s = summarize(tmp_path / "t.parquet")
+    assert s.calls == 17 and s.folded_bounds == 6 and s.calls_per_method["free_group_end"] == 5
     assert replay(tmp_path / "t.parquet", "builtin:paged", device="cpu").status == "clean"
 
 
@@ -259,3 +270,52 @@ def test_a_damaged_folded_group_is_a_one_line_trace_error(tmp_path, at, targets,
     pq.write_table(table, bad)
     with pytest.raises(TraceFormatError, match=hint):
         TraceReader(bad).check_calls()
+
+
+@pytest.mark.parametrize("bounds, targets, method, hint", [
+    (4, "", None, "not 1 \\(begin\\), 2 \\(end\\) or 3"),
+    (-1, "", None, "not 1 \\(begin\\), 2 \\(end\\) or 3"),
+    (3, "nowhere", None, "names sub-allocators"),
+    (3, None, None, "names sub-allocators"),
+    (1, "", "free_group_end", "folds another group's bounds"),
+])
+def test_damaged_folded_group_bounds_are_a_one_line_trace_error(tmp_path, bounds, targets, method, hint):
+    from kvreplay.errors import TraceFormatError
+
+    def program(pool):
+        held = pool.alloc(8)
+        pool.free_group_begin()
+        pool.free(held)
+        pool.free_group_end()
+
+    _grouped(tmp_path / "t.parquet", ENGINES[-1], program)
+    table = pq.read_table(tmp_path / "t.parquet")
+    row = table.column("folded_group_bounds").to_pylist().index(3)
+    for name, value, kind in (("folded_group_bounds", bounds, pa.int32()),
+                              ("folded_group_bounds_targets", targets, pa.string()),
+                              ("method", method, pa.string())):
+        if name == "method" and value is None:
+            continue
+        col = table.column(name).to_pylist()
+        col[row] = value
+        table = table.set_column(table.schema.get_field_index(name), name, pa.array(col, kind))
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table, bad)
+    with pytest.raises(TraceFormatError, match=hint):
+        TraceReader(bad).check_calls()
+
+
+def test_plain_sql_counts_a_folded_traces_calls_as_the_format_page_says(tmp_path):
+    """docs/trace-format.md's count of calls, run by duckdb on the file alone, agrees
+    with kvreplay's reader on a trace whose rows fold reads, empty groups and bounds."""
+    import duckdb
+
+    path = tmp_path / "t.parquet"
+    _recorded(path, ENGINES[-1], fold=True)
+    s = summarize(path)
+    assert s.folded_reads and s.folded_groups and s.folded_bounds
+    (n,) = duckdb.connect().execute(
+        "select count(*) + sum(coalesce(folded_reads, 0)) + 2 * count(folded_group_at) "
+        "+ sum(coalesce(folded_group_bounds, 0) & 1) + sum(coalesce(folded_group_bounds, 0) >> 1) "
+        f"from read_parquet('{path}') where depth = 0").fetchone()
+    assert n == s.calls == len(list(TraceReader(path).calls(top_level_only=True)))

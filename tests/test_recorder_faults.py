@@ -148,8 +148,9 @@ def test_a_full_disk_costs_at_most_the_open_part_and_the_trace_goes_on(tmp_path,
     _accounted(path, all_calls)  # every file there reads, and nothing is lost unmarked
     assert len(_calls(path)) > 100  # the calls written after the failures are there
     lost = sum(g.args["lost_calls"] for g in gaps)
-    if rotate_rows:  # only the open part (at most ~400 rows, some nested) and the failed group
-        assert lost < 400 * 2 and len(list(path.glob("part-*.parquet"))) > 3
+    if rotate_rows:  # only the open part (at most ~400 rows, some nested) and the failed group (128 rows),
+        # a row holding its call and at most a free group's begin and end folded into it
+        assert lost < 3 * (400 + 128) and len(list(path.glob("part-*.parquet"))) > 3
     assert not list(tmp_path.rglob("*.tmp"))
 
 

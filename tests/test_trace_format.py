@@ -99,7 +99,7 @@ def test_trace_reads_with_pandas_and_duckdb_without_kvreplay(tmp_path):
     assert n == 1 and list(data) == [9]
     md = pq.read_schema(path).metadata
     assert json.loads(md[b"kvreplay.ctor_args"]) == {"size": 64, "page_size": 4}
-    assert md[b"kvreplay.schema_version"] == b"3"
+    assert md[b"kvreplay.schema_version"] == b"4"
 
 
 def test_writer_publishes_the_file_only_when_closed(tmp_path):

@@ -133,9 +133,10 @@ def inspect(
         say(f"made by   {m['extra']['command']}")
     say(f"calls     {s.calls} calls, {s.nested_rows} nested sub-allocator rows; {s.exceptions} raised, "
         f"{s.none_results} out-of-memory (None)")
-    if s.folded_reads or s.folded_groups:
-        groups = f" and {s.folded_groups} empty free groups" if s.folded_groups else ""
-        say(f"folded    {s.folded_reads} counter reads that told nothing new{groups}, in {s.rows} rows in all")
+    if s.folded_reads or s.folded_groups or s.folded_bounds:
+        groups = f", {s.folded_groups} empty free groups" if s.folded_groups else ""
+        bounds = f", {s.folded_bounds} begins and ends of free groups" if s.folded_bounds else ""
+        say(f"folded    {s.folded_reads} counter reads that told nothing new{groups}{bounds}, in {s.rows} rows in all")
     say(f"span      {s.time_span_s:.3f} s")
     say("peak use  " + ", ".join(f"{k} {v} {'blocks' if unit_of(k) == 'blocks' else 'tokens'}"
                                  for k, v in s.peak_used.items()))

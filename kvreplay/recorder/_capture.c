@@ -22,7 +22,8 @@
 
 /* From layout.py, through setup.py: never written here by hand. */
 #if !defined(VALUE_WIDTH) || !defined(ROW_WIDTH) || !defined(K_OPAQUE) || !defined(FINISH_GROUP_END) \
-    || !defined(ROW_FOLD_COUNT) || !defined(FOLD_MAX) || !defined(ROW_GROUP_AT) || !defined(GROUP_NESTED_MAX)
+    || !defined(ROW_FOLD_COUNT) || !defined(FOLD_MAX) || !defined(ROW_GROUP_AT) || !defined(GROUP_NESTED_MAX) \
+    || !defined(ROW_BOUNDS) || !defined(GROUP_CLOSED)
 #error "build _capture.c through setup.py, which defines the layout constants from kvreplay/recorder/layout.py"
 #endif
 #define MAX_DEPTH 64
@@ -103,10 +104,12 @@ typedef struct {
     int pat[FOLD_MAX], plen, cycling;
     /* An empty free group folds too (layout.py): where the buffers stood before its
      * begin, the row it would fold into, what was known of the counters then, and the
-     * begin's method id (group_anchor -1: no group may fold now). */
+     * begin's method id (group_anchor -1: no empty group may fold now). group_valid:
+     * the mark stands (no call made in the group yet); group_mid stays the begin's
+     * method id until the group ends (-1: no group whose bounds may fold). */
     Py_ssize_t group_mark[11], group_anchor;
     int64_t group_cur[3], group_mid;
-    int group_cur_ok[3];
+    int group_cur_ok[3], group_valid;
 } Capture;
 
 typedef struct {
@@ -428,6 +431,8 @@ static void capture_reset(Capture *c) {
     c->rows.len = c->arg_count.len = 0;
     c->anchor = -1;
     c->group_anchor = -1;
+    c->group_valid = 0;
+    c->group_mid = -1;
     c->cur_ok[0] = c->cur_ok[1] = c->cur_ok[2] = 0;
     if (c->args.objs) PyList_SetSlice(c->args.objs, 0, PY_SSIZE_T_MAX, NULL);
     if (c->result.objs) PyList_SetSlice(c->result.objs, 0, PY_SSIZE_T_MAX, NULL);
@@ -534,17 +539,52 @@ static void mark_buffers(Capture *c, Py_ssize_t m[11]) {
     m[10] = PyList_GET_SIZE(c->excs);
 }
 
-/* A top-level free group begins with no arguments: mark where, if it may fold. */
-static void group_begins(Capture *c, Wrapped *w) {
+static void forget_group(Capture *c) {
     c->group_anchor = -1;
-    if (!c->fold_reads || c->anchor < 0 || c->rows.p[c->anchor + ROW_GROUP_AT] >= 0) return;
+    c->group_valid = 0;
+    c->group_mid = -1;
+}
+
+/* A top-level free group begins with no arguments: mark where, for its folds. */
+static void group_begins(Capture *c, Wrapped *w) {
+    forget_group(c);
+    if (!c->fold_reads) return;
     mark_buffers(c, c->group_mark);
-    c->group_anchor = c->anchor;
+    if (c->anchor >= 0 && c->rows.p[c->anchor + ROW_GROUP_AT] < 0) c->group_anchor = c->anchor;
+    c->group_valid = 1;
     c->group_mid = w->method;
     for (int k = 0; k < 3; k++) {
         c->group_cur[k] = c->cur[k];
         c->group_cur_ok[k] = c->cur_ok[k];
     }
+}
+
+/* A row that raised nothing and holds no fold of any kind (capture.py's _plain). */
+static int plain_row(const int64_t *r) {
+    return r[7] < 0 && !r[ROW_FOLD_COUNT] && r[ROW_GROUP_AT] < 0 && !r[ROW_BOUNDS];
+}
+
+/* Nested calls' target ids packed as layout.py says, or -1 when they do not fit. */
+static int64_t pack_targets(const int64_t *t, int n) {
+    if (n > GROUP_NESTED_MAX) return -1;
+    int64_t packed = 0;
+    for (int k = n - 1; k >= 0; k--) {
+        if (t[k] + 1 >= ((int64_t)1 << GROUP_TARGET_BITS)) return -1;
+        packed = (packed << GROUP_TARGET_BITS) | (t[k] + 1);
+    }
+    return packed;
+}
+
+static int none_answers(Capture *c, Py_ssize_t start, Py_ssize_t count) {
+    for (Py_ssize_t k = 0; k < count; k++)
+        if (c->result.head.p[start + k * VALUE_WIDTH] != K_NONE) return 0;
+    return 1;
+}
+
+/* Drop n int64s of a buffer from position at on. */
+static void buf_cut(Buf *b, Py_ssize_t at, Py_ssize_t n) {
+    memmove(b->p + at, b->p + at + n, (size_t)(b->len - at - n) * sizeof(int64_t));
+    b->len -= n;
 }
 
 /* The packed targets of an empty group's nested calls from the rows put since the
@@ -559,7 +599,7 @@ static int64_t empty_group_targets(Capture *c, int64_t end_mid) {
     int nb = 0, na = 0, top = 0;
     for (Py_ssize_t at = m[0]; at < c->rows.len; at += ROW_WIDTH) {
         const int64_t *r = c->rows.p + at;
-        if (r[7] >= 0 || r[ROW_FOLD_COUNT] || r[ROW_GROUP_AT] >= 0) return -1;
+        if (!plain_row(r)) return -1;
         if (r[2] == 0) {
             if (top || r[4] != c->group_mid) return -1;
             top = 1;
@@ -576,20 +616,94 @@ static int64_t empty_group_targets(Capture *c, int64_t end_mid) {
         }
     }
     if (!top || na != nb) return -1;
-    int64_t packed = 0;
-    for (int k = nb - 1; k >= 0; k--) {
-        if (before[k] != after[k] || before[k] + 1 >= ((int64_t)1 << GROUP_TARGET_BITS)) return -1;
-        packed = (packed << GROUP_TARGET_BITS) | (before[k] + 1);
+    for (int k = 0; k < nb; k++)
+        if (before[k] != after[k]) return -1;
+    return pack_targets(before, nb);
+}
+
+/* The call finishing now (its row not yet put) is the first in a free group: the
+ * group's begin rows go when they may fold into its row (capture.py's opened_group,
+ * the one definition in words). The packed targets of the begin's nested calls, or -1. */
+static int64_t open_group(Capture *c) {
+    Py_ssize_t *m = c->group_mark;
+    const int64_t *p = c->rows.p;
+    Py_ssize_t at = m[0], n = c->rows.len;
+    int64_t before[GROUP_NESTED_MAX];
+    int nb = 0;
+    while (at < n && p[at + 2] == 1 && p[at + 4] == c->group_mid && plain_row(p + at)) {
+        if (nb == GROUP_NESTED_MAX) return -1;
+        before[nb++] = p[at + 3];
+        at += ROW_WIDTH;
     }
+    if (at >= n || p[at + 2] != 0 || p[at + 4] != c->group_mid || !plain_row(p + at)) return -1;
+    for (Py_ssize_t r = at + ROW_WIDTH; r < n; r += ROW_WIDTH)
+        if (p[r + 2] == 0) return -1;
+    Py_ssize_t k = nb + 1; /* the begin and its nested begins */
+    if (c->arg_count.len - m[1] < k || c->result.head.len - m[6] < k * VALUE_WIDTH) return -1;
+    for (Py_ssize_t j = 0; j < k; j++)
+        if (c->arg_count.p[m[1] + j]) return -1;
+    if (!none_answers(c, m[6], k)) return -1;
+    int64_t packed = pack_targets(before, nb);
+    if (packed < 0) return -1;
+    buf_cut(&c->rows, m[0], k * ROW_WIDTH);
+    buf_cut(&c->arg_count, m[1], k);
+    buf_cut(&c->result.head, m[6], k * VALUE_WIDTH);
     return packed;
+}
+
+/* The free group ending now (its end returned None, took no arguments) folds into the
+ * row of the last call in it when nothing came between (capture.py's closed_group):
+ * the end's counters, read as its row would have read them, go into that row. 1: folded,
+ * 0: not, -1: an error (reading the counters raised). */
+static int close_group(Capture *c, int64_t end_mid) {
+    if (!c->in_group || c->group_mid < 0) return 0;
+    Py_ssize_t a = c->anchor;
+    int64_t *p = c->rows.p;
+    if (a < 0 || p[a + 4] == c->group_mid || p[a + 7] >= 0 || p[a + ROW_FOLD_COUNT] || p[a + ROW_GROUP_AT] >= 0
+        || (p[a + ROW_BOUNDS] & GROUP_CLOSED))
+        return 0;
+    int64_t after[GROUP_NESTED_MAX];
+    int na = 0;
+    for (Py_ssize_t at = a + ROW_WIDTH; at < c->rows.len; at += ROW_WIDTH) {
+        if (p[at + 2] != 1 || p[at + 4] != end_mid || !plain_row(p + at) || na == GROUP_NESTED_MAX) return 0;
+        after[na++] = p[at + 3];
+    }
+    Py_ssize_t k = na;
+    if (c->arg_count.len < k + 1) return 0;
+    for (Py_ssize_t j = c->arg_count.len - k - 1; j < c->arg_count.len; j++)
+        if (c->arg_count.p[j]) return 0;
+    if (!none_answers(c, c->result.head.len - k * VALUE_WIDTH, k)) return 0;
+    int64_t packed = pack_targets(after, na);
+    if (packed < 0 || ((p[a + ROW_BOUNDS] & GROUP_OPENED) && p[a + ROW_BOUNDS_TARGETS] != packed)) return 0;
+    c->rows.len -= k * ROW_WIDTH;
+    c->arg_count.len -= k + 1;
+    c->result.head.len -= k * VALUE_WIDTH;
+    c->in_group = 0;
+    forget_group(c);
+    int64_t counters[3] = {NULL_COUNTER, NULL_COUNTER, NULL_COUNTER};
+    if (c->counters_every > 0 && ++c->counter_tick >= c->counters_every) {
+        c->counter_tick = 0;
+        if (read_counters(c, counters) < 0) return -1;
+    }
+    p = c->rows.p + a;
+    for (int j = 0; j < 3; j++) {
+        p[8 + j] = counters[j];
+        c->cur[j] = counters[j];
+        c->cur_ok[j] = counters[j] != NULL_COUNTER;
+    }
+    p[ROW_BOUNDS] |= GROUP_CLOSED;
+    p[ROW_BOUNDS_TARGETS] = packed;
+    c->last_t1 = now_ns();
+    return 1;
 }
 
 /* The free group ending now folds into the row before its begin when nothing
  * happened in it; the buffers go back to where they stood before the begin. */
 static int fold_group(Capture *c, int64_t end_mid) {
-    if (c->group_anchor < 0) return 0;
+    if (!c->group_valid || c->group_anchor < 0) return 0;
     Py_ssize_t anchor = c->group_anchor;
     c->group_anchor = -1;
+    c->group_valid = 0;
     int64_t targets = empty_group_targets(c, end_mid);
     if (targets < 0) return 0;
     Py_ssize_t *m = c->group_mark;
@@ -624,12 +738,18 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
     int top = c->depth == 0;
     if (top && (w->finish == FINISH_GROUP_BEGIN || w->finish == FINISH_GROUP_END)) {
         c->in_group = w->finish == FINISH_GROUP_BEGIN && exc == NULL;
+        if (w->finish == FINISH_GROUP_END) forget_group(c);
     }
     int64_t counters[3] = {NULL_COUNTER, NULL_COUNTER, NULL_COUNTER};
     if (top && !c->in_group && w->finish != FINISH_READ && c->counters_every > 0
         && ++c->counter_tick >= c->counters_every) {
         c->counter_tick = 0;
         if (read_counters(c, counters) < 0) return -1;
+    }
+    int64_t opened = -1;
+    if (top && c->in_group && w->finish < FINISH_GROUP_BEGIN && c->group_valid) {
+        if (!exc) opened = open_group(c);
+        c->group_valid = 0;
     }
     if (put_value(c, &c->result, result ? result : Py_None, -1) < 0) return -1;
     int64_t exc_id = -1;
@@ -648,7 +768,11 @@ static int finish_row(Capture *c, Wrapped *w, int64_t seq, int64_t parent, int64
         if (bad < 0) return -1;
     }
     int64_t row[ROW_WIDTH] = {seq, parent, c->depth, w->target, w->method, t0, t1, exc_id,
-                              counters[0], counters[1], counters[2], 0, 0, -1, 0};
+                              counters[0], counters[1], counters[2], 0, 0, -1, 0, 0, 0};
+    if (top && opened >= 0) {
+        row[ROW_BOUNDS] = GROUP_OPENED;
+        row[ROW_BOUNDS_TARGETS] = opened;
+    }
     if (c->rows.len == 0) c->batch_t0 = t1;
     if (buf_push(&c->rows, row, ROW_WIDTH) < 0) return -1;
     if (!top) return 0;
@@ -705,7 +829,7 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
      * its value turns out to be news. */
     int may_fold = c->fold_reads && w->slot >= 0 && c->depth == 0 && nargs == 0 && !kwnames && c->anchor >= 0 && c->cur_ok[w->slot];
     if (w->finish == FINISH_GROUP_BEGIN && c->depth == 0) {
-        if (nargs || kwnames) c->group_anchor = -1;
+        if (nargs || kwnames) forget_group(c);
         else group_begins(c, w);
     }
     /* From its first argument to its finished row a call is in flight: take_if_idle
@@ -738,10 +862,14 @@ static PyObject *wrapped_vectorcall(PyObject *self, PyObject *const *args, size_
         }
         if (PyErr_Occurred()) PyErr_Clear();
     }
-    if (result == Py_None && w->finish == FINISH_GROUP_END && c->depth == 0 && nargs == 0 && !kwnames
-        && fold_group(c, w->method)) {
-        c->in_flight--;
-        return result;
+    if (result == Py_None && w->finish == FINISH_GROUP_END && c->depth == 0 && nargs == 0 && !kwnames) {
+        int folded = fold_group(c, w->method);
+        if (!folded) folded = close_group(c, w->method);
+        if (folded) {
+            c->in_flight--;
+            if (folded < 0) capture_fail(c);
+            return result;
+        }
     }
     if (result) {
         int bad = finish_row(c, w, seq, parent, t0, result, NULL) < 0;
@@ -876,6 +1004,8 @@ static int capture_init(Capture *c, PyObject *args, PyObject *kw) {
     c->active = 1;
     c->anchor = -1;
     c->group_anchor = -1;
+    c->group_valid = 0;
+    c->group_mid = -1;
     c->fold_reads = fold_reads;
     return 0;
 }
@@ -960,7 +1090,7 @@ static PyObject *capture_take(Capture *c, PyObject *unused) {
     /* A batch stands alone (a part of a rotated trace, a replay from a checkpoint):
      * nothing after it folds into its rows or leans on what they told. */
     c->anchor = -1;
-    c->group_anchor = -1;
+    forget_group(c);
     c->cur_ok[0] = c->cur_ok[1] = c->cur_ok[2] = 0;
     return Py_BuildValue("(NNNNN)", buf_bytes(&c->rows), buf_bytes(&c->arg_count), values_take(&c->args),
                          values_take(&c->result), excs);
@@ -1119,10 +1249,11 @@ PyMODINIT_FUNC PyInit__capture(void) {
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Capture", (PyObject *)&CaptureType) < 0) return NULL;
     /* What it was built with, so capture.py can refuse a module built from another layout. */
-    PyObject *layout = Py_BuildValue("{sisisisisisisisisisisisisisisisisisisisisisi}",
+    PyObject *layout = Py_BuildValue("{sisisisisisisisisisisisisisisisisisisisisisisisisisi}",
         "VALUE_WIDTH", VALUE_WIDTH, "ROW_WIDTH", ROW_WIDTH, "ROW_FOLD_PATTERN", ROW_FOLD_PATTERN,
         "ROW_FOLD_COUNT", ROW_FOLD_COUNT, "FOLD_MAX", FOLD_MAX, "ROW_GROUP_AT", ROW_GROUP_AT,
-        "ROW_GROUP_TARGETS", ROW_GROUP_TARGETS, "GROUP_NESTED_MAX", GROUP_NESTED_MAX,
+        "ROW_GROUP_TARGETS", ROW_GROUP_TARGETS, "ROW_BOUNDS", ROW_BOUNDS, "ROW_BOUNDS_TARGETS", ROW_BOUNDS_TARGETS,
+        "GROUP_OPENED", GROUP_OPENED, "GROUP_CLOSED", GROUP_CLOSED, "GROUP_NESTED_MAX", GROUP_NESTED_MAX,
         "GROUP_TARGET_BITS", GROUP_TARGET_BITS, "K_NONE", K_NONE, "K_BOOL", K_BOOL, "K_INT", K_INT,
         "K_FLOAT", K_FLOAT, "K_STR", K_STR, "K_TENSOR", K_TENSOR, "K_INTS", K_INTS, "K_SEGMENTS", K_SEGMENTS,
         "K_OPAQUE", K_OPAQUE, "FINISH_CALL", FINISH_CALL, "FINISH_READ", FINISH_READ,

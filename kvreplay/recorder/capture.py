@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +26,13 @@ from kvreplay.recorder.layout import (
     FINISH_GROUP_END,
     FINISH_READ,
     FOLD_MAX,
+    GROUP_CLOSED,
     GROUP_NESTED_MAX,
+    GROUP_OPENED,
     GROUP_TARGET_BITS,
     K_NONE,
+    ROW_BOUNDS,
+    ROW_BOUNDS_TARGETS,
     ROW_FOLD_COUNT,
     ROW_FOLD_PATTERN,
     ROW_GROUP_AT,
@@ -125,6 +130,28 @@ class Engine:
         self.impl.reset()
 
 
+def _packed(targets: list[int]) -> int:
+    """Nested calls' target ids packed as layout.py says, or -1 when they do not fit."""
+    if len(targets) > GROUP_NESTED_MAX:
+        return -1
+    packed = 0
+    for t in reversed(targets):
+        if t + 1 >= 1 << GROUP_TARGET_BITS:
+            return -1
+        packed = (packed << GROUP_TARGET_BITS) | (t + 1)
+    return packed
+
+
+def _plain(rows: Any, at: int) -> bool:
+    """The row at ``at`` raised nothing and holds no fold of any kind."""
+    return (rows[at + 7] < 0 and not rows[at + ROW_FOLD_COUNT] and rows[at + ROW_GROUP_AT] < 0
+            and not rows[at + ROW_BOUNDS])
+
+
+def _none_answers(result_head: Any, start: int, count: int) -> bool:
+    return all(result_head[start + k * VALUE_WIDTH] == K_NONE for k in range(count))
+
+
 def empty_group_targets(rows: Any, start: int, arg_count: Any, args_from: int, result_head: Any, results_from: int,
                         begin_mid: int, end_mid: int) -> int:
     """The packed targets (layout.py) of an empty free group's nested calls, read from
@@ -139,7 +166,7 @@ def empty_group_targets(rows: Any, start: int, arg_count: Any, args_from: int, r
     top = False
     for at in range(start, len(rows), ROW_WIDTH):
         depth, target, method = rows[at + 2], rows[at + 3], rows[at + 4]
-        if rows[at + 7] >= 0 or rows[at + ROW_FOLD_COUNT] or rows[at + ROW_GROUP_AT] >= 0:
+        if not _plain(rows, at):
             return -1
         if depth == 0:
             if top or method != begin_mid:
@@ -149,14 +176,57 @@ def empty_group_targets(rows: Any, start: int, arg_count: Any, args_from: int, r
             (after if top else before).append(target)
         else:
             return -1
-    if not top or before != after or len(before) > GROUP_NESTED_MAX:
+    if not top or before != after:
         return -1
-    packed = 0
-    for t in reversed(before):
-        if t + 1 >= 1 << GROUP_TARGET_BITS:
-            return -1
-        packed = (packed << GROUP_TARGET_BITS) | (t + 1)
-    return packed
+    return _packed(before)
+
+
+def opened_group(rows: Any, start: int, arg_count: Any, args_from: int, result_head: Any, results_from: int,
+                 begin_mid: int) -> tuple[int, int]:
+    """(nested begins, their packed targets) of the free group begun at ``start`` when
+    the call finishing now (its row not yet put) is the first in it: the rows since are
+    the begin's nested begins, the begin, then only rows nested in that call, and the
+    begin and its nested begins took no argument and answered None. (-1, -1) otherwise."""
+    before: list[int] = []
+    at, n = start, len(rows)
+    while at < n and rows[at + 2] == 1 and rows[at + 4] == begin_mid and _plain(rows, at):
+        before.append(rows[at + 3])
+        at += ROW_WIDTH
+    if at >= n or rows[at + 2] != 0 or rows[at + 4] != begin_mid or not _plain(rows, at):
+        return -1, -1
+    if any(rows[r + 2] == 0 for r in range(at + ROW_WIDTH, n, ROW_WIDTH)):
+        return -1, -1
+    k = len(before)
+    if (len(arg_count) - args_from < k + 1 or any(arg_count[args_from:args_from + k + 1])
+            or len(result_head) - results_from < (k + 1) * VALUE_WIDTH
+            or not _none_answers(result_head, results_from, k + 1)):
+        return -1, -1
+    packed = _packed(before)
+    return (k, packed) if packed >= 0 else (-1, -1)
+
+
+def closed_group(rows: Any, anchor: int, arg_count: Any, result_head: Any, begin_mid: int,
+                 end_mid: int) -> tuple[int, int]:
+    """(nested ends, their packed targets) of the free group ending now (its row not yet
+    put) right after the top-level call at ``anchor``, a call in the group: the rows
+    after that call's are only the end's nested ends, the call folds nothing yet, and the
+    end and its nested ends took no argument and answered None. (-1, -1) otherwise."""
+    if (anchor < 0 or rows[anchor + 4] == begin_mid or rows[anchor + 7] >= 0 or rows[anchor + ROW_FOLD_COUNT]
+            or rows[anchor + ROW_GROUP_AT] >= 0 or rows[anchor + ROW_BOUNDS] & GROUP_CLOSED):
+        return -1, -1
+    after: list[int] = []
+    for at in range(anchor + ROW_WIDTH, len(rows), ROW_WIDTH):
+        if rows[at + 2] != 1 or rows[at + 4] != end_mid or not _plain(rows, at):
+            return -1, -1
+        after.append(rows[at + 3])
+    k = len(after)
+    if (len(arg_count) < k + 1 or any(arg_count[len(arg_count) - k - 1:])
+            or not _none_answers(result_head, len(result_head) - k * VALUE_WIDTH, k)):
+        return -1, -1
+    packed = _packed(after)
+    if packed < 0 or (rows[anchor + ROW_BOUNDS] & GROUP_OPENED and rows[anchor + ROW_BOUNDS_TARGETS] != packed):
+        return -1, -1  # one row holds one set of bound targets
+    return k, packed
 
 
 class PyCapture:
@@ -193,8 +263,11 @@ class PyCapture:
         self.pat: list[int] = []
         self.cycling = False
         # An empty free group folds too: where the buffers stood before its begin, the
-        # row it would fold into, and what was known of the counters then.
+        # row it would fold into (-1: none), and what was known of the counters then;
+        # None once a call was made in the group. A group's bounds fold into its first
+        # and last calls: the begin's method id tells the last call from the begin.
         self.group: tuple[tuple[int, ...], int, list[int | None], int] | None = None
+        self.group_mid = -1
         self.busy = threading.Lock()  # held by the recorded thread for the length of a top-level call
 
     def take(self) -> RowBatch:
@@ -206,18 +279,20 @@ class PyCapture:
         self.anchor = -1
         self.cur = [None, None, None]
         self.group = None
+        self.group_mid = -1
 
     def _group_begins(self, mid: int) -> None:
-        """A top-level free group begins with no arguments: mark where, if it may fold."""
+        """A top-level free group begins with no arguments: mark where, for its folds."""
         rows = self.batch.rows
-        ok = self.fold_reads and self.anchor >= 0 and rows[self.anchor + ROW_GROUP_AT] < 0
-        self.group = (self.batch.mark(), self.anchor, list(self.cur), mid) if ok else None
+        anchor = self.anchor if self.anchor >= 0 and rows[self.anchor + ROW_GROUP_AT] < 0 else -1
+        self.group = (self.batch.mark(), anchor, list(self.cur), mid) if self.fold_reads else None
+        self.group_mid = mid if self.fold_reads else -1
 
     def _fold_group(self, end_mid: int) -> bool:
         """The free group ending now (its end returned None, had no arguments) folds into
         the row before its begin when nothing happened in it: no call of the program's
         between begin and end, and on the sub-allocators the same empty pair."""
-        if self.group is None:
+        if self.group is None or self.group[1] < 0:
             return False
         mark, anchor, cur, begin_mid = self.group
         self.group = None
@@ -233,6 +308,50 @@ class PyCapture:
         if self.counters_every > 0:
             self._counter_due()  # it counts as its row would have (its counters: those known before it)
         return True
+
+    def _open_group(self) -> int:
+        """The call finishing now is the first in a free group (its row not yet put):
+        the group's begin rows go when they may fold into its row. Its packed targets, or -1."""
+        mark, _, _, begin_mid = self.group  # type: ignore[misc]
+        self.group = None
+        b = self.batch
+        k, packed = opened_group(b.rows, mark[0], b.arg_count, mark[1], b.result.head, mark[6], begin_mid)
+        if k < 0:
+            return -1
+        del b.rows[mark[0]:mark[0] + (k + 1) * ROW_WIDTH]
+        del b.arg_count[mark[1]:mark[1] + k + 1]
+        del b.result.head[mark[6]:mark[6] + (k + 1) * VALUE_WIDTH]
+        return packed
+
+    def _close_group(self, end_mid: int) -> bool:
+        """The free group ending now (its end returned None, had no arguments) folds into
+        the row of the last call in it when nothing came between: the end's counters,
+        read as its row would have read them, go into that row."""
+        if not self.in_group or self.group_mid < 0:
+            return False
+        b, a = self.batch, self.anchor
+        k, packed = closed_group(b.rows, a, b.arg_count, b.result.head, self.group_mid, end_mid)
+        if k < 0:
+            return False
+        del b.rows[len(b.rows) - k * ROW_WIDTH:]
+        del b.arg_count[len(b.arg_count) - k - 1:]
+        del b.result.head[len(b.result.head) - k * VALUE_WIDTH:]
+        self.in_group, self.group, self.group_mid = False, None, -1
+        counters = self._read_counters() if self.counters_every > 0 and self._counter_due() else _NO_COUNTERS
+        b.rows[a + 8:a + 11] = array("q", counters)
+        b.rows[a + ROW_BOUNDS] |= GROUP_CLOSED
+        b.rows[a + ROW_BOUNDS_TARGETS] = packed
+        self.last_t1 = time.time_ns()
+        self._learn(-1, None, None, counters)
+        return True
+
+    def _read_counters(self) -> tuple[int, int, int]:
+        # Counter methods call each other; none of that is the program's call.
+        self.active = False
+        try:
+            return tuple(NULL if f is None else int(f()) for f in self.counters)  # type: ignore[return-value,union-attr]
+        finally:
+            self.active = True
 
     def _fold(self, slot: int) -> bool:
         rows = self.batch.rows
@@ -328,7 +447,7 @@ class PyCapture:
                         and cap.cur[slot] is not None)
             if finish == FINISH_GROUP_BEGIN and not seqs:
                 if args or kwargs:
-                    cap.group = None
+                    cap.group, cap.group_mid = None, -1
                 else:
                     cap._group_begins(mid)
             try:
@@ -358,7 +477,7 @@ class PyCapture:
                 cap.batch.arg_count.pop()  # its (empty) arguments were put: a folded read has none
                 return result
             if (finish == FINISH_GROUP_END and result is None and not seqs and not args and not kwargs and cap.active
-                    and cap._fold_group(mid)):
+                    and (cap._fold_group(mid) or cap._close_group(mid))):
                 return result
             end(finish, seq, parent, tid, mid, t0, result, None, slot)
             return result
@@ -383,21 +502,25 @@ class PyCapture:
             depth = len(self.seqs)
             if not depth and finish >= FINISH_GROUP_BEGIN:
                 self.in_group = finish == FINISH_GROUP_BEGIN and exc is None
+                if finish == FINISH_GROUP_END:
+                    self.group, self.group_mid = None, -1
             counters = _NO_COUNTERS
             if (not depth and not self.in_group and finish != FINISH_READ and self.counters_every > 0
                     and self._counter_due()):
-                # Counter methods call each other; none of that is the program's call.
-                self.active = False
-                try:
-                    counters = tuple(NULL if f is None else int(f()) for f in self.counters)  # type: ignore[assignment]
-                finally:
-                    self.active = True
+                counters = self._read_counters()
+            opened = -1
+            if not depth and self.in_group and finish < FINISH_GROUP_BEGIN and self.group is not None:
+                opened = self._open_group() if exc is None else -1
+                self.group = None
             b = self.batch
             if not b.rows:
                 self.batch_t0 = t1
             b.add(seq, parent, depth, tid, mid, t0, t1, result, exc, counters)
             if depth:
                 return
+            if opened >= 0:
+                b.rows[len(b.rows) - ROW_WIDTH + ROW_BOUNDS] = GROUP_OPENED
+                b.rows[len(b.rows) - ROW_WIDTH + ROW_BOUNDS_TARGETS] = opened
             self.anchor = len(b.rows) - ROW_WIDTH
             self.last_t1 = t1
             self._learn(slot, result, exc, counters)

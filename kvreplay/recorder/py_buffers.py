@@ -251,7 +251,7 @@ class RowBatch:
         if exc is not None:
             e = len(self.excs)
             self.excs.append((type(exc).__name__, str(exc)[:1000]))
-        self.rows.extend((seq, parent, depth, target, method, t0, t1, e, *counters, 0, 0, -1, 0))
+        self.rows.extend((seq, parent, depth, target, method, t0, t1, e, *counters, 0, 0, -1, 0, 0, 0))
 
     def mark(self) -> tuple[int, ...]:
         """Where every buffer ends now, for ``rewind``."""

@@ -25,6 +25,8 @@ from kvreplay.recorder.layout import (
     K_OPAQUE,
     K_STR,
     K_TENSOR,
+    ROW_BOUNDS,
+    ROW_BOUNDS_TARGETS,
     ROW_FOLD_COUNT,
     ROW_FOLD_PATTERN,
     ROW_GROUP_AT,
@@ -182,19 +184,19 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
-def _group_targets(at: np.ndarray, packed: np.ndarray, strings: list[str]) -> pa.Array:
-    """The ``folded_group_targets`` column: each folded group's packed target ids
-    (layout.py) as the targets' names, comma-separated."""
-    if not (at >= 0).any():
-        return pa.nulls(len(at), pa.string())
+def _group_targets(present: np.ndarray, packed: np.ndarray, strings: list[str]) -> pa.Array:
+    """A ``folded_group_targets`` column: the packed target ids (layout.py) of the rows
+    where ``present``, as the targets' names, comma-separated; null elsewhere."""
+    if not present.any():
+        return pa.nulls(len(present), pa.string())
     mask = (1 << GROUP_TARGET_BITS) - 1
     out: list[str | None] = []
-    for a, p in zip(at.tolist(), packed.tolist(), strict=True):
+    for there, p in zip(present.tolist(), packed.tolist(), strict=True):
         names = []
-        while a >= 0 and p:
+        while there and p:
             names.append(strings[(p & mask) - 1])
             p >>= GROUP_TARGET_BITS
-        out.append(",".join(names) if a >= 0 else None)
+        out.append(",".join(names) if there else None)
     return _strings(out)
 
 
@@ -254,5 +256,8 @@ class RawBatch:
         cols["folded_pattern"] = _arr(r[:, ROW_FOLD_PATTERN].astype(np.int32))
         at = r[:, ROW_GROUP_AT]
         cols["folded_group_at"] = _arr(at.astype(np.int32), mask=at < 0)
-        cols["folded_group_targets"] = _group_targets(at, r[:, ROW_GROUP_TARGETS], self.strings)
+        cols["folded_group_targets"] = _group_targets(at >= 0, r[:, ROW_GROUP_TARGETS], self.strings)
+        bounds = r[:, ROW_BOUNDS]
+        cols["folded_group_bounds"] = _arr(bounds.astype(np.int32), mask=bounds == 0)
+        cols["folded_group_bounds_targets"] = _group_targets(bounds != 0, r[:, ROW_BOUNDS_TARGETS], self.strings)
         return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvreplay.recorder.layout import ROW_FOLD_COUNT, ROW_GROUP_AT
+from kvreplay.recorder.layout import ROW_BOUNDS, ROW_FOLD_COUNT, ROW_GROUP_AT
 from kvreplay.recorder.raw_batch import ROW_WIDTH, RawBatch
 from kvreplay.recorder.rotation import ClosedPart, PartStart, Rotation, retire
 from kvreplay.trace.format import (
@@ -44,7 +44,7 @@ def rows_of(item: RawBatch | GapRecord) -> tuple[np.ndarray, np.ndarray, np.ndar
     if isinstance(item, GapRecord):  # a lost gap row loses no call of its own
         return np.array([item.last_seq]), np.array([1]), np.array([0])
     rows = np.frombuffer(item.rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
-    return rows[:, 0], rows[:, 2], folded_calls(rows[:, ROW_FOLD_COUNT], rows[:, ROW_GROUP_AT])
+    return rows[:, 0], rows[:, 2], folded_calls(rows[:, ROW_FOLD_COUNT], rows[:, ROW_GROUP_AT], rows[:, ROW_BOUNDS])
 
 
 def span_of(seq: np.ndarray, depth: np.ndarray, folded: np.ndarray) -> tuple[int, int, int]:
@@ -59,7 +59,8 @@ def _table_rows(table: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(seq, depth, top-level calls folded in) of a written table's rows, gap rows given depth 1: they are not calls."""
     depth = table.column("depth").to_numpy().astype(np.int64)
     depth[pc.equal(table.column("target"), GAP_TARGET).to_numpy(zero_copy_only=False)] = 1
-    folded = folded_per_row(table.column("folded_reads"), table.column("folded_group_at"))
+    folded = folded_per_row(table.column("folded_reads"), table.column("folded_group_at"),
+                            table.column("folded_group_bounds"))
     return table.column("seq").to_numpy(), depth, folded
 
 

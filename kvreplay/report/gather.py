@@ -16,7 +16,7 @@ from kvreplay.families.registry import family
 from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET
-from kvreplay.trace.reader import TraceReader, folded_per_row
+from kvreplay.trace.reader import FOLD_COLUMNS, TraceReader, folded_per_row
 
 CONTEXT = 3  # calls shown on each side of a finding's call
 SHOWN_VALUES = 6  # values of an index tensor shown before eliding the rest
@@ -44,14 +44,14 @@ def recorded_occupancy(reader: TraceReader, stride: int | None = None) -> dict[s
     sizes = sizes_of(reader)
     stride = stride or stride_for(reader.num_entries)
     column = family(reader.meta.family).counter_of
-    cols = ["depth", "target"] + [column[s] for s in sizes] + ["folded_reads", "folded_group_at"]
+    cols = ["depth", "target"] + [column[s] for s in sizes] + list(FOLD_COLUMNS)
     buckets: list[np.ndarray] = []
     used: dict[str, list[np.ndarray]] = {s: [] for s in sizes}
     calls = 0
     for batch in reader.iter_batches(columns=cols):
         top = pc.and_(pc.equal(batch.column(0), 0), pc.not_equal(batch.column(1), GAP_TARGET))
         top_np = top.to_numpy(zero_copy_only=False)
-        folded = folded_per_row(batch.column(2 + len(sizes)), batch.column(3 + len(sizes)))
+        folded = folded_per_row(*batch.columns[2 + len(sizes):])
         # the call number of each top-level row: calls folded into a row come after it
         number = calls + np.cumsum(top_np + folded) - folded
         calls = int(number[-1] + folded[-1]) if len(number) else calls

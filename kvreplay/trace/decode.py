@@ -184,6 +184,8 @@ def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torc
     pattern = col(names.index("folded_pattern")).to_pylist()
     group_at = col(names.index("folded_group_at")).to_pylist()
     group_targets = col(names.index("folded_group_targets")).to_pylist()
+    group_bounds = col(names.index("folded_group_bounds")).to_pylist()
+    bounds_targets = col(names.index("folded_group_bounds_targets")).to_pylist()
     args = col(names.index("args"))
     arg_off = args.offsets.to_numpy()
     arg_off = arg_off - arg_off[0]
@@ -205,7 +207,8 @@ def decode_batch(batch: pa.RecordBatch, top_level_only: bool, device: str | torc
         args = dict(zip(arg_names[lo:hi], values[lo:hi], strict=True)) if nested_args or not depth[r] else {}
         yield Call(seq[r], parent[r], depth[r], target[r], method[r], args, results[r], exc_type[r], exc_msg[r],
                    {"available": avail[r], "full_available": full_avail[r], "swa_available": swa_avail[r]},
-                   t0[r], t1[r], r in opaque_rows, folded[r], pattern[r], group_at[r], group_targets[r])
+                   t0[r], t1[r], r in opaque_rows, folded[r], pattern[r], group_at[r], group_targets[r],
+                   group_bounds[r], bounds_targets[r])
 
 
 # -- values -----------------------------------------------------------------------

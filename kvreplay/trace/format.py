@@ -22,7 +22,9 @@ from kvreplay.limits import MAX_POOL_SLOTS, limit
 # (``folded_reads``, ``folded_pattern``); a version 1 trace reads as one without folds.
 # 3: so is an empty free group (``folded_group_at``, ``folded_group_targets``); a
 # version 1 or 2 trace reads as one without folded groups.
-SCHEMA_VERSION = 3
+# 4: so are the begin and end of a free group that holds calls (``folded_group_bounds``,
+# ``folded_group_bounds_targets``); an older trace reads as one without such folds.
+SCHEMA_VERSION = 4
 META_PREFIX = "kvreplay."
 # The pools a row can target: the allocator itself, the recorder (gap rows), and the
 # sub-allocators the families' records name (targets()).
@@ -136,19 +138,32 @@ SCHEMA = pa.schema(
         # ("" none; the same targets for the begin's and the end's). Null: none.
         pa.field("folded_group_at", pa.int32()),
         pa.field("folded_group_targets", pa.string()),
+        # The bounds of a free group that holds calls, folded into its first and last
+        # call's rows: 1, the group's begin came right before this call; 2, its end came
+        # right after this call's nested calls, before its folded reads, and the row's
+        # counters are the ones read after that end (the call's own, inside the group,
+        # are unknown); 3, both. The targets the begin's and end's nested calls went to,
+        # comma-separated ("" none). Null: none.
+        pa.field("folded_group_bounds", pa.int32()),
+        pa.field("folded_group_bounds_targets", pa.string()),
     ]
 )
 # Columns added after version 1, with the version that added them: an older part reads
 # as null there (no folds).
-ADDED_COLUMNS = {"folded_reads": 2, "folded_pattern": 2, "folded_group_at": 3, "folded_group_targets": 3}
+ADDED_COLUMNS = {"folded_reads": 2, "folded_pattern": 2, "folded_group_at": 3, "folded_group_targets": 3,
+                 "folded_group_bounds": 4, "folded_group_bounds_targets": 4}
 # The calls an empty free group folds into a row: one begin and one end, top-level.
 GROUP_FOLD_METHODS = ("free_group_begin", "free_group_end")
 
 
-def folded_calls(folded_reads: Any, group_at: Any) -> Any:
-    """Top-level calls folded into each row (numpy arrays of the two columns, nulls as
-    0 and -1): its folded reads and, where it folds an empty free group, two more."""
-    return folded_reads + 2 * (group_at >= 0)
+GROUP_OPENED, GROUP_CLOSED = 1, 2  # folded_group_bounds' bits (recorder/layout.py's)
+
+
+def folded_calls(folded_reads: Any, group_at: Any, bounds: Any) -> Any:
+    """Top-level calls folded into each row (numpy arrays of the three columns, nulls as
+    0, -1 and 0): its folded reads, two more where it folds an empty free group, and one
+    per folded bound of a group around it."""
+    return folded_reads + 2 * (group_at >= 0) + (bounds & GROUP_OPENED) + ((bounds & GROUP_CLOSED) >> 1)
 
 # Columns that must be identical for two runs of the same seeded workload.
 CALL_COLUMNS = [f.name for f in SCHEMA if f.name not in ("t_start_ns", "t_end_ns")]
@@ -304,6 +319,8 @@ class Call:
     folded_pattern: int | None = None
     folded_group_at: int | None = None  # an empty free group folded after this many of those reads
     folded_group_targets: str | None = None  # ...and where its nested calls went
+    folded_group_bounds: int | None = None  # a free group's begin (1) or end (2) or both folded here (SCHEMA)
+    folded_group_bounds_targets: str | None = None  # ...and where their nested calls went
     from_fold: bool = False  # one of those reads: a call with no row of its own
 
     @property

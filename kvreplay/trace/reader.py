@@ -29,8 +29,10 @@ from kvreplay.trace.format import (
     FOLD_MAX,
     GAP_METHOD,
     GAP_TARGET,
+    GROUP_CLOSED,
     GROUP_FOLD_METHODS,
     GROUP_NESTED_MAX,
+    GROUP_OPENED,
     MAX_FOLDED_READS,
     MAX_GROUP_VALUES,
     MAX_STRING_BYTES,
@@ -186,12 +188,13 @@ class TraceReader:
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
                                                 "result.dtype", "args.list.element.s", "result.s", "exc_type",
                                                 "exc_msg", "folded_reads", "folded_pattern", "folded_group_at",
-                                                "folded_group_targets"]):
+                                                "folded_group_targets", "folded_group_bounds",
+                                                "folded_group_bounds_targets"]):
             # (an argument's and the result's fields come as one struct column each)
-            if batch.num_columns != 12:  # damaged bytes can leave a batch without some of them
+            if batch.num_columns != 14:  # damaged bytes can leave a batch without some of them
                 raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
-            seq, depth, target, method, args, result, exc_type, exc_msg, folded, pattern, group_at, group_targets = \
-                batch.columns
+            (seq, depth, target, method, args, result, exc_type, exc_msg, folded, pattern, group_at, group_targets,
+             bounds, bounds_targets) = batch.columns
             arg_fields = args.flatten()
             if arg_fields.type.num_fields != 2 or result.type.num_fields != 2:
                 raise TraceFormatError(f"{self.path}: corrupt trace data (the call columns cannot be read)")
@@ -200,6 +203,7 @@ class TraceReader:
                            result.field("s"), exc_type, exc_msg)
             folds += _check_folds(self.path, folded, pattern, depth)
             folds += _check_groups(self.path, folded, group_at, group_targets, depth, names)
+            folds += _check_bounds(self.path, bounds, bounds_targets, depth, method, names)
             if folds > MAX_TRACE_FOLDED_READS:
                 raise TraceFormatError(f"{self.path}: the rows fold more than {MAX_TRACE_FOLDED_READS:,} calls "
                                        "in all (KVREPLAY_MAX_TRACE_FOLDED_READS raises the limit)")
@@ -241,9 +245,8 @@ class TraceReader:
         """Rows plus the calls folded into them: what a replay walks through, and a bound
         on its call numbers. A scan of two small columns, once."""
         if self._entries is None:
-            self._entries = self.num_rows + sum(int(folded_per_row(b.column(0), b.column(1)).sum())
-                                                for b in self.iter_batches(columns=["folded_reads",
-                                                                                    "folded_group_at"]))
+            self._entries = self.num_rows + sum(int(folded_per_row(*b.columns).sum())
+                                                for b in self.iter_batches(columns=list(FOLD_COLUMNS)))
         return self._entries
 
     @property
@@ -294,10 +297,10 @@ class TraceReader:
         if self._layout is not None:
             return self._layout[1]
         n = 0
-        for batch in self.iter_batches(columns=["depth", "target", "folded_reads", "folded_group_at"]):
+        for batch in self.iter_batches(columns=["depth", "target", *FOLD_COLUMNS]):
             top = pc.equal(batch.column(0), 0)
             n += int(pc.sum(pc.and_(top, pc.not_equal(batch.column(1), GAP_TARGET))).as_py() or 0)
-            n += int(folded_per_row(batch.column(2), batch.column(3)).sum())
+            n += int(folded_per_row(*batch.columns[2:]).sum())
         return n
 
     def gaps(self) -> list[Call]:
@@ -325,13 +328,13 @@ class TraceReader:
         if self._layout is not None:
             return self._layout[0]
         out, offset, calls, gaps = [], 0, 0, False
-        for batch in self.iter_batches(columns=["method", "target", "depth", "folded_reads", "folded_group_at"]):
-            method, target, depth, folded, group_at = (batch.column(i) for i in range(5))
+        for batch in self.iter_batches(columns=["method", "target", "depth", *FOLD_COLUMNS]):
+            method, target, depth = (batch.column(i) for i in range(3))
             gap = pc.equal(target, GAP_TARGET)
             hit = pc.and_(pc.equal(method, CHECKPOINT_METHOD), gap).to_numpy(zero_copy_only=False)
             gaps = gaps or bool(pc.any(pc.and_(pc.equal(method, GAP_METHOD), gap)).as_py())
             call = pc.and_(pc.equal(depth, 0), pc.invert(gap)).to_numpy(zero_copy_only=False).astype(np.int64)
-            call += folded_per_row(folded, group_at)  # folded reads and groups are calls too
+            call += folded_per_row(*batch.columns[3:])  # folded reads and groups are calls too
             before = calls + np.cumsum(call) - call  # calls before each row
             out.extend(Checkpoint(offset + int(i), int(before[i])) for i in np.flatnonzero(hit))
             offset += batch.num_rows
@@ -374,6 +377,8 @@ def decoded(batches: Iterable[pa.RecordBatch], path: Path, top_level_only: bool 
             for c in decode_batch(batch, False, device, nested_args and not top_level_only):
                 if not c.depth:
                     yield from _unfolded(folds, top_level_only)
+                    if c.folded_group_bounds:
+                        yield from (b for b in folds.opening(c) if not (top_level_only and b.depth))
                     folds.after(c)
                 else:
                     folds.nested(c)
@@ -395,7 +400,7 @@ def calls_in(table: pa.Table) -> tuple[int, int]:
     """(calls, latest end in ns) of a table of trace rows: its top-level rows that are
     not gaps or checkpoints, and the counter reads folded into them."""
     top = pc.and_(pc.equal(table.column("depth"), 0), pc.not_equal(table.column("target"), GAP_TARGET))
-    folded = folded_per_row(table.column("folded_reads"), table.column("folded_group_at"))
+    folded = folded_per_row(*(table.column(c) for c in FOLD_COLUMNS))
     n = int(pc.sum(top).as_py() or 0) + int(folded.sum())
     return n, int(pc.max(table.column("t_end_ns")).as_py() or 0)
 
@@ -432,19 +437,33 @@ class _Unfolder:
         self.path = path
         self.cur: list[int | None] = [None, None, None]
         self.anchor: Call | None = None
+        self.end_counters: dict[str, int | None] = {}  # what the anchor's folded group end read
         self.last_seq = -1
+
+    def opening(self, c: Call) -> Iterator[Call]:
+        """The begin of a free group folded into ``c`` (its first call), handed back
+        before it; where ``c`` also folds the group's end, the counters its row holds
+        are that end's, and ``c`` itself (inside the group) read none."""
+        if c.folded_group_bounds & GROUP_CLOSED:
+            self.end_counters, c.counters = c.counters, dict(_NO_COUNTERS)
+        if c.folded_group_bounds & GROUP_OPENED:
+            yield from _bound_calls(c, GROUP_FOLD_METHODS[0], self.last_seq)
+            self.last_seq += 1 + _count_targets(c.folded_group_bounds_targets)
 
     def after(self, c: Call) -> None:
         self.last_seq = c.seq
         if c.target == GAP_TARGET:
             self.cur, self.anchor = [None, None, None], None
             return
+        closed = bool(c.folded_group_bounds and c.folded_group_bounds & GROUP_CLOSED)
         slot = COUNTER_READS.index(c.method) if c.method in COUNTER_READS else -1
-        if slot >= 0 and c.exc_type is None and type(c.result) is int:
+        if closed:
+            self.cur = [self.end_counters.get(k) for k in ("available", "full_available", "swa_available")]
+        elif slot >= 0 and c.exc_type is None and type(c.result) is int:
             self.cur[slot] = c.result
         else:
             self.cur = [c.counters.get(k) for k in ("available", "full_available", "swa_available")]
-        self.anchor = c if c.folded_reads or c.folded_group_at is not None else None
+        self.anchor = c if c.folded_reads or c.folded_group_at is not None or closed else None
 
     def nested(self, c: Call) -> None:
         self.last_seq = max(self.last_seq, c.seq)
@@ -456,6 +475,10 @@ class _Unfolder:
         self.anchor = None
         pattern = _fold_pattern(self.path, a.folded_reads, a.folded_pattern) if a.folded_reads else [0]
         seq = self.last_seq
+        if a.folded_group_bounds and a.folded_group_bounds & GROUP_CLOSED:  # the group's end came first
+            for c in _bound_calls(a, GROUP_FOLD_METHODS[1], seq, self.end_counters):
+                yield c
+                seq = c.seq
         for i in range(a.folded_reads + 1):
             if i == a.folded_group_at:
                 for c in _group_calls(a, seq):
@@ -491,11 +514,35 @@ def _group_calls(a: Call, seq: int) -> Iterator[Call]:
                        from_fold=True)
 
 
-def folded_per_row(reads: pa.Array | pa.ChunkedArray, group_at: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Top-level calls folded into each row (reads, and two per empty free group), from
-    its ``folded_reads`` and ``folded_group_at`` columns."""
+# The columns that say how many calls a row folds, in folded_per_row's order.
+FOLD_COLUMNS = ("folded_reads", "folded_group_at", "folded_group_bounds")
+
+
+_NO_COUNTERS = {"available": None, "full_available": None, "swa_available": None}
+
+
+def _count_targets(targets: str | None) -> int:
+    return len(targets.split(",")) if targets else 0
+
+
+def _bound_calls(a: Call, method: str, seq: int, counters: dict[str, int | None] | None = None) -> Iterator[Call]:
+    """A free group's begin or end folded into ``a``'s row, with its nested calls,
+    numbered on from ``seq``; ``counters``: what the top-level one read after it."""
+    top = seq + 1
+    yield Call(top, -1, 0, "root", method, {}, None, None, None, dict(counters or _NO_COUNTERS), a.t_start_ns,
+               a.t_start_ns if method == GROUP_FOLD_METHODS[0] else a.t_end_ns, from_fold=True)
+    for k, t in enumerate(a.folded_group_bounds_targets.split(",") if a.folded_group_bounds_targets else []):
+        yield Call(top + 1 + k, top, 1, t, method, {}, None, None, None, dict(_NO_COUNTERS), a.t_start_ns,
+                   a.t_end_ns, from_fold=True)
+
+
+def folded_per_row(reads: pa.Array | pa.ChunkedArray, group_at: pa.Array | pa.ChunkedArray,
+                   bounds: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Top-level calls folded into each row (reads, two per empty free group, one per
+    folded bound of a group), from its FOLD_COLUMNS."""
     return folded_calls(reads.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64),
-                        group_at.fill_null(-1).to_numpy(zero_copy_only=False))
+                        group_at.fill_null(-1).to_numpy(zero_copy_only=False),
+                        bounds.fill_null(0).to_numpy(zero_copy_only=False))
 
 
 def _check_groups(path: Path, folded: pa.Array, group_at: pa.Array, targets: pa.Array, depth: pa.Array,
@@ -518,13 +565,38 @@ def _check_groups(path: Path, folded: pa.Array, group_at: pa.Array, targets: pa.
     n = folded.fill_null(0).to_numpy(zero_copy_only=False)
     if (at[some] > n[some]).any():
         raise TraceFormatError(f"{path}: a row's folded free group comes after more reads than the row folds")
-    for t in set(pc.take(targets, pa.array(some)).to_pylist()):
+    _check_group_targets(path, pc.take(targets, pa.array(some)))
+    return 2 * len(some)
+
+
+def _check_bounds(path: Path, bounds: pa.Array, targets: pa.Array, depth: pa.Array, method: pa.Array,
+                  names: frozenset[str]) -> int:
+    """Top-level calls the rows' folded group bounds hold (one per bound), once each is
+    sane: on top-level rows of a family that has free groups, calls other than a group's
+    begin or end, nested calls to known sub-allocators only."""
+    if bounds.null_count == len(bounds):
+        return 0
+    b = bounds.fill_null(0).to_numpy(zero_copy_only=False)
+    some = np.flatnonzero(b != 0)
+    if ((b < 0) | (b > GROUP_OPENED + GROUP_CLOSED)).any() or len(some) != len(b) - bounds.null_count:
+        raise TraceFormatError(f"{path}: a row's folded group bounds are not 1 (begin), 2 (end) or 3 (both)")
+    if not set(GROUP_FOLD_METHODS) <= names:
+        raise TraceFormatError(f"{path}: rows fold free groups, which a pool of this family does not have")
+    if (depth.to_numpy(zero_copy_only=False)[some] != 0).any():
+        raise TraceFormatError(f"{path}: a nested row folds a free group's bounds (only top-level calls can)")
+    if set(pc.take(method, pa.array(some)).to_pylist()) & set(GROUP_FOLD_METHODS):
+        raise TraceFormatError(f"{path}: a free group's begin or end folds another group's bounds")
+    _check_group_targets(path, pc.take(targets, pa.array(some)))
+    return int(((b & GROUP_OPENED) + ((b & GROUP_CLOSED) >> 1)).sum())
+
+
+def _check_group_targets(path: Path, targets: pa.Array) -> None:
+    subs = row_targets() - {GAP_TARGET, "root"}
+    for t in set(targets.to_pylist()):
         parts = t.split(",") if t else []
-        subs = row_targets() - {GAP_TARGET, "root"}
         if t is None or len(parts) > GROUP_NESTED_MAX or not set(parts) <= subs:
             raise TraceFormatError(f"{path}: a row's folded free group names sub-allocators {str(t)[:80]!r}, not "
                                    f"up to {GROUP_NESTED_MAX} of {', '.join(sorted(subs))}")
-    return 2 * len(some)
 
 
 def _fold_pattern(path: Path, count: int, packed: int | None) -> list[int]:

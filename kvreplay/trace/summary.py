@@ -18,7 +18,8 @@ from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace
 from kvreplay.trace.reader import TraceReader
 
 _COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
-            "available", "full_available", "swa_available", "folded_reads", "folded_pattern", "folded_group_at"]
+            "available", "full_available", "swa_available", "folded_reads", "folded_pattern", "folded_group_at",
+            "folded_group_bounds"]
 
 
 @dataclass
@@ -39,6 +40,7 @@ class TraceSummary:
     notes: list[str] = field(default_factory=list)
     folded_reads: int = 0  # counter reads among the calls that have no row of their own (schema version 2)
     folded_groups: int = 0  # empty free groups among them, two calls each (schema version 3)
+    folded_bounds: int = 0  # begins and ends of free groups folded into the groups' calls (schema version 4)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,7 +51,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     meta = reader.meta
     sizes = family(meta.family).sizes_of(meta.ctor_args)
     methods: Counter[str] = Counter()
-    rows = top = exceptions = nones = indices = folded = groups = 0
+    rows = top = exceptions = nones = indices = folded = groups = bounds = 0
     t_min: int | None = None
     t_max: int | None = None
     min_avail: dict[str, int] = {}
@@ -66,6 +68,11 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         if g:
             methods.update(dict.fromkeys(GROUP_FOLD_METHODS, g))
             groups += g
+        if batch["folded_group_bounds"].null_count < len(batch):
+            b = batch["folded_group_bounds"].fill_null(0).to_numpy(zero_copy_only=False)
+            opened, closed = int((b & 1).sum()), int((b >> 1 & 1).sum())
+            methods.update({GROUP_FOLD_METHODS[0]: opened, GROUP_FOLD_METHODS[1]: closed})
+            bounds += opened + closed
         exceptions += batch.num_rows - batch["exc_type"].null_count
         result = batch["result"]
         kinds = pc.struct_field(result, "kind")
@@ -100,8 +107,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     size = reader.file_size
     return TraceSummary(
         path=reader.source, meta=asdict(meta), rows=rows,
-        calls=top + folded + 2 * groups - methods.get(GAP_METHOD, 0) - checkpoints, folded_reads=folded,
-        folded_groups=groups,
+        calls=top + folded + 2 * groups + bounds - methods.get(GAP_METHOD, 0) - checkpoints, folded_reads=folded,
+        folded_groups=groups, folded_bounds=bounds,
         nested_rows=rows - top,
         calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
         time_span_s=((t_max or 0) - (t_min or 0)) / 1e9,
