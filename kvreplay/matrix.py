@@ -26,8 +26,8 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import INVARIANTS
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput
 from kvreplay.fanout import iter_units
+from kvreplay.replay.dispatch import run_many
 from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
-from kvreplay.replay.worker import replay_many_in_worker
 from kvreplay.store.db import check_store, open_store
 from kvreplay.store.runs import get_run, record_run, reusable_run, run_to_dict
 from kvreplay.stored_replay import trace_info
@@ -163,8 +163,8 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
 
         def unit(spec: str, trs: list[str]) -> None:
             try:
-                replay_many_in_worker(trs, spec, mode=mode, device=device, timeout_s=timeout_s,
-                                      on_report=lambda r, code_id: answers.put((spec, r.trace, r, code_id)))
+                run_many(trs, parsed[spec], lambda r, code_id: answers.put((spec, r.trace, r, code_id)), mode=mode,
+                         device=device, timeout_s=timeout_s)
             finally:
                 answers.put(None)
 
@@ -225,8 +225,8 @@ class MatrixUnit:
 def matrix_unit(u: MatrixUnit) -> list[tuple[str, str, ReplayReport, str]]:
     """Replay a build's traces in its worker: (spec, trace, report, code id) for each."""
     out: list[tuple[str, str, ReplayReport, str]] = []
-    replay_many_in_worker(u.traces, u.spec, mode=u.mode, device=u.device, timeout_s=u.timeout_s,
-                          on_report=lambda r, code_id: out.append((u.spec, r.trace, r, code_id)))
+    run_many(u.traces, u.spec, lambda r, code_id: out.append((u.spec, r.trace, r, code_id)), mode=u.mode,
+             device=u.device, timeout_s=u.timeout_s)
     return out
 
 

@@ -1,6 +1,7 @@
 """A replay that becomes a stored run: ``replay_and_store``, what replay, bisect's
 steps and the demo go through (ci's cases too, which replay here without
-storing and are stored by ci's driver as they come back).
+storing and are stored by ci's driver as they come back). Where the replay runs is
+``replay.dispatch.run``'s answer.
 
 Who writes a run: one function, ``store.runs.record_run``, called from here, from
 matrix's driver and from ci's driver, each with what the build resolved to from
@@ -17,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput
-from kvreplay.fanout import run_units
+from kvreplay.replay.dispatch import run
 from kvreplay.replay.report import ReplayReport
-from kvreplay.replay.worker import replay_in_worker
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.location import is_remote
 from kvreplay.trace.reader import TraceReader
@@ -35,12 +35,6 @@ def trace_info(reader: TraceReader, calls: int | None = None) -> TraceInfo:
     return TraceInfo(path=where, content_hash=content_hash(reader.path),
                      pool_class=reader.meta.pool_class, family=reader.meta.family, meta=asdict(reader.meta),
                      rows=reader.num_rows, calls=calls)
-
-
-def worker_unit(unit: tuple[str, str, dict[str, Any]]) -> tuple[ReplayReport, str]:
-    """A worker build's replay as a unit of work (a Ray task): (report, code id)."""
-    trace, build, options = unit
-    return replay_in_worker(trace, build, **options)
 
 
 @dataclass
@@ -87,34 +81,13 @@ def replay_and_store(trace: str | Path, build: str | BuildSpec, *, db: str | Non
         from kvreplay.store.runs import record_run
 
         check_store(db)
-    report = None
-    if not spec.in_process:
-        if ray is not None:  # the worker (and its build's environment) on a Ray node
-            report, code_id = run_units(worker_unit, [(str(trace), spec.text, options)], ray=ray)[0]
-        else:
-            report, code_id = replay_in_worker(trace, spec.text, **options)
-        version = spec.resolved(code_id=code_id)
-    elif jobs > 1 or ray is not None:
-        from kvreplay.replay.segments import replay_segments  # imports torch
-
-        options.pop("timeout_s", None)
-        parallel = replay_segments(str(trace), spec.text, jobs=jobs, ray=ray, progress=progress, reader=reader,
-                                   **options)
-        if parallel is not None:
-            report, version = parallel
-    if report is None and spec.in_process:
-        from kvreplay.replay.replayers import make_replayer  # imports torch: only in-process builds need it
-
-        options.pop("timeout_s", None)
-        replayer = make_replayer(trace, spec, reader=reader, checked=True, **options)
-        report = replayer.run(progress=progress)
-        version = spec.resolved(pool=replayer.pool)
-    replayed = StoredReplay(report, None, version, reader)
+    ran = run(trace, spec, jobs=jobs, ray=ray, progress=progress, reader=reader, checked=True, **options)
+    replayed = StoredReplay(ran.report, None, ran.version, reader)
     if not store:
         return replayed
     st = open_store(db)
     try:
-        replayed.run_id = record_run(st, report, replayed.trace, build_version=version)
+        replayed.run_id = record_run(st, ran.report, replayed.trace, build_version=ran.version)
         return replayed
     finally:
         st.close()

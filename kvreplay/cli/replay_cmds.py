@@ -82,11 +82,11 @@ def replay(
         wanted = Failure.parse(failure) if failure else None
         if fixed and (wanted is None or not git_bisect):
             raise BadInput("--fixed needs --git-bisect and --failure (the failure whose fix git bisect looks for)")
-        extra = {"timeout_s": timeout} if not BuildSpec.parse(build).in_process else {}
+        spec = BuildSpec.parse(build)  # once: handed down parsed
         with progress(f"replay {Path(trace).name}", "rows") as cb:
-            res = replay_and_store(trace, build, db=db, store=not no_store, progress=cb, mode=mode, device=device,
+            res = replay_and_store(trace, spec, db=db, store=not no_store, progress=cb, mode=mode, device=device,
                                    full_check_every=full_check_every, stop_at_first=stop_first,
-                                   after_gap=after_gap, jobs=jobs, ray=ray, **extra)
+                                   after_gap=after_gap, jobs=jobs, ray=ray, timeout_s=timeout)
     except KvreplayError as exc:
         if git_bisect and exc.exit_code == EXIT_BAD_INPUT:
             exc.exit_code = EXIT_ABORT_BISECT

@@ -9,12 +9,8 @@ so a build with another free-slot policy replays; only semantic differences coun
 from __future__ import annotations
 
 import binascii
-import contextlib
-import gc
-import time
 import zlib
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,39 +22,17 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.checked_call import checked_call, method_of
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
-from kvreplay.check.rules import ViolationLog
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
 from kvreplay.families.registry import family
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS
-from kvreplay.replay.compare import alike, exception_difference, json_value, remap_difference, same
-from kvreplay.replay.divergence import Divergence
+from kvreplay.replay.compare import alike, exception_difference, remap_difference, same
+from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop
 from kvreplay.replay.remap import PageTable, Remapper
-from kvreplay.replay.report import MODES, ReplayReport
+from kvreplay.replay.report import MODES
 from kvreplay.replay.timeline import Timeline
 from kvreplay.trace import snapshot
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_TARGET, Opaque, TopCall, parse_json
 from kvreplay.trace.reader import TraceReader
-
-
-@contextlib.contextmanager
-def few_collections() -> Iterator[None]:
-    """A replay makes and drops a few short-lived objects per call (views, dicts,
-    results); the collector's default pace (every 700 allocations) spends a fifth of
-    a checked replay's own time finding nothing to free. Collect less often while
-    replaying; the previous thresholds come back after."""
-    before = gc.get_threshold()
-    gc.set_threshold(max(before[0], 20_000), *before[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-
-
-class Unsupported(Exception):
-    """Stands for a call the build could not be asked to make."""
-
-
-UNSUPPORTED = Unsupported()
 
 
 class NestedCapture:
@@ -131,12 +105,14 @@ def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
                               f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
 
 
-class Replayer:
-    """One replay of one trace against one build; ``run`` drives it to the end."""
+class Replayer(ReplayLoop):
+    """One replay of one trace of an sglang pool family against one build; ``run``
+    (the shared loop) drives it to the end."""
 
     # Sub-allocator rows are compared by target and method only: their arguments are not
     # decoded (a third of the work). Whoever feeds ``step`` decodes them this way.
     nested_args = False
+    replays_segments = True
 
     def __init__(self, trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
@@ -146,6 +122,7 @@ class Replayer:
         """``reader`` and ``start`` (``start_point``'s answer) let a caller that replays
         one trace many times (minimize) open it and scan it for gaps once; ``checked``
         says its rows were already checked (``TraceReader.check_calls``)."""
+        self._start_loop()
         self.mode = one_of("mode", mode, MODES)
         self.reader = reader or TraceReader(trace)
         if not checked:
@@ -166,12 +143,8 @@ class Replayer:
             self.checker.adopt()
         if segment is not None and segment.start_row > 0:
             self._start_segment(segment)
-        self.ended_at: int | None = None  # the checkpoint row a segment replay ended at
         self.capture = NestedCapture(self.pool, self.meta.family) if mode == "strict" else None
         self.stop_at_first = stop_at_first
-        self.divergences: list[Divergence] = []
-        self.div_counts: Counter[str] = Counter()
-        self.translated: Counter[str] = Counter()  # recorded methods the build lacks, replayed translated
         self.keep = keep
         self.remap: Remapper | None = None
         if mode == "remap":
@@ -181,7 +154,6 @@ class Replayer:
             main, second = subs[0], (subs[1] if len(subs) > 1 else None)
             self.remap = Remapper(PageTable(main.num_pages, main.page_size),
                                   PageTable(second.num_pages, second.page_size) if second else None)
-        self.calls = 0
         self.timeline = Timeline({name: sub.size for name, sub in self.view.subs.items()}, self.reader.num_entries)
         if self.checker is not None:
             tl = self.timeline
@@ -189,16 +161,6 @@ class Replayer:
         self._methods: dict[str, tuple[Callable[..., Any] | None, bool, Any]] = {}  # the build's method per name
         self._own = vars(self.pool) if hasattr(self.pool, "__dict__") else {}
         self._sizes = [(name, sub.size) for name, sub in self.view.subs.items()]
-        self.capacity_call: int | None = None
-        # The first call the build cannot make that changes the pool's state: every call
-        # after it would replay on a state the recording never had, so the replay stops.
-        self.unsupported: str | None = None
-
-    def _diverge(self, call: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
-        self.div_counts[kind] += 1
-        self.timeline.mark("divergence", kind, call)
-        if self.div_counts[kind] <= self.keep:
-            self.divergences.append(Divergence(call, method, kind, json_value(expected), json_value(actual), message))
 
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
         """Issue one recorded call; returns what the build returned or raised."""
@@ -333,61 +295,20 @@ class Replayer:
         self._diverge(tc.number, tc.call.method, "nested", [f"{n.target}.{n.method}" for n in want],
                       [f"{t}.{m}" for t, m, _ in got], "the build's sub-allocator calls differ from the recording")
 
-    def found_something(self) -> bool:
-        return bool(self.divergences) or bool(self.checker and self.checker.log.total)
-
-    def run(self, progress: Callable[[int, int], None] | None = None,
-            calls: Iterable[TopCall] | None = None) -> ReplayReport:
-        """Replay every call (or ``calls``, already decoded, e.g. for benchmarks).
-        ``progress(rows done, rows in the trace)`` is called now and then."""
-        t0, c0 = time.perf_counter(), time.process_time()
-        total = self.reader.num_rows
-        last = 0
-        stopped = False
-        rows = 0
-        step, start_after, stop_at_first = self.step, self.start_after, self.stop_at_first
+    # -- the loop's hooks for a segment (replay --jobs) --------------------------------
+    def calls_to_replay(self) -> Iterable[TopCall]:
         seg = self.segment
-        if calls is None:
-            rows_from = None if seg is None else (seg.start_row, self.reader.num_rows)
-            calls = self.reader.top_calls(device=self.device, rows=rows_from, nested_args=self.nested_args,
-                                          number_from=0 if seg is None else seg.number_from)
-        first_row = seg.start_row if seg is not None else 0
-        with few_collections():
-            for tc in calls:
-                c = tc.call
-                if c.target == GAP_TARGET:
-                    if (seg is not None and seg.end_row is not None and c.method == CHECKPOINT_METHOD
-                            and first_row + rows >= seg.end_row and first_row + rows in seg.stop_rows
-                            and self.at_checkpoint(c)):
-                        self.ended_at = first_row + rows
-                        break
-                    rows += tc.rows
-                    continue
-                rows += tc.rows
-                if c.seq <= start_after:
-                    continue
-                step(tc)
-                last = tc.number
-                if progress is not None and self.calls % 512 == 0:
-                    progress(rows, total)
-                if self.unsupported is not None or (stop_at_first and self.found_something()):
-                    stopped = True
-                    break
-            ends = self.ended_at is None and not stopped  # a segment that ended at a checkpoint goes on elsewhere
-            held = self.checker.finish(last) if self.checker and ends else {}
-        if progress is not None:
-            progress(total, total)
-        report = self.report(time.perf_counter() - t0, held, stopped)
-        report.cpu_s = time.process_time() - c0
-        return report
+        rows_from = None if seg is None else (seg.start_row, self.reader.num_rows)
+        return self.reader.top_calls(device=self.device, rows=rows_from, nested_args=self.nested_args,
+                                     number_from=0 if seg is None else seg.number_from)
 
-    def report(self, wall: float, held: dict[str, int], stopped: bool) -> ReplayReport:
-        return compose_report(
-            trace=self.reader.source, build=self.build_spec, mode=self.mode, device=self.device,
-            calls=self.calls, wall=wall, log=self.checker.log if self.checker else None,
-            divergences=self.divergences, div_counts=dict(self.div_counts), capacity_call=self.capacity_call,
-            held=held, stopped=stopped, translated=dict(self.translated), unsupported=self.unsupported,
-            timeline=self.timeline.to_dict())
+    def first_row(self) -> int:
+        return self.segment.start_row if self.segment is not None else 0
+
+    def ends_at(self, c: Any, row: int) -> bool:
+        seg = self.segment
+        return (seg is not None and seg.end_row is not None and c.method == CHECKPOINT_METHOD
+                and row >= seg.end_row and row in seg.stop_rows and self.at_checkpoint(c))
 
     # -- segments (replay --jobs) --------------------------------------------------
     def _start_segment(self, seg: Segment) -> None:
@@ -446,34 +367,4 @@ def _checkpoint_states(reader: TraceReader, cp: Any) -> tuple[dict[str, Any], di
                        "is damaged") from None
 
 
-def compose_report(*, trace: str, build: str, mode: str, device: str, calls: int, wall: float,
-                   log: ViolationLog | None, divergences: list[Divergence], div_counts: dict[str, int],
-                   capacity_call: int | None, held: dict[str, int], stopped: bool, translated: dict[str, int],
-                   unsupported: str | None, timeline: dict[str, Any] | None = None) -> ReplayReport:
-    """A run's report from what its replay (or the segments of one) found."""
-    violations = sorted(log.kept, key=lambda v: (v.call, v.detected_call)) if log else []
-    first_v = log.first() if log else None
-    first_d = min(divergences, key=lambda d: d.call) if divergences else None
-    status = "violation" if violations else ("divergence" if divergences else "clean")
-    message = ""
-    if unsupported is not None:
-        status = "violation" if violations else "unsupported"
-        message = f"{unsupported}: the replay stops there, since every later call would meet a state " \
-                  "the recording never had"
-    after = None
-    if capacity_call is not None and first_v is not None:
-        after = capacity_call - first_v.call
-    return ReplayReport(
-        trace=trace, build=build, mode=mode, device=device,
-        status=status, calls_replayed=calls, wall_s=wall,
-        calls_per_s=calls / wall if wall > 0 else 0.0,
-        violations=violations,
-        violation_counts={f"{k[0]}/{k[1]}": n for k, n in (log.counts.items() if log else [])},
-        divergences=sorted(divergences, key=lambda d: d.call), divergence_counts=dict(div_counts),
-        first_violation=first_v, first_divergence=first_d, capacity_assert_call=capacity_call,
-        capacity_assert_after_calls=after, held_at_end=held, stopped_early=stopped,
-        translated=dict(translated), message=message, timeline=timeline or {},
-    )
-
-
-__all__ = ["Replayer", "Segment", "compose_report", "restore_snapshot", "start_point"]
+__all__ = ["Replayer", "Segment", "restore_snapshot", "start_point"]

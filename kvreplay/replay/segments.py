@@ -25,7 +25,9 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import Violation, ViolationLog
 from kvreplay.fanout import iter_units
 from kvreplay.replay.divergence import Divergence
-from kvreplay.replay.replayer import Replayer, Segment, compose_report
+from kvreplay.replay.loop import compose_report
+from kvreplay.replay.replayer import Segment
+from kvreplay.replay.replayers import make_replayer, replayer_class
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.timeline import merge as merge_timelines
 from kvreplay.trace.reader import TraceReader
@@ -88,7 +90,7 @@ def replay_segment(unit: SegmentUnit) -> SegmentResult:
 
     if unit.options.get("device", "cpu") in ("cpu", "auto"):
         torch.set_num_threads(1)
-    r = Replayer(unit.trace, unit.build, checked=True, segment=unit.segment, **unit.options)
+    r = make_replayer(unit.trace, unit.build, checked=True, segment=unit.segment, **unit.options)
     report = r.run()
     log = r.checker.log if r.checker else None
     return SegmentResult(
@@ -147,7 +149,8 @@ def replay_segments(trace: str, build: str, *, jobs: int, ray: str | None = None
     is no Ray to send the whole to: the caller replays it serially."""
     reader = reader or TraceReader(trace)
     reader.checkpoints()  # the one scan that also counts the calls and looks for gaps
-    whole = reader.gaps() or reader.meta.initial_state is not None or options.get("after_gap")
+    whole = (reader.gaps() or reader.meta.initial_state is not None or options.get("after_gap")
+             or not replayer_class(reader).replays_segments)
     # A start from a snapshot or after a gap: the checkpoints' checker states do not apply.
     segments = [Segment(0, 0, None)] if whole else plan(reader, jobs)
     if len(segments) == 1 and ray is None:

@@ -10,8 +10,6 @@ reports and exit codes treat both families alike."""
 
 from __future__ import annotations
 
-import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,17 +22,17 @@ from kvreplay.errors import BadInput, BuildUnsupported, one_of
 from kvreplay.families.vllm.block_wire import EMPTY, NULL_BLOCK_ID, groups_in, groups_out
 from kvreplay.families.vllm.checker import BlockPoolChecker
 from kvreplay.pool_api import VLLM_BLOCK_METHODS
-from kvreplay.replay.compare import block_remap_difference, exception_difference, json_value, same
-from kvreplay.replay.divergence import Divergence
-from kvreplay.replay.replayer import UNSUPPORTED, compose_report, few_collections
-from kvreplay.replay.report import MODES, ReplayReport
+from kvreplay.replay.compare import block_remap_difference, exception_difference, same
+from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop
+from kvreplay.replay.report import MODES
 from kvreplay.replay.timeline import Timeline
-from kvreplay.trace.format import GAP_TARGET, Opaque, TopCall
+from kvreplay.trace.format import Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
 
 
-class BlockReplayer:
-    """One replay of one block-pool trace against one build; ``run`` drives it."""
+class BlockReplayer(ReplayLoop):
+    """One replay of one block-pool trace against one build; ``run`` (the shared loop)
+    drives it."""
 
     # The block-pool calls a manager call made are compared with their block ids.
     nested_args = True
@@ -43,6 +41,7 @@ class BlockReplayer:
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
                  checked: bool = False, **_: Any) -> None:
+        self._start_loop()
         self.mode = one_of("mode", mode, MODES)
         self.reader = reader or TraceReader(trace)
         if not checked:
@@ -60,12 +59,8 @@ class BlockReplayer:
         self.checker = BlockPoolChecker(self.pool, full_check_every=full_check_every, keep=keep) if check else None
         self.stop_at_first = stop_at_first
         self.keep = keep
-        self.divergences: list[Divergence] = []
-        self.div_counts: Counter[str] = Counter()
-        self.calls = 0
         # a manager method by its name, a block-pool one by ("blocks", name): no tuple per manager call
         self._methods: dict[str | tuple[str, str], Callable[..., Any]] = {}
-        self.unsupported: str | None = None
         self._log: list[tuple[str, Any]] = []
         # a recording that starts mid-life (a snapshot, a later part) may hit blocks cached before it
         fresh = self.meta.initial_state is None and not (self.meta.extra.get("part") or {}).get("index")
@@ -77,11 +72,8 @@ class BlockReplayer:
             tl = self.timeline
             self.checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
 
-    def _diverge(self, call: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
-        self.div_counts[kind] += 1
-        self.timeline.mark("divergence", kind, call)
-        if self.div_counts[kind] <= self.keep:
-            self.divergences.append(Divergence(call, method, kind, json_value(expected), json_value(actual), message))
+    def calls_to_replay(self) -> Iterable[TopCall]:
+        return self.reader.top_calls(device="cpu", nested_args=self.nested_args)
 
     def _unsupported(self, n: int, method: str, why: str) -> tuple[None, BaseException]:
         """A call the build cannot take: a divergence, and (but for a counter read) where
@@ -173,39 +165,6 @@ class BlockReplayer:
             self._diverge(n, c.method, "nested", [f"blocks.{m} -> {r}" for m, r in rec[first:first + 3]],
                           [f"blocks.{m} -> {r}" for m, r in got[first:first + 3]],
                           "the build's block-pool calls differ from the recording")
-
-    def found_something(self) -> bool:
-        return bool(self.divergences) or bool(self.checker and self.checker.log.total)
-
-    def run(self, progress: Callable[[int, int], None] | None = None,
-            calls: Iterable[TopCall] | None = None) -> ReplayReport:
-        """Replay every call (or ``calls``, already decoded with their nested rows' arguments)."""
-        t0, c0 = time.perf_counter(), time.process_time()
-        total, rows, last, stopped = self.reader.num_rows, 0, 0, False
-        if calls is None:
-            calls = self.reader.top_calls(device="cpu", nested_args=self.nested_args)
-        with few_collections():
-            for tc in calls:
-                rows += tc.rows
-                if tc.call.target == GAP_TARGET:
-                    continue
-                self.step(tc)
-                last = tc.number
-                if progress is not None and self.calls % 512 == 0:
-                    progress(rows, total)
-                if self.unsupported is not None or (self.stop_at_first and self.found_something()):
-                    stopped = True
-                    break
-            held = self.checker.finish(last) if self.checker and not stopped else {}
-        if progress is not None:
-            progress(total, total)
-        report = compose_report(
-            trace=self.reader.source, build=self.build_spec, mode=self.mode, device=self.device,
-            calls=self.calls, wall=time.perf_counter() - t0, log=self.checker.log if self.checker else None,
-            divergences=self.divergences, div_counts=dict(self.div_counts), capacity_call=None, held=held,
-            stopped=stopped, translated={}, unsupported=self.unsupported, timeline=self.timeline.to_dict())
-        report.cpu_s = time.process_time() - c0
-        return report
 
 
 class BlockRemap:
