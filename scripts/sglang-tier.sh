@@ -48,6 +48,8 @@ case "${1:-all}" in
     all) ;;
     *) echo "sglang-tier: unknown step ${1} (install, soak, or nothing for the whole tier)" >&2; exit 2 ;;
 esac
+# What this tier holds, collected where its engine is installed (scripts/tiers.py).
+"$PY" scripts/tiers.py | grep -E "^(sglang|live|soak) "
 "$PY" -m pytest -m sglang -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py tests/test_docs_sglang.py || exit 1
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.

@@ -46,6 +46,8 @@ fi
 # a worker process importing vLLM, two at a time.
 budget=${KVREPLAY_VLLM_BUDGET_S:-900}
 start=$SECONDS
+# What this tier holds, collected where its engine is installed (scripts/tiers.py).
+"$PY" scripts/tiers.py | grep -E "^(vllm) "
 timeout "$budget" "$PY" -m pytest -m vllm -n 0 tests/test_vllm_live.py || exit $?
 left=$((budget - (SECONDS - start)))
 [ "$left" -gt 0 ] || { echo "vllm-tier: out of time (${budget}s) before the release tests" >&2; exit 124; }

@@ -33,6 +33,7 @@ def setups_of_recorder_bench() -> list[str]:
     return [label for label, _ in mod.SETUPS]
 
 
+@pytest.mark.slow
 def test_recorder_overhead_prints_a_ratio_for_every_setup_and_the_trace_size():
     got = run_bench(str(BENCH / "recorder_overhead.py"), "--requests", "15", "--repeat", "1")
     assert got.returncode == 0, got.stderr
@@ -50,6 +51,7 @@ def test_recorder_overhead_prints_a_ratio_for_every_setup_and_the_trace_size():
     assert "recorder's share of a scheduler at 1 CPU s/s:" in got.stdout
 
 
+@pytest.mark.slow
 def test_replay_overhead_prints_both_modes_clean(swa_trace_80):
     got = run_bench(str(BENCH / "replay_overhead.py"), str(swa_trace_80), "--repeat", "1")
     assert got.returncode == 0, got.stderr
@@ -57,6 +59,7 @@ def test_replay_overhead_prints_both_modes_clean(swa_trace_80):
     assert "replay remap  + checks" in got.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the bench measures instead")
 def test_gpu_recorder_says_plainly_that_it_measured_nothing_without_cuda():
     got = run_bench(str(BENCH / "gpu_recorder.py"), "--requests", "5", "--repeat", "1")
@@ -64,6 +67,8 @@ def test_gpu_recorder_says_plainly_that_it_measured_nothing_without_cuda():
     assert "no CUDA device" in got.stderr and got.stdout == ""
 
 
+@pytest.mark.slow
+@pytest.mark.browser
 def test_report_open_prints_size_and_open_time():
     from servers import browser  # skips (or fails under .ci/run) without Chromium and Playwright
 

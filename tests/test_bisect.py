@@ -70,6 +70,7 @@ def _cache(git_tree_cache):
     pass
 
 
+@pytest.mark.slow
 def test_bisect_names_the_culprit_within_the_replay_budget_and_skips_the_broken_commit(history, trace, tmp_path):
     repo, commits = history
     db = str(tmp_path / "k.db")
@@ -118,6 +119,7 @@ def test_bisect_over_an_ordered_list_of_builds(trace, tmp_path):
     assert res.target.id == "swa-mapping"
 
 
+@pytest.mark.slow
 def test_cli_bisect_prints_the_commit_and_the_step_log(history, trace, tmp_path):
     repo, commits = history
     db = str(tmp_path / "k.db")
@@ -156,6 +158,7 @@ def test_bad_bisect_input_is_a_one_line_error(history, trace, tmp_path, cli):
         assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, (args, res.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_git_bisect_run_with_kvreplay_replay(history, trace, tmp_path):
     """The README's recipe: git bisect run drives kvreplay replay on each checkout."""

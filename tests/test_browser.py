@@ -21,6 +21,8 @@ from servers import browser, browser_available, free_port, screenshot_dir
 from kvreplay.stored_replay import replay_and_store
 from kvreplay.workload.synth import SynthConfig, synthesize
 
+pytestmark = pytest.mark.browser
+
 
 @pytest.fixture(autouse=True)
 def _needs_a_browser():
@@ -80,6 +82,7 @@ def test_a_small_run_report_in_chromium(swa_trace_80, tmp_path):
                      for k in firsts}
 
 
+@pytest.mark.slow
 def test_demo_writes_the_bug_runs_report_and_it_opens(tmp_path):
     """The Done-when: kvreplay demo writes the report and prints its path; in Chromium
     it shows the occupancy chart and the first violation of each rule."""
@@ -117,6 +120,7 @@ def _served(db: str) -> Iterator[str]:
         p.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_dashboard_walk_runs_run_compare(swa_trace_80, tmp_path):
     db = str(tmp_path / "k.db")
     clean = replay_and_store(swa_trace_80, "builtin:swa", db=db)
@@ -187,6 +191,7 @@ def _drawn_without_errors(b, url: str, shots: Path, name: str):
     return page
 
 
+@pytest.mark.slow
 def test_matrix_bisect_and_assertion_pages(cli, swa_trace_80, tmp_path):
     db = str(tmp_path / "k.db")
     shots = screenshot_dir(tmp_path)
@@ -282,6 +287,7 @@ def test_a_hostile_build_spec_stays_text_on_the_history_page(swa_trace_80, tmp_p
             assert errors == []
 
 
+@pytest.mark.slow
 def test_a_run_report_opens_on_its_answer(tmp_path):
     """The first screen holds the verdict and the first finding of the earliest rule,
     opened with the calls that made and revealed it; every rule's first finding is

@@ -308,6 +308,7 @@ def test_tables_on_a_narrow_terminal_wrap_and_never_cut_a_name(tmp_path, cli):
     assert "builtin:swa@unfiltered-page0" in cells  # the build column, read down its lines
 
 
+@pytest.mark.slow
 def test_what_the_demo_writes_outlives_the_command(tmp_path):
     """The demo's trace and report were written into the command's scratch directory,
     which is removed when the command ends: the printed path led nowhere."""

@@ -14,13 +14,22 @@ from kvreplay.corpus.manifest import load_manifest
 from kvreplay.families.registry import BUILTINS, family
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.hashing import content_hash as sha256_of
+from kvreplay.trace.reader import TraceReader
 from kvreplay.trace.summary import summarize
 
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
 ENTRIES = load_manifest(CORPUS)
-# Cases on a big corpus trace run in the slow tier (conftest.py says which). The builtin
-# builds' only: an expectation on an engine's release (vllm==0.32.0) is the vLLM tier's.
+# The builtin builds' expectations only: one on an engine's release (vllm==0.32.0) is the vLLM tier's.
 CASES = [(e, x, mode) for e in ENTRIES for x in e.expect for mode in x.modes if x.build.startswith("builtin:")]
+# A case on a corpus trace of more than this many calls is in the slow tier (.ci/run's
+# kvreplay ci step replays those expectations too).
+SMALL_CALLS = 6_000
+_BIG = {e.name for e in ENTRIES if TraceReader(e.file).count_calls() > SMALL_CALLS}
+
+
+def _tiered(cases: list[tuple], ids: list[str]) -> list:
+    return [pytest.param(*c, id=i, marks=[pytest.mark.slow] if c[0].name in _BIG else []) for c, i in
+            zip(cases, ids, strict=True)]
 
 
 def test_manifest_files_exist_match_their_hash_and_stay_small():
@@ -43,8 +52,8 @@ def test_corpus_has_a_disagg_mtp_trace_of_2000_requests():
     assert s.meta["extra"]["synth"]["requests"] == 2000
 
 
-@pytest.mark.parametrize("entry, exp, mode", CASES, ids=[f"{e.name}-{x.build.removeprefix('builtin:')}-{m}"
-                                                         for e, x, m in CASES])
+@pytest.mark.parametrize("entry, exp, mode", _tiered(CASES, [f"{e.name}-{x.build.removeprefix('builtin:')}-{m}"
+                                                             for e, x, m in CASES]))
 def test_corpus_expectation(entry, exp, mode):
     report = replay(entry.file, exp.build, mode=mode, device="cpu")
     assert check_report(report, exp) == []
@@ -56,7 +65,7 @@ BUGGY = [(e, b) for n, b in sorted({(e.name, x.build) for e in ENTRIES for x in 
          for e in ENTRIES if e.name == n and family(BUILTINS[b.removeprefix("builtin:")].family).slots]
 
 
-@pytest.mark.parametrize("entry, build", BUGGY, ids=[f"{e.name}-{b.removeprefix('builtin:')}" for e, b in BUGGY])
+@pytest.mark.parametrize("entry, build", _tiered(BUGGY, [f"{e.name}-{b.removeprefix('builtin:')}" for e, b in BUGGY]))
 def test_native_and_numpy_checkers_find_the_same_violations(entry, build, monkeypatch):
     """The C index kernels are an optimisation: the numpy fallback must report the
     same violations, in the same order, with the same indices and counts."""

@@ -31,6 +31,7 @@ def _ci(cli, corpus, build, *extra):
     return cli("ci", str(corpus), "--build", build, "--db", str(corpus / "k.db"), *extra)
 
 
+@pytest.mark.slow
 def test_the_correct_pool_passes_and_the_junit_file_is_well_formed(corpus, cli):
     res = _ci(cli, corpus, "builtin:swa", "-j", "2", "--junit", str(corpus / "out.xml"), "--summary",
               str(corpus / "s.md"))
@@ -104,6 +105,7 @@ def test_docs_ci_command_runs_from_the_repository_root(corpus):
     assert f"{2 * len(SMALL)} passed" in res.stdout, res.stdout[-500:]
 
 
+@pytest.mark.slow
 def test_the_pytest_plugin_fails_an_item_whose_expectation_does_not_hold(corpus, tmp_path_factory):
     manifest = json.loads((corpus / "manifest.json").read_text())
     for e in manifest["traces"]:

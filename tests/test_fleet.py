@@ -106,6 +106,7 @@ def test_synth_writes_to_s3(s3, cli):
     assert json.loads(cli("inspect", uri, "--json").stdout)["calls"] == json.loads(r.stdout)["calls"]
 
 
+@pytest.mark.slow
 def test_a_hive_partitioned_dump_is_a_corpus(s3, cli, tmp_path, small_corpus):
     endpoint, bucket = s3
     dump = tmp_path / "dump"
@@ -141,6 +142,7 @@ def test_ci_on_s3(s3, cli, tmp_path, small_corpus):
     assert any(x["status"] == "violation" for x in runs)  # the manifest's expectations held (exit 0)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ci_on_s3_with_ray_stores_the_same_runs(s3, cli, tmp_path, small_corpus):
     if os.environ.get("KVREPLAY_REQUIRE_SERVICES") != "1":

@@ -121,6 +121,7 @@ def _found_something(line: str, variant: str) -> bool:
     return (variant in line and line.startswith("kvreplay replay")) or line.startswith("kvreplay diff")
 
 
+@pytest.mark.slow
 def test_the_readme_tour_runs_in_order(tmp_path):
     lines = [line.replace("/tmp/", f"{tmp_path}/") for line in _tour()]
     rc, out, page = _run_tour(tmp_path, lines)
@@ -160,6 +161,7 @@ def _on_vllm(line: str, trace: str) -> str:
     return line if not line.startswith("kvreplay") else shlex.join(out)
 
 
+@pytest.mark.slow
 def test_the_readme_tour_runs_on_a_vllm_trace(tmp_path):
     trace = f"{tmp_path}/vllm.parquet"
     lines = [_on_vllm(line.replace("/tmp/", f"{tmp_path}/"), trace) for line in _tour()]
@@ -176,11 +178,29 @@ def test_the_readme_tour_runs_on_a_vllm_trace(tmp_path):
     assert "ref-count-not-owners" in step["minimize"]
 
 
-def test_slow_tests_are_marked_in_one_place():
-    marker = "mark." + "slow"
-    for path in sorted((ROOT / "tests").glob("*.py")):
-        if path.name != "conftest.py":
-            assert marker not in path.read_text(), f"{path.name}: slow tests are named in conftest.py only"
+def test_tiers_are_markers_on_the_tests_and_a_case_named_slow_must_exist(tmp_path):
+    """No list of test names decides a tier (a renamed test kept its tier by its marker);
+    ``slow_cases`` naming a case its test does not have stops the collection."""
+    conftest = (ROOT / "tests" / "conftest.py").read_text()
+    assert "SLOW_TESTS" not in conftest and "SLOW_CASES" not in conftest
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "spec = importlib.util.spec_from_file_location('kvreplay_tests_conftest', "
+        f"{str(ROOT / 'tests' / 'conftest.py')!r})\n"
+        "ours = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ours)\n"
+        "pytest_collection_modifyitems = ours.pytest_collection_modifyitems\n")
+    (tmp_path / "test_t.py").write_text("import pytest\n\n@pytest.mark.slow_cases('b', 'gone')\n"
+                                        "@pytest.mark.parametrize('x', ['a', 'b'], ids=['a', 'b'])\n"
+                                        "def test_x(x):\n    pass\n")
+    ini = ["-o", "addopts=", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path)]
+    got = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *ini, str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert got.returncode != 0 and "slow_cases names ['gone']" in got.stdout + got.stderr, got.stdout[-2000:]
+    (tmp_path / "test_t.py").write_text((tmp_path / "test_t.py").read_text().replace(", 'gone'", ""))
+    got = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", *ini, str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert got.returncode == 0 and "test_x[b]" in got.stdout and "test_x[a]" not in got.stdout, got.stdout[-2000:]
 
 
 def test_every_docs_command_has_a_tier_that_runs_it():
@@ -216,6 +236,7 @@ def _stage_mypool(home: Path) -> None:
 HERE_PAGES = sorted({p for p, w in DOCS_COMMANDS if tier(w, p) == "here"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", HERE_PAGES)
 def test_the_docs_commands_of_this_tier_run(tmp_path, page):
     """Every command the docs pages write that needs no sglang and no server runs as

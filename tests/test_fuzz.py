@@ -104,6 +104,7 @@ def test_damaged_traces_fast(bases, tmp_path, cli):
 SHARDS = 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", range(SHARDS))
 def test_damaged_traces_many(bases, tmp_path, cli, shard):
     first, last = SLOW_TRACES * shard // SHARDS, SLOW_TRACES * (shard + 1) // SHARDS
@@ -145,6 +146,7 @@ def test_damaged_manifests_fast(corpus, cli):
     assert exits.get(2, 0) > 0, exits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", range(2))
 def test_damaged_manifests_many(corpus, cli, shard):
     exits = _fuzz_manifests(250, SEED + 1, corpus, cli, first=250 * shard)

@@ -25,7 +25,7 @@ from test_fuzz import OK_EXITS, deadline
 
 SEED = int(os.environ.get("KVREPLAY_FUZZ_SEED", "20261204"))
 FAST, SLOW = 20, 500
-TIERS = [pytest.param(FAST, id="fast"), pytest.param(SLOW, id="slow")]  # [slow]: the slow tier (conftest.py)
+TIERS = [pytest.param(FAST, id="fast"), pytest.param(SLOW, id="slow", marks=pytest.mark.slow)]
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
 SMALL_TRACE = CORPUS / "sglang-0.5.23-swa-page0.parquet"
 

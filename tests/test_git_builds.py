@@ -43,6 +43,7 @@ def _cache(git_tree_cache):
     pass
 
 
+@pytest.mark.slow
 def test_two_revisions_replay_in_their_own_processes(repo, trace):
     good = replay(trace, f"git:{repo}@good:mypool:Pool", device="cpu")
     buggy = replay(trace, f"git:{repo}@buggy:mypool:Pool", device="cpu")
@@ -64,6 +65,7 @@ def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace
     assert json.loads(shown.stdout)[0]["status"] == "unloadable"
 
 
+@pytest.mark.slow
 def test_a_crashing_or_hanging_build_does_not_take_kvreplay_down(repo, trace):
     crashed = replay(trace, f"git:{repo}@crash:mypool:Pool", device="cpu")
     assert crashed.status == "crashed" and crashed.exit_code == 125
@@ -71,6 +73,7 @@ def test_a_crashing_or_hanging_build_does_not_take_kvreplay_down(repo, trace):
     assert hung.status == "timeout" and "5 s" in hung.message and hung.exit_code == 125
 
 
+@pytest.mark.slow
 def test_a_native_crash_says_what_killed_it_and_where_and_the_next_trace_gets_a_fresh_worker(repo, trace):
     from kvreplay.replay.worker import replay_many_in_worker
 

@@ -125,6 +125,7 @@ def test_a_trace_with_nothing_replayable_is_bad_input_and_stores_nothing(damage,
     assert not db.exists()
 
 
+@pytest.mark.slow
 def test_synth_stopped_by_a_signal_leaves_no_file_under_its_name(tmp_path):
     out = tmp_path / "big.parquet"
     child = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", "synth", "disagg-mtp", "--requests",
@@ -379,6 +380,7 @@ def test_a_foreign_part_in_a_rotated_trace_is_refused(meta, words, tmp_path, cli
 
 
 # 11 -- one signal, one flight dump per allocator that has calls -------------------------
+@pytest.mark.slow
 def test_one_sigusr2_writes_one_dump(tmp_path):
     prog = tmp_path / "prog.py"
     prog.write_text(textwrap.dedent("""
@@ -824,6 +826,7 @@ def test_a_manifest_that_is_not_a_file_is_bad_input_not_a_folder_of_traces(tmp_p
     assert not db.exists()
 
 
+@pytest.mark.slow_cases("sliding_window:", "sliding_window:-5", "sliding_window:0", "sliding_window", "full,,full")
 @pytest.mark.parametrize("attention", ["sliding_window:abc", "sliding_window:-5", "sliding_window:", "sliding_window",
                                        "sliding_window:0", "full,,full", "full;rm -rf"])
 def test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds(tmp_path, cli, attention):
@@ -832,6 +835,7 @@ def test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds(tmp_path, c
     assert not (tmp_path / "k.db").exists()
 
 
+@pytest.mark.slow_cases("0-get_new_blocks-trace3-builtin:swa", "50-free_group_begin-trace1-builtin:vllm")
 @pytest.mark.parametrize("row, method, trace, build", [
     (0, "alloc_extend", VLLM_LIVE, "builtin:vllm"), (50, "free_group_begin", VLLM_LIVE, "builtin:vllm"),
     (3, "allocate_slots", PAGE0, "builtin:swa"), (0, "get_new_blocks", PAGE0, "builtin:swa")])

@@ -2,7 +2,11 @@
 
 Each command runs with a marker in its environment, which every process it starts
 inherits; after SIGTERM (or SIGINT) no process with the marker may be left, even one
-re-parented to PID 1, and the temporary directory the command was given stays empty."""
+re-parented to PID 1, and the temporary directory the command was given stays empty.
+
+Nothing here waits a fixed number of seconds: the build replayed never returns from
+its first allocation (so a command that ends, ends because of the signal), and it says
+when it got there by a file; the timeouts only bound a test that would otherwise hang."""
 
 from __future__ import annotations
 
@@ -18,14 +22,19 @@ import pytest
 from servers import pids
 
 SLOW_POOL = '''
+import os
 import time
+from pathlib import Path
+
 from kvreplay.families.sglang.swa import SWAPool
 
 
 class Pool(SWAPool):
     def alloc_extend(self, *args, **kwargs):
-        time.sleep(0.2)  # a slow build: the replay is still running when the signal comes
-        return super().alloc_extend(*args, **kwargs)
+        # A replay is running now: say so, then never return (the signal must end it).
+        Path(os.environ["KVREPLAY_TEST_REPLAYING"], str(os.getpid())).touch()
+        while True:
+            time.sleep(0.05)
 '''
 
 
@@ -69,32 +78,38 @@ MARK = f"KVREPLAY_TEST_INTERRUPT={uuid.uuid4().hex}"
 
 
 def _interrupt(tmp_path: Path, sig: int, *argv: str, extra_path: str = "", worker: bytes = b"") -> None:
-    scratch = tmp_path / "tmp"
+    scratch, replaying = tmp_path / "tmp", tmp_path / "replaying"
     scratch.mkdir()
+    replaying.mkdir()
     key, _, value = MARK.partition("=")
     env = {**os.environ, key: value, "TMPDIR": str(scratch), "KVREPLAY_CACHE": str(tmp_path / "cache"),
+           "KVREPLAY_TEST_REPLAYING": str(replaying),
            "PYTHONPATH": os.pathsep.join(p for p in (extra_path, os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", *argv, "--db", str(tmp_path / "k.db")],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while len(_marked(worker)) < 2 - bool(worker) and time.monotonic() < deadline:  # a worker is running
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.2)
-        assert len(_marked(worker)) >= 2 - bool(worker), "no worker started"
-        time.sleep(1.0)
+        _until(lambda: any(replaying.iterdir()) or proc.poll() is not None, "no replay started")
+        assert proc.poll() is None, proc.stderr.read()
+        if worker:  # the replay that started is in a worker process of the command's
+            assert {int(p.name) for p in replaying.iterdir()} & set(_marked(worker)), "the replay is not a worker's"
         proc.send_signal(sig)
-        code = proc.wait(timeout=15)  # not the minutes the replays still had to go
+        code = proc.wait(timeout=300)  # only a hang guard: the build never returns on its own
     finally:
         proc.kill()
     assert code == (143 if sig == signal.SIGTERM else 130), proc.stderr.read()
-    deadline = time.monotonic() + 3
-    while _marked() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _marked() == [], "workers outlived the command"
+    _until(lambda: not _marked(), "workers outlived the command")
     assert list(scratch.iterdir()) == [], "scratch files left behind"
 
 
+def _until(done, failure: str, guard_s: float = 300.0) -> None:
+    """Wait for ``done()``; ``guard_s`` only bounds a test that would otherwise hang."""
+    deadline = time.monotonic() + guard_s
+    while not done():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
 def test_sigterm_to_replay_jobs_ends_its_workers(tmp_path, trace, slow):
     repo, _ = slow
     _interrupt(tmp_path, signal.SIGTERM, "replay", str(trace), "--build", "py:slowpool:Pool", "--jobs", "2",

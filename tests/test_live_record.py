@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.reader import TraceReader
 
@@ -36,6 +38,7 @@ def _run(tmp_path, body: str, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_every_process_records_its_allocator_and_the_exit_code_passes_through(tmp_path):
     res = _run(tmp_path, """
         import multiprocessing as mp, sys
@@ -97,6 +100,7 @@ def test_no_command_or_a_missing_one_is_a_one_line_error(tmp_path):
         assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_record_flight_writes_only_the_last_calls_when_the_server_fails(tmp_path):
     res = _run(tmp_path, """
         import sys
@@ -119,6 +123,7 @@ def test_record_flight_writes_only_the_last_calls_when_the_server_fails(tmp_path
     assert r.divergences == [] and r.calls_replayed == len(calls)
 
 
+@pytest.mark.slow
 def test_record_counters_every_reaches_each_recorded_process(tmp_path):
     import pyarrow.parquet as pq
 
@@ -176,6 +181,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_server_that_sigkills_its_whole_process_tree_still_leaves_every_call(tmp_path):
     # sglang's shutdown (Ctrl-C or SIGTERM) SIGKILLs the scheduler and every descendant
     # of the launcher: the trace writer must not be one of them.
@@ -186,6 +192,7 @@ def test_a_server_that_sigkills_its_whole_process_tree_still_leaves_every_call(t
     assert (r.calls_replayed, r.status) == (50, "clean")
 
 
+@pytest.mark.slow
 def test_a_pool_built_with_the_kv_cache_dtype_is_recorded_and_replays(tmp_path):
     # sglang passes its allocators the KV cache's dtype (bfloat16 on GPU servers,
     # float8 when quantised); the trace contract takes what servers pass.

@@ -37,6 +37,7 @@ def small_trace(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_seed_bug_trace_shrinks_to_a_reproducer_that_fails_only_on_the_bug(tmp_path):
     out, test_file = tmp_path / "min.parquet", tmp_path / "test_repro.py"
     res = _cli("minimize", str(TRACES / "disagg-mtp-2000.parquet"), "--build", "builtin:swa@stale-tail",
@@ -64,6 +65,10 @@ def test_the_seed_bug_trace_shrinks_to_a_reproducer_that_fails_only_on_the_bug(t
     assert passing.returncode == 0, passing.stdout[-2000:]
 
 
+@pytest.mark.slow_cases(
+    "sglang-0.5.23-swa-page0-builtin:swa@unfiltered-page0",
+    "radix-swa-800-builtin:swa@deferred-lookup",
+)
 @pytest.mark.parametrize("name,variant", [
     ("radix-swa-800", "builtin:swa@deferred-lookup"),
     ("sglang-0.5.23-swa-page0", "builtin:swa@unfiltered-page0")])

@@ -134,6 +134,7 @@ def test_both_capture_engines_write_identical_rows(tmp_path, backend):
     assert tables[0].equals(tables[1])
 
 
+@pytest.mark.slow_cases("python")
 def test_interpreter_exit_flushes_an_open_recording(tmp_path):
     path = tmp_path / "t.parquet"
     script = textwrap.dedent(
@@ -152,6 +153,7 @@ def test_interpreter_exit_flushes_an_open_recording(tmp_path):
     assert [c.method for c in calls] == ["alloc", "free"] * 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("then", ["busy", "idle"])
 def test_sigkill_loses_no_call_older_than_a_second(tmp_path, backend, then):
     """kill -9 of a recording process, busy to the end or idle: every call that
@@ -187,6 +189,7 @@ def test_sigkill_loses_no_call_older_than_a_second(tmp_path, backend, then):
     assert not report.violations and not report.divergences
 
 
+@pytest.mark.slow_cases("python")
 def test_sigkill_keeps_a_small_last_batch(tmp_path):
     """The idle flusher's last batch is a few calls, a frame of a few hundred bytes:
     it must reach the writer process, not wait in the sender's pipe buffer for a next
@@ -372,3 +375,24 @@ def test_both_engines_write_a_vllm_wires_strings_and_id_tuples_alike(tmp_path, b
     kinds = {a["kind"] for row in tables[0].column("args").to_pylist() for a in row}
     assert {"str", "ints"} <= kinds and tables[0].num_rows > 300
     assert tables[0].equals(tables[1])
+
+
+@pytest.mark.gpu
+def test_a_pool_on_cuda_is_recorded_off_the_callers_stream_and_replays_on_cuda(tmp_path):
+    """The device path for real: index tensors on CUDA are copied off the device by the
+    writer (never a sync on the caller's thread), and the trace replays strict-clean on
+    CUDA and on CPU alike, with the same calls as a CPU recording of the same program."""
+    calls = {}
+    for device in ("cuda", "cpu"):
+        cfg = SynthConfig(scenario="disagg-mtp", out=tmp_path / "unused", requests=40, full_size=512, swa_size=256,
+                          device=device)
+        pool = SWAPool(512, 256, 4, device=device, need_sort=True)
+        rec = record(pool, tmp_path / f"{device}.parquet")
+        run_model(pool, cfg, SCENARIOS["disagg-mtp"])
+        rec.close()
+        calls[device] = [(c.method, repr(c.result.tolist() if hasattr(c.result, "tolist") else c.result))
+                         for c in TraceReader(tmp_path / f"{device}.parquet").calls()]
+    assert calls["cuda"] == calls["cpu"] and len(calls["cpu"]) > 200
+    for device in ("cuda", "cpu"):
+        report = replay(tmp_path / "cuda.parquet", "builtin:swa", device=device)
+        assert report.status == "clean" and report.device.startswith(device), report.status

@@ -211,6 +211,7 @@ def test_replay_fixed_needs_a_failure(cli, swa_trace_80):
     assert r.returncode == 2 and "--fixed needs --git-bisect and --failure" in r.stderr
 
 
+@pytest.mark.slow
 def test_matrix_stores_one_run_per_cell_and_reuses_exact_builds(swa_trace_80, tmp_path):
     db = str(tmp_path / "m.db")
     builds = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@unfiltered-page0"]
@@ -227,6 +228,7 @@ def test_matrix_stores_one_run_per_cell_and_reuses_exact_builds(swa_trace_80, tm
     assert [(c.status, c.rules) for c in again.cells] == [(c.status, c.rules) for c in res.cells]
 
 
+@pytest.mark.slow
 def test_matrix_from_the_command_line(cli, swa_trace_80, tmp_path):
     r = cli("matrix", str(swa_trace_80), "--builds", "builtin:swa,builtin:swa@stale-tail", "--db",
             str(tmp_path / "m.db"), "--device", "cpu", "--json")

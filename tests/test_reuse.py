@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import update
 
 from kvreplay.bisect import Prober
@@ -18,6 +19,7 @@ SPECS = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@page-partial-clea
          "builtin:swa@deferred-lookup", "builtin:swa@unfiltered-page0"]
 
 
+@pytest.mark.slow
 def test_bisect_and_matrix_reuse_exactly_the_same_runs(swa_trace_80, tmp_path):
     db = str(tmp_path / "k.db")
     runs = {spec: replay_and_store(swa_trace_80, spec, db=db).run_id for spec in SPECS}

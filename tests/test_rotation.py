@@ -39,6 +39,7 @@ def test_a_rotated_trace_reads_as_the_same_trace_in_parts(tmp_path, writer):
     assert file_hash(parts) == file_hash(parts) != file_hash(one)
 
 
+@pytest.mark.slow
 def test_killed_with_its_writer_a_rotated_trace_keeps_its_closed_parts(tmp_path):
     """The writer thread dies with the process: only parts closed before the kill
     survive, and with a part closed every 0.2 s nothing older than a second is lost."""

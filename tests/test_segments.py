@@ -54,6 +54,12 @@ def test_checkpoints_are_rows_between_calls(tmp_path, swa_trace):
     assert len(segs) >= 3 and segs[0].start_row == 0 and segs[-1].end_row is None
 
 
+@pytest.mark.slow_cases(
+    "strict-builtin:swa@page-partial-clear",
+    "strict-builtin:swa@unfiltered-page0",
+    "remap-builtin:swa@page-partial-clear",
+    "remap-builtin:swa@unfiltered-page0",
+)
 @pytest.mark.parametrize("build", ["builtin:swa", "builtin:swa@stale-tail",
                                    "builtin:swa@page-partial-clear", "builtin:swa@unfiltered-page0"])
 @pytest.mark.parametrize("mode", ["strict", "remap"])

@@ -36,6 +36,7 @@ def attached(tmp_path_factory):
     return out, len(calls) - half
 
 
+@pytest.mark.slow
 def test_a_recording_attached_mid_life_starts_with_a_snapshot_and_replays_clean(attached):
     path, n = attached
     meta = TraceReader(path).meta
@@ -49,6 +50,7 @@ def test_a_recording_attached_mid_life_starts_with_a_snapshot_and_replays_clean(
     assert bad.first_violation.invariant == "swa-mapping"
 
 
+@pytest.mark.slow
 def test_without_its_snapshot_the_attached_trace_would_not_replay(attached):
     path, _ = attached
     r = Replayer(path, "builtin:swa", check=True)
@@ -82,6 +84,7 @@ def test_snapshot_round_trips_into_a_new_pool():
     assert snapshot.take(again) == snapshot.take(pool)
 
 
+@pytest.mark.slow
 def test_a_build_that_cannot_take_the_snapshot_is_unloadable(attached):
     path, _ = attached
     res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "replay", str(path), "--build",

@@ -84,6 +84,7 @@ def test_a_failure_while_storing_leaves_nothing(db_url, trace, monkeypatch):
     assert counts(db) == (1, 0)  # the first run only, no half of the second
 
 
+@pytest.mark.slow
 def test_eight_replays_writing_at_once_lose_nothing(db_url, trace):
     db = db_url
     open_store(db).close()

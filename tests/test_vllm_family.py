@@ -59,6 +59,7 @@ def test_the_model_replays_strict_clean_on_the_builtin_manager(model_trace):
     assert r.status == "clean" and r.calls_replayed > 30_000, (r.first_divergence, r.first_violation)
 
 
+@pytest.mark.slow
 def test_the_live_server_trace_replays_strict_clean_on_the_builtin_manager():
     r = replay(LIVE, "builtin:vllm", mode="strict", device="cpu")
     assert r.status == "clean" and r.calls_replayed == 31_075, (r.first_divergence, r.first_violation)
@@ -109,6 +110,12 @@ def _with_ctor(src: Path, dst: Path, **changes: object) -> Path:
     return dst
 
 
+@pytest.mark.slow_cases(
+    "changes3-watermark must be a number in 0..1",
+    "changes4-use_eagle must be true or false",
+    "changes1-num_blocks must be a whole number",
+    "changes2-enable_caching must be true or false",
+)
 @pytest.mark.parametrize("changes, said", [
     ({"attention": ["full"]}, "attention must name the manager's attention kinds"),
     ({"num_blocks": -1}, "num_blocks must be a whole number"),
@@ -122,6 +129,7 @@ def test_damaged_constructor_arguments_are_one_line_errors(tmp_path, changes, sa
     assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.slow
 def test_a_hybrid_managers_trace_reads_and_says_which_builds_cannot_take_it(tmp_path, kvreplay):
     hybrid = _with_ctor(LIVE, tmp_path / "hybrid.parquet", attention="FullAttentionSpec,SlidingWindowSpec")
     assert kvreplay("inspect", str(hybrid)).returncode == 0
@@ -148,6 +156,7 @@ def test_block_ids_outside_the_pool_are_a_divergence_not_another_block(tmp_path,
     assert out.returncode == 1 and json.loads(out.stdout)["divergence_counts"].get("exception"), out.stdout
 
 
+@pytest.mark.slow
 def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_path, kvreplay):
     table = pq.read_table(LIVE).slice(0, 40)
     rows = table.to_pylist()
@@ -162,6 +171,7 @@ def test_hash_words_that_make_no_whole_hash_are_a_divergence_not_a_crash(tmp_pat
     assert json.loads(out.stdout)["divergence_counts"].get("exception")
 
 
+@pytest.mark.slow_cases("args2-the minimal trace itself is the reproducer", "args1-nothing to minimize")
 @pytest.mark.parametrize("args, said", [
     (["replay", str(LIVE), "--build", "builtin:swa"], "records a vllm pool but builtin:swa is a swa pool"),
     (["minimize", str(LIVE), "-b", "builtin:vllm", "-o", "small.parquet"], "nothing to minimize"),
@@ -216,6 +226,7 @@ def test_remap_hands_a_request_the_builds_own_prefix_hit(crowded_trace, tmp_path
     assert got["num_new_tokens"] == 132  # the request reaches the same length: 164 tokens
 
 
+@pytest.mark.slow
 def test_minimize_shrinks_a_vllm_trace_to_calls_that_still_leak(crowded_trace, tmp_path):
     out = tmp_path / "small.parquet"
     res = minimize(crowded_trace, "builtin:vllm@pin-before-room-check", out)

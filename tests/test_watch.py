@@ -57,6 +57,7 @@ def _free_port() -> int:
     return port
 
 
+@pytest.mark.slow  # (the live tier runs the same on a real server)
 def test_a_watched_buggy_pool_is_named_at_its_call_within_a_second_with_a_reproducer(tmp_path):
     port = _free_port()
     proc = _record(tmp_path, "buggy", 300, 3, "--watch", "--metrics-port", str(port), "--minimize-s", "3",
@@ -139,6 +140,7 @@ def test_the_watch_carries_its_state_across_parts(tmp_path):
         pytest.fail(f"no part holds call #{call}")
 
 
+@pytest.mark.slow
 def test_a_clean_pool_watched_across_retired_parts_stays_clean(tmp_path):
     proc = _record(tmp_path, "clean", 600, 0, "--watch", "--part-rows", "1000", "--keep-parts", "2", "--json")
     out, err = proc.communicate(timeout=300)
@@ -171,6 +173,7 @@ def _writer_of(trace_dir: Path) -> int:
     return pid
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the writer in /proc")
 def test_a_stalled_writer_never_slows_the_program_and_the_watch_counts_what_it_lost(tmp_path, monkeypatch):
     """SIGSTOP the writer for seconds: the recorded calls take no longer, the queue to
