@@ -32,7 +32,7 @@ import torch
 
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, KvreplayError
-from kvreplay.families.registry import family
+from kvreplay.family.registry import family
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, method_kind
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay

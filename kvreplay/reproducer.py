@@ -17,7 +17,7 @@ import torch
 
 from kvreplay.check.rules import INVARIANTS
 from kvreplay.errors import BadInput
-from kvreplay.families.registry import all_methods
+from kvreplay.family.registry import all_methods
 from kvreplay.pool_api import ALLOCS, FULL_TOKEN_ARGS
 from kvreplay.trace.format import TopCall
 from kvreplay.trace.reader import TraceReader

@@ -23,13 +23,13 @@ LAYERS: list[list[str]] = [
     ["corpus"],
     ["bisect", "minimize", "demo", "matrix", "dashboard"],
     ["stored_replay", "reproducer", "report", "watch"],
-    ["families.sglang", "families.vllm"],  # each family's own code, named by its record
+    ["families.sglang", "families.vllm", "families"],  # each family's own code, named by its record
     ["workload"],
     ["recorder", "replay", "checked_pool"],
     ["check", "store"],
     ["builds"],
     ["trace", "fanout"],
-    ["families"],  # the records and their registry
+    ["family"],  # what a family is: the record, and the registry of records
     ["pool_api", "errors", "version", "scratch", "limits"],
 ]
 

@@ -1,5 +1,5 @@
-"""A pool family is one record (kvreplay/families/): no module outside the families'
-folders branches on a family's or engine's name, and a toy third family, kept in the
+"""A pool family is one record (kvreplay/family/) and one folder (kvreplay/families/):
+no module outside the families' folders branches on a family's or engine's name, and a toy third family, kept in the
 tests alone (tests/toyfam/), goes through every command."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import toyfam
 
-from kvreplay.families import registry
+from kvreplay.family import registry
 
 PKG = Path(__file__).resolve().parents[1] / "kvreplay"
 TESTS = Path(__file__).resolve().parent

@@ -13,8 +13,8 @@ import torch
 
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable, FamilyMismatch, UnknownBuild
-from kvreplay.families.record import load
-from kvreplay.families.registry import BUILTINS, engine, families, family
+from kvreplay.family.record import load
+from kvreplay.family.registry import BUILTINS, engine, families, family
 from kvreplay.trace.format import POOL_DTYPES
 
 

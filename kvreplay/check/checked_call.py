@@ -11,7 +11,7 @@ from kvreplay.builds.translations import abstract, dropped_args, translate
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import PoolView
 from kvreplay.errors import BadInput
-from kvreplay.families.registry import all_methods
+from kvreplay.family.registry import all_methods
 
 
 def method_of(pool: Any, method: str) -> tuple[Callable[..., Any] | None, bool]:

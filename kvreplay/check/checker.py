@@ -22,8 +22,8 @@ from kvreplay.check import kernels
 from kvreplay.check.pool_view import PoolView, to_np
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.check.shadow import Shadow, packed, unpacked
-from kvreplay.families.record import load
-from kvreplay.families.registry import family
+from kvreplay.family.record import load
+from kvreplay.family.registry import family
 from kvreplay.pool_api import ALLOCS, FREES, SWA_ONLY_FREES
 
 MAX_INDICES = 8

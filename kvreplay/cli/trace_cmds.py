@@ -13,7 +13,7 @@ from rich.table import Table
 from kvreplay.cli import base
 from kvreplay.cli.base import JSON_HELP, URI_HELP, app, emit_json, out, progress, say
 from kvreplay.cli.render import row
-from kvreplay.families.registry import unit_of
+from kvreplay.family.registry import unit_of
 
 
 @app.command()
@@ -153,7 +153,7 @@ def inspect(
 @app.command("builds")
 def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
     """List the builds: builtin pools, bug variants and other build kinds."""
-    from kvreplay.families.registry import BUILTINS, engines
+    from kvreplay.family.registry import BUILTINS, engines
 
     rows = [{"build": f"builtin:{b.name}", "family": b.family, "summary": b.summary} for b in BUILTINS.values()]
     if as_json:

@@ -16,7 +16,7 @@ from typing import Any
 from kvreplay.corpus.expectations import expectation_of
 from kvreplay.corpus.manifest import MANIFEST, NAME, check_entry, load_manifest, read_document, write_document
 from kvreplay.errors import BadInput
-from kvreplay.families.registry import family
+from kvreplay.family.registry import family
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader

@@ -1,2 +1,2 @@
-"""Pool families and engines: one record each (record.py), listed in registry.py;
-a family's own code lives in its folder here."""
+"""The pool families, a folder each (sglang/, vllm/): a family's own code, named by the
+record its package registers (kvreplay/family/ says what a record holds)."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.families.registry import ctor_args_of_pool, family, family_of_pool
+from kvreplay.family.registry import ctor_args_of_pool, family, family_of_pool
 from kvreplay.pool_api import COUNTER_METHODS, COUNTER_READS
 from kvreplay.recorder.capture import Engine, default_backend
 from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from kvreplay.errors import KvreplayError
-from kvreplay.families.registry import family
+from kvreplay.family.registry import family
 from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvreplay.errors import BadInput, TraceFormatError
-from kvreplay.families.registry import family, same_engine
+from kvreplay.family.registry import family, same_engine
 from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.trace.reader import TraceReader
 

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
-from kvreplay.families.registry import all_methods, family
+from kvreplay.family.registry import all_methods, family
 from kvreplay.pool_api import COUNTER_READS
 from kvreplay.trace.footer import row_group_counts
 from kvreplay.trace.format import (

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvreplay.errors import BadInput
-from kvreplay.families.record import load
-from kvreplay.families.registry import engines
+from kvreplay.family.record import load
+from kvreplay.family.registry import engines
 from kvreplay.workload.requests import Request
 
 FIRST_TOKEN = 3  # below: ids models keep for padding, BOS and EOS

@@ -22,8 +22,8 @@ import sys
 from typing import Any
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported, UnknownBuild
-from kvreplay.families.record import Family
-from kvreplay.families.registry import family as family_record
+from kvreplay.family.record import Family
+from kvreplay.family.registry import family as family_record
 
 # The SWA KV-pool classes an allocator may check its kvcache against, newest first.
 _SWA_KV_NAMES = ("BaseSWAKVPool", "SWAKVPool")

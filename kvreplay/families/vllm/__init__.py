@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.families.record import BuiltinBuild, Engine, Family, Scenario
+from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.limits import MAX_POOL_SLOTS, limit
 from kvreplay.pool_api import VLLM_HOUSEKEEPING, VLLM_METHODS
 

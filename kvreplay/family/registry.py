@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from kvreplay.families.record import BuiltinBuild, Engine, Family, Scenario
+from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
 
 # The family packages kvreplay ships, one line each.
 PACKAGES: tuple[str, ...] = (
