@@ -264,7 +264,7 @@ def test_synth_drives_the_manager_with_prefix_caching_off(tmp_path, cli):
     (",".join(["full"] * 17), None),
 ])
 def test_a_traces_attention_names_its_full_and_sliding_window_groups(attention, groups):
-    from kvreplay.pool_api import vllm_groups
+    from kvreplay.families.vllm.vocabulary import vllm_groups
 
     assert vllm_groups(attention) == groups
 

@@ -93,6 +93,9 @@ class Family:
     # calls that hand out and free nothing when the build has no work at their point:
     # minimize tries a trace without all of them at once before it tries calls one by one
     housekeeping: frozenset[str] = frozenset()
+    # calls of its own that always answer None (beyond the shared vocabulary's frees and
+    # groups): a None from them is no refusal for want of room
+    void_methods: frozenset[str] = frozenset()
     invariants: tuple[tuple[str, str], ...] = ()  # (name, what it says) of the invariants only it has
     rules: str = ""  # its rules: lines of ``invariant/rule | severity | what happened`` (check/rules.py)
 

@@ -56,6 +56,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     t_max: int | None = None
     min_avail: dict[str, int] = {}
     counter_col = family(meta.family).counter_of
+    void = pa.array(sorted(VOID_METHODS | family(meta.family).void_methods), pa.string())
     for batch in reader.iter_batches(columns=_COLUMNS):
         rows += batch.num_rows
         is_top = pc.equal(batch["depth"], 0)
@@ -76,7 +77,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         exceptions += batch.num_rows - batch["exc_type"].null_count
         result = batch["result"]
         kinds = pc.struct_field(result, "kind")
-        nones += _out_of_memory_answers(batch, is_top, kinds)
+        nones += _out_of_memory_answers(batch, is_top, kinds, void)
         indices += _list_total(pc.struct_field(result, "data"))
         indices += _list_total(pc.struct_field(pc.list_flatten(batch["args"]), "data"))
         lo, hi = pc.min(batch["t_start_ns"]).as_py(), pc.max(batch["t_end_ns"]).as_py()
@@ -127,9 +128,9 @@ def _folds(batch: pa.RecordBatch) -> list[tuple[int, int | None]]:
     return list(zip(pc.take(n, at).to_pylist(), pc.take(batch["folded_pattern"], at).to_pylist(), strict=True))
 
 
-def _out_of_memory_answers(batch: pa.RecordBatch, is_top: pa.Array, kinds: pa.Array) -> int:
+def _out_of_memory_answers(batch: pa.RecordBatch, is_top: pa.Array, kinds: pa.Array, void_methods: pa.Array) -> int:
     """Top-level calls that returned None without raising, other than void ones."""
-    void = pc.is_in(batch["method"], value_set=pa.array(sorted(VOID_METHODS)))
+    void = pc.is_in(batch["method"], value_set=void_methods)
     hit = pc.and_(pc.and_(is_top, pc.invert(void)), pc.and_(pc.equal(kinds, "none"), pc.is_null(batch["exc_type"])))
     return int(pc.sum(hit).as_py() or 0)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.families.vllm.vocabulary import VLLM_HOUSEKEEPING, VLLM_METHODS, VLLM_VOID_METHODS
 from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.limits import MAX_POOL_SLOTS, limit
-from kvreplay.pool_api import VLLM_HOUSEKEEPING, VLLM_METHODS
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 
@@ -92,6 +92,7 @@ VLLM = Family(
     wire="kvreplay.families.vllm.wire:wire_for",
     check_ctor=_check_ctor,
     housekeeping=VLLM_HOUSEKEEPING,
+    void_methods=VLLM_VOID_METHODS,
     invariants=(("block-pool", "7 block pool (vLLM): reference counts equal the block tables that list a block, "
                                "free exactly when unreferenced, the free queue's links agree with its count, cached "
                                "hashes match their blocks"),),

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvreplay.errors import BuildUnsupported
 from kvreplay.families.vllm.block_wire import EMPTY, RequestBook, StandIn, blocks_by_id, groups_in, groups_out
-from kvreplay.pool_api import VLLM_MANAGER_NAMES
+from kvreplay.families.vllm.vocabulary import VLLM_MANAGER_NAMES
 
 
 class Block:

@@ -21,7 +21,7 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnsupported, one_of
 from kvreplay.families.vllm.block_wire import EMPTY, NULL_BLOCK_ID, groups_in, groups_out
 from kvreplay.families.vllm.checker import BlockPoolChecker
-from kvreplay.pool_api import VLLM_BLOCK_METHODS
+from kvreplay.families.vllm.vocabulary import VLLM_BLOCK_METHODS
 from kvreplay.replay.compare import block_remap_difference, exception_difference, same
 from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop
 from kvreplay.replay.report import MODES

@@ -34,7 +34,7 @@ from kvreplay.families.vllm.block_wire import (
     groups_out,
     hashes_out,
 )
-from kvreplay.pool_api import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_groups
+from kvreplay.families.vllm.vocabulary import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_groups
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 ENGINE = "vllm"
