@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.pool_api import VLLM_MANAGER_NAMES
+from kvreplay.families.vllm.vocabulary import VLLM_MANAGER_NAMES
 from kvreplay.recorder import tensor_shim
 from kvreplay.recorder.capture import TENSOR_SHIM, _capture, native_available
 from kvreplay.recorder.flight import flight_recorder
