@@ -3,7 +3,7 @@
     python scripts/tiers.py [--out DIR]
 
 Collects the tests once and prints each tier's count (the fast tier is the README's
-test command: every test not marked slow, sglang or vllm); with ``--out`` it writes
+test command: every test not marked slow, browser, sglang or vllm); with ``--out`` it writes
 each tier's test ids to DIR/TIER.txt. .ci/run keeps those files as artefacts beside the
 fast tier's time. The sglang, live, soak and vllm tiers' modules need their engines
 installed: collected with an interpreter that lacks them, they hold nothing here, and
@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # tier -> which tests it takes, by their markers (pyproject.toml describes each marker)
 TIERS: dict[str, Callable[[set[str]], bool]] = {
-    "fast": lambda m: not m & {"slow", "sglang", "vllm"},
+    "fast": lambda m: not m & {"slow", "browser", "sglang", "vllm"},
     "slow": lambda m: "slow" in m and not m & {"sglang", "vllm"},
     "browser": lambda m: "browser" in m,
     "ray": lambda m: "ray" in m,

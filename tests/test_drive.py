@@ -10,6 +10,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from conftest import run_in_process as run
 from servers import free_port
 
@@ -121,6 +122,7 @@ def _hostile_server(kind: str) -> tuple[ThreadingHTTPServer, str]:
     return srv, f"http://127.0.0.1:{srv.server_address[1]}"
 
 
+@pytest.mark.slow
 def test_answers_that_are_not_answers_are_failures_in_bounded_time_and_memory(capsys):
     import resource
 

@@ -57,6 +57,7 @@ def _recorded(path, engine: str, fold: bool) -> None:
     rec.close()
 
 
+@pytest.mark.slow_cases("python")  # (the native engine's case stays in the fast tier)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_folded_and_unfolded_recordings_replay_alike_call_for_call(tmp_path, engine):
     plain, folded = tmp_path / "plain.parquet", tmp_path / "folded.parquet"

@@ -703,6 +703,7 @@ def _first_with(rows: list[dict], kind: str) -> dict:
     raise AssertionError(f"no {kind} argument")
 
 
+@pytest.mark.slow
 def test_a_huge_request_id_or_method_name_is_refused_not_copied(tmp_path, cli):
     def long_id(rows):
         _first_with(rows, "str")["s"] = "r" * (1 << 20)
