@@ -23,6 +23,18 @@ from kvreplay.workload.synth import SynthConfig, synthesize
 torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    """SIGTERM (a tier's time budget running out, CI ending a background soak) ends the
+    run as Ctrl-C does: fixtures and ``finally`` blocks still stop the servers a test
+    started, instead of leaving them polling on a machine the next run shares."""
+    import signal
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+
+
 def run_in_process(capsys, *argv: str) -> subprocess.CompletedProcess[str]:
     """The kvreplay command run in this process (no interpreter or torch start-up)."""
     from kvreplay.cli.app import main
