@@ -252,6 +252,7 @@ def test_outputs_in_a_missing_directory_are_refused_before_any_work(cli, tmp_pat
         assert not (tmp_path / "no").exists() and not db.exists(), argv
 
 
+@pytest.mark.slow
 def test_a_matrix_cell_shows_every_rule_its_invariant_broke(cli, tmp_path):
     # On the seed reproducer, 0.5.12's pool breaks swa-mapping by two rules, 0.5.12.post1's
     # by one: a cell that showed only the earliest made them look the same.

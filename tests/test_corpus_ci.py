@@ -80,6 +80,7 @@ def test_a_known_bad_case_that_replays_clean_is_a_failure(corpus, cli):
     assert results["sglang-0.5.23-decode-none-leak"]["outcome"] == "fail"
 
 
+@pytest.mark.slow
 def test_the_pytest_plugin_makes_one_item_per_trace_and_mode(corpus, tmp_path_factory):
     here = tmp_path_factory.mktemp("project")
     # a project with tests of its own: given only --kvreplay-corpus, pytest runs the corpus alone
@@ -95,6 +96,7 @@ def test_the_pytest_plugin_makes_one_item_per_trace_and_mode(corpus, tmp_path_fa
     assert "test_unrelated" not in res.stdout
 
 
+@pytest.mark.slow
 def test_docs_ci_command_runs_from_the_repository_root(corpus):
     """docs/ci.md's pytest line where a contributor types it: the repository's own
     conftest and options (xdist, its slow marks) meet the corpus items and let them run."""

@@ -687,6 +687,7 @@ def _vllm_variant(tmp_path: Path, name: str, ctor: dict | None = None, edit=None
     return _write(rows, schema, tmp_path / name, md)
 
 
+@pytest.mark.slow_cases("134217728")
 @pytest.mark.parametrize("blocks", [1 << 22, 1 << 27])
 def test_a_vllm_pool_too_big_to_build_is_refused_before_it_is_built(tmp_path, cli, blocks):
     trace = _vllm_variant(tmp_path, "big.parquet", ctor={"num_blocks": blocks})
@@ -827,7 +828,8 @@ def test_a_manifest_that_is_not_a_file_is_bad_input_not_a_folder_of_traces(tmp_p
     assert not db.exists()
 
 
-@pytest.mark.slow_cases("sliding_window:", "sliding_window:-5", "sliding_window:0", "sliding_window", "full,,full")
+@pytest.mark.slow_cases("sliding_window:", "sliding_window:-5", "sliding_window:0", "sliding_window", "full,,full",
+                        "full;rm -rf")
 @pytest.mark.parametrize("attention", ["sliding_window:abc", "sliding_window:-5", "sliding_window:", "sliding_window",
                                        "sliding_window:0", "full,,full", "full;rm -rf"])
 def test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds(tmp_path, cli, attention):
