@@ -501,17 +501,10 @@ class _Unfolder:
 def _group_calls(a: Call, seq: int) -> Iterator[Call]:
     """The calls of an empty free group folded after ``a``: begin, its nested begins,
     end, its nested ends, numbered on from ``seq``."""
-    targets = a.folded_group_targets.split(",") if a.folded_group_targets else []
-    none = {"available": None, "full_available": None, "swa_available": None}
     for method in GROUP_FOLD_METHODS:
-        seq += 1
-        top = seq
-        yield Call(seq, -1, 0, "root", method, {}, None, None, None, dict(none), a.t_end_ns, a.t_end_ns,
-                   from_fold=True)
-        for t in targets:
-            seq += 1
-            yield Call(seq, top, 1, t, method, {}, None, None, None, dict(none), a.t_end_ns, a.t_end_ns,
-                       from_fold=True)
+        calls = list(_folded_call(method, seq, a.folded_group_targets, (a.t_end_ns, a.t_end_ns), a.t_end_ns))
+        yield from calls
+        seq = calls[-1].seq
 
 
 # The columns that say how many calls a row folds, in folded_per_row's order.
@@ -528,12 +521,22 @@ def _count_targets(targets: str | None) -> int:
 def _bound_calls(a: Call, method: str, seq: int, counters: dict[str, int | None] | None = None) -> Iterator[Call]:
     """A free group's begin or end folded into ``a``'s row, with its nested calls,
     numbered on from ``seq``; ``counters``: what the top-level one read after it."""
+    top_end = a.t_start_ns if method == GROUP_FOLD_METHODS[0] else a.t_end_ns
+    return _folded_call(method, seq, a.folded_group_bounds_targets, (a.t_start_ns, top_end), a.t_end_ns, counters)
+
+
+def _folded_call(method: str, seq: int, targets: str | None, top_times: tuple[int, int], nested_end: int,
+                 counters: dict[str, int | None] | None = None) -> Iterator[Call]:
+    """A folded group begin or end as the calls it was: the top-level one, numbered
+    ``seq`` + 1, then its nested calls on ``targets`` (comma-separated), each none of
+    them returning anything; ``counters``: what was read after the top-level one."""
     top = seq + 1
-    yield Call(top, -1, 0, "root", method, {}, None, None, None, dict(counters or _NO_COUNTERS), a.t_start_ns,
-               a.t_start_ns if method == GROUP_FOLD_METHODS[0] else a.t_end_ns, from_fold=True)
-    for k, t in enumerate(a.folded_group_bounds_targets.split(",") if a.folded_group_bounds_targets else []):
-        yield Call(top + 1 + k, top, 1, t, method, {}, None, None, None, dict(_NO_COUNTERS), a.t_start_ns,
-                   a.t_end_ns, from_fold=True)
+    t0, t1 = top_times
+    yield Call(top, -1, 0, "root", method, {}, None, None, None, dict(counters or _NO_COUNTERS), t0, t1,
+               from_fold=True)
+    for k, t in enumerate(targets.split(",") if targets else []):
+        yield Call(top + 1 + k, top, 1, t, method, {}, None, None, None, dict(_NO_COUNTERS), t0, nested_end,
+                   from_fold=True)
 
 
 def folded_per_row(reads: pa.Array | pa.ChunkedArray, group_at: pa.Array | pa.ChunkedArray,
