@@ -95,6 +95,8 @@ def test_workload_files_drive_the_model(tmp_path, capsys):
         (["synth", "decode", "--workload", "{tmp}/missing.jsonl", "-o", "{tmp}/x.parquet"], "no such file"),
         (["synth", "decode", "--full-size", "8", "-o", "{tmp}/x.parquet"], "cannot fit an empty pool"),
         (["synth", "decode", "--device", "cuda:7", "-o", "{tmp}/x.parquet"], "no CUDA device"),
+        (["synth", "disagg-mtp", "--k", "-1", "-o", "{tmp}/x.parquet"], "--k must be 0"),
+        (["synth", "vllm-prefix", "--eagle", "--k", "0", "-o", "{tmp}/x.parquet"], "--eagle: at least 1"),
     ],
 )
 def test_bad_input_gives_one_line_and_exit_2(tmp_path, capsys, argv, message):
@@ -323,3 +325,19 @@ def test_what_the_demo_writes_outlives_the_command(tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert Path(d["trace"]).is_file() and Path(d["report"]).is_file()
+
+
+def test_disagg_mtp_without_speculation_decodes_a_token_a_step(tmp_path, capsys):
+    from kvreplay.trace.summary import summarize
+
+    p = tmp_path / "k0.parquet"
+    code, out, _ = run(capsys, "synth", "disagg-mtp", "--k", "0", "--sglang-scheduler", "-n", "40", "--window", "8",
+                       "-o", str(p), "--json")
+    assert code == 0, out
+    calls = summarize(p).calls_per_method
+    # every request's prompt preallocated, then a slot a step: no draft extends, no rejected-slot frees
+    retracted = json.loads(out)["retractions"]  # a retracted request is preallocated again
+    assert calls["alloc_extend_swa_tail"] == 40 + retracted and calls["alloc_decode"] > 0
+    assert "alloc_extend" not in calls and "free" not in calls
+    # two groups a turn of the loop, one more for each retraction
+    assert calls["free_group_begin"] == 2 * calls["alloc_decode"] + retracted

@@ -181,3 +181,22 @@ def test_corpus_add_records_provenance_and_expectations_and_check_finds_problems
     res = subprocess.run([sys.executable, "-m", "kvreplay.cli.app", "corpus", "check", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "stray.parquet" in res.stdout
+
+
+def test_corpus_add_takes_a_recordings_directory_of_one_part_and_refuses_many(tmp_path):
+    # A recording leaves a directory of parts (rotation); added, it had been an internal error.
+    from kvreplay.corpus.manage import add_trace
+    from kvreplay.errors import BadInput
+
+    src = CORPUS / "sglang-0.5.23-swa-page0.parquet"
+    one = tmp_path / "rec" / "kvreplay-1-tp0pp0-0.parquet"
+    one.mkdir(parents=True)
+    shutil.copy(src, one / "part-000000.parquet")
+    corpus = tmp_path / "corpus"
+    entry = add_trace(one, "page0", corpus, ["builtin:swa"])
+    assert entry["expect"] == [{"build": "builtin:swa", "status": "clean"}]
+    assert (corpus / "page0.parquet").read_bytes() == src.read_bytes()
+    shutil.copy(src, one / "part-000001.parquet")
+    with pytest.raises(BadInput, match="rotated trace of 2 parts"):
+        add_trace(one, "two", corpus)
+    assert not (corpus / "two.parquet").exists()

@@ -176,3 +176,49 @@ def test_a_hostile_workload_file_is_one_line_before_anything_is_sent(capsys, tmp
         line = r.stderr.strip()
         assert line.startswith("kvreplay: error:") and "\n" not in line and path.name in line, (path.name, line)
         assert "Traceback" not in r.stderr and time.monotonic() - t0 < 10, path.name
+
+
+class _DecodeOnly(_Generate):
+    """A disaggregated decode server: sglang's crashes on a request that names no
+    prefill side; this one answers 400, and notes what it was sent."""
+
+    rooms: list[object] = []
+
+    def do_POST(self):  # noqa: N802
+        length = int(self.headers["Content-Length"])
+        body = json.loads(self.rfile.read(length))
+        if body.get("bootstrap_host") is None:
+            self.send_response(400)
+            self.end_headers()
+            return
+        type(self).rooms.append((body["bootstrap_host"], body.get("bootstrap_room")))
+        n_out = body["sampling_params"]["max_new_tokens"]
+        out = json.dumps({"meta_info": {"prompt_tokens": len(body["input_ids"]), "completion_tokens": n_out,
+                                        "cached_tokens": 0}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+
+def test_disagg_decode_names_a_prefill_side_and_a_room_per_request(capsys):
+    port = free_port()
+    srv = ThreadingHTTPServer(("127.0.0.1", port), _DecodeOnly)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        plain = run(capsys, "drive", f"http://127.0.0.1:{port}", "-n", "3", "--json")
+        _DecodeOnly.rooms.clear()
+        r = run(capsys, "drive", f"http://127.0.0.1:{port}", "-n", "12", "-c", "4", "--disagg-decode", "--json")
+    finally:
+        srv.shutdown()
+    assert plain.returncode == 1 and json.loads(plain.stdout)["errors"] == 3  # without it: refused
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] == 12
+    hosts, rooms = zip(*_DecodeOnly.rooms, strict=True)
+    assert set(hosts) == {"2.2.2.2"}  # sglang's fake-transfer host
+    assert len(set(rooms)) == 12 and all(type(x) is int for x in rooms)
+
+
+def test_disagg_decode_on_an_api_without_one_is_bad_input(capsys):
+    r = run(capsys, "drive", "http://127.0.0.1:1", "--api", "openai", "--disagg-decode", "-n", "1")
+    assert r.returncode == 2 and "--disagg-decode" in r.stderr and "--api sglang" in r.stderr, r.stderr

@@ -114,6 +114,31 @@ def test_hybrid_swa_server_records_its_swa_allocator(models, tmp_path):
         assert r.status == "clean", (build, r.first_divergence, r.first_violation)
 
 
+# The seed bug's setting, as far as CPU goes without speculation: a disaggregated decode
+# server (the fake transfer backend stands in for the prefill side; its host KV backup for
+# retraction kept in CPU tensors, as the default backup registers host memory with CUDA).
+DISAGG_DECODE = ("--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake",
+                 "--disaggregation-decode-retraction-backup", "cpu_tensor")
+
+
+def test_disaggregated_decode_server_records_its_tail_preallocations(models, tmp_path):
+    server = Server(models["swa"], tmp_path / "out", 16, *DISAGG_DECODE, small=False)
+    try:
+        served = server.drive(120, disagg_decode=True)
+    finally:
+        server.stop(signal.SIGTERM)
+    assert served.ok == 120, served.error_kinds
+    (trace,) = finished_traces(tmp_path / "out")
+    reader = TraceReader(trace)
+    assert reader.meta.family == "swa"
+    calls = [c for c in reader.calls(top_level_only=True) if c.method == "alloc_extend_swa_tail"]
+    assert len(calls) >= 120  # each request's prompt KV, preallocated as the transfer's target
+    assert all(int(c.args["swa_tail_len"]) <= int(c.args["seq_lens"][0]) for c in calls)
+    for build in ("sglang", "builtin:swa"):
+        r = replay(trace, build, mode="strict", device="cpu")
+        assert r.status == "clean", (build, r.first_divergence, r.first_violation)
+
+
 def test_sigkill_of_the_scheduler_keeps_every_call_older_than_a_second(models, tmp_path):
     server = Server(models["llama"], tmp_path / "out", 16)
     done: list[object] = []

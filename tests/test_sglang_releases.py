@@ -121,3 +121,13 @@ def test_interpreted_kernels_read_zeros_past_the_end_and_refuse_to_write_there()
     lines = res.stdout.splitlines()
     assert res.returncode == 0 and lines[0] == "read 0 1 triton-interpreter", res.stderr[-2000:]
     assert lines[1].startswith("refused Triton kernel write_past wrote past the end of its argument 0")
+
+
+@pytest.mark.parametrize("build, mode", [("sglang", "strict"), ("sglang==0.5.12", "remap"),
+                                         ("sglang==0.5.12.post1", "remap")])
+def test_the_live_disaggregated_decode_trace_is_clean_on_the_recording_release_and_the_seed_bugs(build, mode):
+    # Real alloc_extend_swa_tail traffic from a disaggregated decode server (no speculation):
+    # 0.5.12 has the seed bug, yet nothing here takes its path (no rejected drafts).
+    r = replay(CORPUS / "live-sglang-0.5.23-disagg-decode-mooncake300.parquet", build, mode=mode, device="cpu")
+    assert r.status == "clean", (build, r.first_divergence, r.first_violation)
+    assert r.calls_replayed == 2_530_447

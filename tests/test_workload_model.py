@@ -47,3 +47,35 @@ def test_the_model_frees_as_the_live_tree_does(live_and_model):
         assert live.get(method, 0) == 0 and model.get(method, 0) == 0, method
     for method in ("free_segment", "free_full_segment"):
         assert 0 < model[method] < 0.05 and 0 < live[method] < 0.05, (method, live[method], model[method])
+
+
+# The disaggregated decode server (traces/live-sglang-0.5.23-disagg-decode-mooncake300.parquet:
+# the fake transfer backend, no speculation, 300 Mooncake requests, 16 in flight) against
+# `synth disagg-mtp --k 0 --sglang-scheduler`. The live trace counts three requests of the
+# server's own (its warm-up and two health checks): 303 admissions for 300 requests.
+DISAGG = ROOT / "traces" / "live-sglang-0.5.23-disagg-decode-mooncake300.parquet"
+
+
+@pytest.fixture(scope="module")
+def disagg_live_and_model(tmp_path_factory):
+    live = profile(DISAGG, requests=300)  # 2.5 million calls: seconds to read
+    args = TraceReader(DISAGG).meta.ctor_args
+    out = tmp_path_factory.mktemp("model") / "disagg.parquet"
+    synthesize(SynthConfig(scenario="disagg-mtp", out=out, requests=300, workload=MOONCAKE, length_scale=0.03,
+                           output_scale=0.5, page_size=args["page_size"], window=128, k=0,
+                           full_size=args["size"], swa_size=args["size_swa"], max_running=16,
+                           sglang_scheduler=True, speedup=1e9))
+    return live, profile(out, requests=300)
+
+
+@pytest.mark.slow
+def test_the_disaggregated_decode_model_is_within_ten_percent_of_the_live_server(disagg_live_and_model):
+    from kvreplay.trace.profile import compare
+
+    live, model = disagg_live_and_model
+    assert set(live.per_request()) == set(model.per_request())  # the same methods, no more
+    for method, n in live.per_request().items():
+        assert model.per_request()[method] == pytest.approx(n, rel=0.10), (method, n, model.per_request()[method])
+    # and every other figure profile sets side by side (tokens per extend, batch sizes, slots per free, ...)
+    for figure, x, y, ratio in compare(live, model).rows:
+        assert ratio is None or abs(ratio - 1) <= 0.10, (figure, x, y)

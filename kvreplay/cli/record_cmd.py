@@ -188,6 +188,11 @@ def drive(
     timeout: float = typer.Option(600.0, "--timeout", metavar="SECONDS",
                                   help="Most a request may take, its whole answer included; past it the request "
                                   "counts as failed."),
+    disagg_decode: bool = typer.Option(False, "--disagg-decode",
+                                       help="The server is a disaggregated decode server (sglang: "
+                                       "--disaggregation-mode decode --disaggregation-transfer-backend fake): each "
+                                       "request says its prompt was prefilled elsewhere, and the fake backend hands "
+                                       "its KV over at once. No prefill server is needed."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Send a public request trace to a running server: real traffic to record.
@@ -214,7 +219,8 @@ def drive(
     reqs = load_requests(workload, count=requests, seed=seed, block_tokens=block_tokens, length_scale=length_scale,
                          output_scale=output_scale)
     cfg = DriveConfig(url=url, api=api, model=model, concurrency=concurrency, time_scale=time_scale, vocab=vocab,
-                      block_tokens=block_tokens, max_output=max_output, seed=seed, wait_s=wait, timeout_s=timeout)
+                      block_tokens=block_tokens, max_output=max_output, seed=seed, wait_s=wait, timeout_s=timeout,
+                      disagg_decode=disagg_decode)
     next_say = [0.0]
 
     def waiting(seconds: float) -> None:

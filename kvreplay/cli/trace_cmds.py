@@ -31,7 +31,8 @@ def synth(
     full_size: int = typer.Option(2048, help="Full-attention pool size in tokens (the paged pool's size)."),
     swa_size: int = typer.Option(512, help="SWA pool size in tokens."),
     window: int = typer.Option(32, help="Sliding-window size in tokens."),
-    k: int = typer.Option(3, help="MTP draft tokens per step (disagg-mtp)."),
+    k: int = typer.Option(3, help="MTP draft tokens per step (disagg-mtp; 0: no speculation, one "
+                   "alloc_decode per step)."),
     block_tokens: int = typer.Option(16, help="Tokens per prefix-cache block (multiple of the page size)."),
     max_running: int = typer.Option(64, help="Most requests decoding at once."),
     length_scale: float = typer.Option(1.0, help="Scale a workload file's token lengths (e.g. 0.02)."),

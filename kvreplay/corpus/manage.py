@@ -31,6 +31,11 @@ def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", build
     if not NAME.fullmatch(name):
         raise BadInput(f"bad corpus name {name[:40]!r}: use 1-128 letters, digits, . _ @ + or -")
     reader = TraceReader(trace)  # unreadable input fails here, before anything is copied
+    if trace.is_dir():  # a recording's trace is a directory of parts; the corpus holds files
+        if len(reader.parts) > 1:
+            raise BadInput(f"{trace} is a rotated trace of {len(reader.parts)} parts; the corpus holds one file "
+                           f"per entry: add a part ({reader.parts[0].name}, ...) or record a shorter run")
+        trace = reader.parts[0]  # one part is the whole trace, footer and all
     size_mb = trace.stat().st_size / 1e6
     if size_mb > max_mb:
         raise BadInput(f"{trace} is {size_mb:.1f} MB, over the corpus limit of {max_mb} MB (--max-mb)")

@@ -50,13 +50,18 @@ class Protocol:
 
     name: str
     probe: str
-    send: Callable[[str, str, list[int], int, float], tuple[int, int, int]]  # (base, model, ids, n_out, timeout)
+    # (base, model, ids, n_out, timeout, extra body fields)
+    send: Callable[[str, str, list[int], int, float, dict[str, object]], tuple[int, int, int]]
     names_model: bool = False  # the probe's answer names the model to ask for
+    # The body fields that tell a disaggregated decode server its request's prompt was
+    # prefilled elsewhere, given the request's number; None: the API has no such server.
+    prefilled: Callable[[int], dict[str, object]] | None = None
 
 
-def _openai_send(base: str, model: str, ids: list[int], n_out: int, timeout: float) -> tuple[int, int, int]:
+def _openai_send(base: str, model: str, ids: list[int], n_out: int, timeout: float,
+                 extra: dict[str, object]) -> tuple[int, int, int]:
     got = post_json(base + "/v1/completions", {"model": model, "prompt": ids, "max_tokens": n_out,
-                                               "ignore_eos": True, "temperature": 0}, timeout)
+                                               "ignore_eos": True, "temperature": 0, **extra}, timeout)
     if not isinstance(got.get("choices"), list):
         raise BadAnswer("no choices in the answer: not an OpenAI completions server")
     usage = got.get("usage", {})
@@ -90,6 +95,9 @@ class DriveConfig:
     timeout_s: float = 600.0
     seed: int = 0
     wait_s: float = 0.0  # how long a server may take to start answering (0: it must answer now)
+    # The server is a disaggregated decode server: each request says a prefill server
+    # (that does not exist) has its prompt, and the server's fake transfer backend agrees.
+    disagg_decode: bool = False
 
 
 @dataclass
@@ -169,6 +177,9 @@ def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = Non
     if cfg.api not in apis:
         raise BadInput(f"--api {cfg.api[:40]!r}: one of {', '.join(apis)}")
     api = apis[cfg.api]
+    if cfg.disagg_decode and api.prefilled is None:
+        having = " or ".join(n for n, a in apis.items() if a.prefilled) or "of an engine that has one"
+        raise BadInput(f"--disagg-decode: the {cfg.api} API has no disaggregated decode server; use --api {having}")
     if not 0 <= cfg.wait_s <= 86400:
         raise BadInput(f"--wait must be 0..86400 seconds, got {cfg.wait_s}")
     if not 0 < cfg.timeout_s <= 86400:
@@ -207,7 +218,9 @@ def _send(cfg: DriveConfig, model: str, req: Request) -> tuple[int, int, int]:
     """Send one request; (prompt, output, cached) tokens as the server counted them."""
     ids = prompt_ids(req, cfg.block_tokens, cfg.vocab)
     n_out = min(req.output_len, cfg.max_output) if cfg.max_output else req.output_len
-    return protocols()[cfg.api].send(cfg.url.rstrip("/"), model, ids, n_out, cfg.timeout_s)
+    api = protocols()[cfg.api]
+    extra = api.prefilled(req.rid) if cfg.disagg_decode and api.prefilled else {}
+    return api.send(cfg.url.rstrip("/"), model, ids, n_out, cfg.timeout_s, extra)
 
 
 def token_count(v: object) -> int:

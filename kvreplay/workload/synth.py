@@ -84,9 +84,11 @@ def validate(cfg: SynthConfig) -> Scenario:
             owners = ", ".join(s.name for s in SCENARIOS.values() if name in s.options)
             flag = "--no-prefix-caching" if name == "prefix_caching" else f"--{name.replace('_', '-')}"
             raise BadInput(f"{flag} is an option of scenario {owners}, not of {sc.name}")
-    for name in ("window", "k", "max_running", "batch_tokens"):
+    for name in ("window", "max_running", "batch_tokens"):
         if getattr(cfg, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
+    if cfg.k < 0 or (cfg.k == 0 and getattr(cfg, "eagle", False)):
+        raise BadInput("--k must be 0 (no speculation) or more draft tokens per step (--eagle: at least 1)")
     if cfg.checkpoint_every < 0:
         raise BadInput("--checkpoint-every must be 0 (no checkpoints) or positive")
     if cfg.length_scale <= 0 or cfg.speedup <= 0 or (cfg.output_scale is not None and cfg.output_scale <= 0):

@@ -10,7 +10,18 @@ finish (or retraction), in one free group: ``free_full_segments`` for the dead S
 range, ``free_segments`` for the live range and a ``free`` of the whole pages past
 the committed length. The last live page's slots past ``committed`` are in no
 free call: their page is released whole, which is exactly what the stale-tail
-bug mishandles."""
+bug mishandles.
+
+With ``k`` 0 the server does not speculate: one batched ``alloc_decode`` per step.
+With ``sglang_scheduler`` that loop is sglang 0.5.23's (read off a live
+disaggregated decode server's trace with ``kvreplay profile``): each turn of the
+loop allocates the running batch's next slots, then processes the previous step's
+results in a free group (the overlap scheduler: a request ends holding its prompt
+plus every output token, the last one's slot allocated before its finish is seen;
+one whose single token the prefill side sampled ends at admission, outside any
+group), then admits what the transfer queue holds, then slides the windows in a
+second free group, every 128 tokens (``SGLANG_SWA_EVICTION_INTERVAL``) and a token
+behind."""
 
 from __future__ import annotations
 
@@ -20,12 +31,14 @@ import torch
 
 from kvreplay.workload.server import Live, ServerModel, ceil_page, floor_page
 
+SWA_EVICTION_INTERVAL = 128  # sglang 0.5.23's default: slide a request's window this many tokens at a time
+
 
 class DisaggMTPServer(ServerModel):
     def __init__(self, pool: Any, requests: list[Any], *, window: int, k: int, **kw: Any) -> None:
         super().__init__(pool, requests, **kw)
-        if window < 1 or k < 1:
-            raise ValueError("window and k must be positive")
+        if window < 1 or k < 0:
+            raise ValueError("window must be positive and k not negative")
         self.window = window
         self.k = k
         # Headroom per running request at admission: like SGLang, optimistic, so
@@ -36,12 +49,33 @@ class DisaggMTPServer(ServerModel):
         return fill - floor_page(max(0, fill - self.window), self.ps)
 
     def step(self) -> None:
+        if self.k == 0:
+            self.plain_step()
+            return
         self.admit()
         if not self.running:
             return
         self.evict_windows()
         if self.grow_for_drafts():
             self.verify_and_finish()
+
+    def plain_step(self) -> None:
+        """A turn of the decode loop without speculation (the module's docstring)."""
+        if self.running:
+            self.decode_plain()
+            self.finish_done(self.release)
+        self.admit()
+        if self.running:
+            self.evict_windows()
+
+    def decode_plain(self) -> None:
+        pool, ps = self.pool, self.ps
+        while True:
+            pages = sum(1 for lv in self.running if lv.committed % ps == 0) * ps
+            if pages <= min(pool.full_available_size(), pool.swa_available_size()) or len(self.running) == 1:
+                break
+            self.retract_one()
+        self.decode_one_token()
 
     def admit(self) -> None:
         pool = self.pool
@@ -62,14 +96,25 @@ class DisaggMTPServer(ServerModel):
                 self.stats.none_results += 1
                 return
             self.waiting.popleft()
-            self.running.append(Live(req, row, committed=fill, target=req.input_len + req.output_len,
-                                     evicted=fill - tail))
+            live = Live(req, row, committed=fill, target=req.input_len + req.output_len, evicted=fill - tail)
+            if self.k == 0 and req.output_len <= 1 and not done:
+                self.release(live)  # the prefill side sampled its one token: it ends here
+                self.finished(live)
+                continue
+            self.running.append(live)
 
     def evict_windows(self) -> None:
         pool = self.pool
         pool.free_group_begin()
         for live in self.running:
-            new = floor_page(max(0, live.committed - self.window), self.ps)
+            if self.sglang_scheduler:
+                # The overlap scheduler: the window is measured before the step's token is in.
+                threshold = live.committed - self.window - 1
+                if threshold < live.evicted + SWA_EVICTION_INTERVAL:
+                    continue
+                new = floor_page(threshold, self.ps)
+            else:
+                new = floor_page(max(0, live.committed - self.window), self.ps)
             if new > live.evicted:
                 pool.free_swa_segment(live.row[live.evicted:new], start_pos=live.evicted)
                 live.evicted = new
