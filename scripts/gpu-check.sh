@@ -16,10 +16,15 @@
 #     live        a plain Llama, radix cache on (the CPU live tier's path, on CUDA);
 #     disagg      the seed's setting: a hybrid sliding-window model as a disaggregated decode
 #                 server (--disaggregation-mode decode, fake transfer backend: no prefill
-#                 server needed), whose SWA pool preallocates through alloc_extend_swa_tail;
-#                 its trace also replays on sglang==0.5.12 (remap): the seed bug in real traffic?
-#     spec        speculative decoding: STANDALONE with the tiny Llama as its own draft, and
-#                 NGRAM (no draft model). On CPU neither starts (see docs/recording.md).
+#                 server needed; drive --disagg-decode names the fake prefill side), whose
+#                 SWA pool preallocates through alloc_extend_swa_tail; also on CPU (live tier);
+#     seed        the seed's exact setting: that server with speculative decoding
+#                 (STANDALONE, three draft steps), which CPU cannot run; its trace also
+#                 replays on sglang==0.5.12 and 0.5.12.post1 (remap): the seed bug from a real
+#                 scheduler, flagged at its source call on 0.5.12, fixed in 0.5.12.post1?
+#     spec        speculative decoding: STANDALONE with the tiny Llama as its own draft (three
+#                 draft steps: on CPU only one runs, under --cpu-compat), and NGRAM (no draft
+#                 model; dies on CPU). See docs/recording.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVREPLAY_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay/venvs/sglang-0.5.23}
@@ -72,7 +77,7 @@ live_step() {  # NAME MODEL REQUESTS EXTRA_REPLAY_BUILDS [server args...]
         sleep 1
     done
     timeout 240 "$KV" drive http://127.0.0.1:$port -w workloads/mooncake/synthetic_trace.jsonl -n "$n" \
-        --length-scale 0.03 -c 32 > "$OUT/$name-requests.txt" 2>&1
+        --length-scale 0.03 -c 32 ${DRIVE_EXTRA:-} > "$OUT/$name-requests.txt" 2>&1
     local drove="exit $? $(tail -n 1 "$OUT/$name-requests.txt")"
     kill -INT $server 2>/dev/null; wait $server
     local replays=""
@@ -88,7 +93,11 @@ live_step() {  # NAME MODEL REQUESTS EXTRA_REPLAY_BUILDS [server args...]
     RESULT[$name]="requests: $drove; ${replays:-no traces recorded (see $OUT/$name-server.log: $(grep -E '^[A-Za-z_.]*(Error|Exception):' "$OUT/$name-server.log" | tail -n 1))}"
 }
 live_step live "$OUT/tiny-llama" 300 ""
-live_step disagg "$OUT/tiny-swa" 300 "sglang==0.5.12" --disaggregation-mode decode --disaggregation-transfer-backend fake
+DISAGG=(--disaggregation-mode decode --disaggregation-transfer-backend fake)
+DRIVE_EXTRA=--disagg-decode live_step disagg "$OUT/tiny-swa" 300 "sglang==0.5.12 sglang==0.5.12.post1" "${DISAGG[@]}"
+DRIVE_EXTRA=--disagg-decode live_step seed "$OUT/tiny-swa" 300 "sglang==0.5.12 sglang==0.5.12.post1" "${DISAGG[@]}" \
+    --speculative-algorithm STANDALONE --speculative-draft-model-path "$OUT/tiny-swa" --speculative-num-steps 3 \
+    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
 live_step spec-standalone "$OUT/tiny-llama" 100 "" --speculative-algorithm STANDALONE \
     --speculative-draft-model-path "$OUT/tiny-llama" --speculative-num-steps 3 --speculative-eagle-topk 1 \
     --speculative-num-draft-tokens 4
@@ -96,5 +105,5 @@ live_step spec-ngram "$OUT/tiny-llama" 100 "" --speculative-algorithm NGRAM --sp
     --speculative-num-draft-tokens 4
 
 echo "=== gpu-check summary ($(cat "$OUT/gpu.txt")) ==="
-for k in matrix gpu_recorder live disagg spec-standalone spec-ngram; do echo "$k: ${RESULT[$k]}"; done
+for k in matrix gpu_recorder live disagg seed spec-standalone spec-ngram; do echo "$k: ${RESULT[$k]}"; done
 echo "files: $OUT"

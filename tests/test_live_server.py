@@ -59,7 +59,7 @@ class Server(RecordedServer):
             start_s=START_S, record_args=record_args, env=env)
 
     def drive(self, n: int, **kw) -> object:
-        reqs = load_requests(MOONCAKE, count=n, seed=0, block_tokens=16, length_scale=0.03,
+        reqs = load_requests(MOONCAKE, count=n, seed=0, block_tokens=16, length_scale=kw.pop("length_scale", 0.03),
                              output_scale=kw.pop("output_scale", 0.5))
         return drive(DriveConfig(url=self.url, concurrency=16, **kw), reqs)
 
@@ -134,6 +134,32 @@ def test_disaggregated_decode_server_records_its_tail_preallocations(models, tmp
     calls = [c for c in reader.calls(top_level_only=True) if c.method == "alloc_extend_swa_tail"]
     assert len(calls) >= 120  # each request's prompt KV, preallocated as the transfer's target
     assert all(int(c.args["swa_tail_len"]) <= int(c.args["seq_lens"][0]) for c in calls)
+    for build in ("sglang", "builtin:swa"):
+        r = replay(trace, build, mode="strict", device="cpu")
+        assert r.status == "clean", (build, r.first_divergence, r.first_violation)
+
+
+# Speculative decoding on CPU: the EAGLE worker with the model itself as its draft, one draft
+# step, attention in Triton's interpreter, and the layer's one patch (the draft tree's kernels).
+SPECULATIVE = ("--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "1", "--speculative-eagle-topk",
+               "1", "--speculative-num-draft-tokens", "2", "--attention-backend", "triton")
+
+
+def test_speculative_decoding_server_records_through_the_cpu_compat_layer(models, tmp_path):
+    server = Server(models["swa"], tmp_path / "out", 16, *SPECULATIVE, "--speculative-draft-model-path",
+                    str(models["swa"]), small=False, record_args=("--cpu-compat", "--part-s", "0"))
+    try:
+        # short requests: every attention step runs in Triton's interpreter
+        served = server.drive(8, length_scale=0.01, output_scale=0.25)
+    finally:
+        server.stop(signal.SIGTERM)
+    assert served.ok == 8, served.error_kinds
+    assert "cpu-compat patch eagle-tree-triton applied" in server.log_path.read_text(errors="replace")
+    (trace,) = finished_traces(tmp_path / "out")
+    methods = {c.method for c in TraceReader(trace).calls(top_level_only=True)}
+    # sglang 0.5.23's speculative path: draft slots in batched extends, no token-by-token decode
+    assert "alloc_extend" in methods and "alloc_decode" not in methods
+    # The patches touch no allocator: the unpatched release (this process) answers every call alike.
     for build in ("sglang", "builtin:swa"):
         r = replay(trace, build, mode="strict", device="cpu")
         assert r.status == "clean", (build, r.first_divergence, r.first_violation)

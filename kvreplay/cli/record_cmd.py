@@ -52,6 +52,10 @@ def record(
                                   "parts per trace: the oldest are deleted (0: keep all)."),
     keep_parts: int = typer.Option(0, "--keep-parts", metavar="N", help="Keep at most the last N closed parts per "
                                    "trace (0: no bound by count)."),
+    cpu_compat: bool = typer.Option(False, "--cpu-compat", help="Patch the server so paths its engine only "
+                                    "runs on a GPU run on this CPU (sglang: speculative decoding's draft tree in "
+                                    "Triton's interpreter). Each patch is named on stderr as it is applied; none "
+                                    "touches an allocator. docs/recording.md lists them."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Run a decode server with every allocator it builds recorded.
@@ -92,6 +96,7 @@ def record(
                             "and finite")
     rotation = Rotation(part_rows, part_s, keep_parts, int(keep_mb * (1 << 20)))
     if print_env:
+        from kvreplay.recorder.compat import COMPAT_ENV, patches
         from kvreplay.recorder.switches import (
             CHECKPOINT_ENV,
             CLASSES_ENV,
@@ -104,12 +109,14 @@ def record(
 
         # (a server launched this way is watched by its writers; kvreplay record is not there to print)
         env = record_env(out_dir, classes, flight=flight, counters_every=counters_every,
-                         checkpoint_every=checkpoint_every, watch="check" if watch else "", rotation=rotation)
-        keys = [DIR_ENV, "PYTHONPATH"] + [k for k, asked in ((CLASSES_ENV, bool(classes)), (FLIGHT_ENV, flight > 0),
-                                                              (COUNTERS_ENV, counters_every != 1),
-                                                              (CHECKPOINT_ENV, checkpoint_every > 0),
-                                                              (WATCH_ENV, watch),
-                                                              (PARTS_ENV, rotation.on and not flight)) if asked]
+                         checkpoint_every=checkpoint_every, watch="check" if watch else "", rotation=rotation,
+                         cpu_compat=cpu_compat)
+        # the layer's switch and what its patches need (a variable the user set is left to them)
+        compat = [COMPAT_ENV, *sorted({k for p in patches() for k in p.env})] if cpu_compat else []
+        keys = [DIR_ENV, "PYTHONPATH", *compat]
+        keys += [k for k, asked in ((CLASSES_ENV, bool(classes)), (FLIGHT_ENV, flight > 0),
+                                    (COUNTERS_ENV, counters_every != 1), (CHECKPOINT_ENV, checkpoint_every > 0),
+                                    (WATCH_ENV, watch), (PARTS_ENV, rotation.on and not flight)) if asked]
         if as_json:
             emit_json({k: env[k] for k in keys})
         else:
@@ -132,7 +139,7 @@ def record(
                          checkpoint_every=checkpoint_every, watch="check" if watch else "",
                          stop_on_violation=stop_on_violation, metrics_port=metrics_port, on_finding=found,
                          on_metrics=lambda url: say(f"kvreplay: counters at {url}", to_err=True),
-                         rotation=rotation)
+                         rotation=rotation, cpu_compat=cpu_compat)
     if watch and minimize_s > 0 and any(f.get("kind") == "violation" for f in res.findings):
         from kvreplay.minimize import reproduce_findings
 

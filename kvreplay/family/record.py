@@ -130,4 +130,7 @@ class Engine:
     installed_only: str = ""  # why a release needs the engine installed here ("": it does not)
     git_trees: bool = False  # a git: build that names no class is this engine's pool in the tree
     drive: str = ""  # MODULE:ATTR: the workload.drive.Protocol of its servers' native API ("": OpenAI's only)
+    # MODULE:ATTR: the patches (recorder.compat.Patch) that ``kvreplay record --cpu-compat``
+    # puts into its servers so paths that only run on a GPU run on a CPU ("": none)
+    cpu_compat: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import BadInput
+from kvreplay.recorder.compat import compat_env
 from kvreplay.recorder.rotation import Rotation
 from kvreplay.recorder.switches import (
     CHECKPOINT_ENV,
@@ -60,14 +61,16 @@ class LiveRecording:
 
 def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | None = None,
                flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0, watch: str = "",
-               rotation: Rotation | None = None) -> dict[str, str]:
+               rotation: Rotation | None = None, cpu_compat: bool = False) -> dict[str, str]:
     """The environment that makes every Python process record into ``out`` (with
     ``flight`` > 0: keep the last ``flight`` calls, dump on a raise or SIGUSR2;
     ``counters_every`` N: read the pool's counters after every Nth call, 0 never;
     ``watch`` "check": writers check invariants as they write, "metrics": they count;
     ``rotation``: each trace a directory of parts, each replayable alone, the oldest
-    retired past the bound)."""
+    retired past the bound; ``cpu_compat``: the engines' CPU patches, recorder/compat.py)."""
     env = dict(os.environ if base is None else base)
+    if cpu_compat:
+        env = compat_env(env)
     env[DIR_ENV] = str(Path(out).resolve())
     if watch:
         env[WATCH_ENV] = watch
@@ -92,7 +95,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
                    checkpoint_every: int = 0, watch: str = "", stop_on_violation: bool = False,
                    metrics_port: int = 0, on_finding: Callable[[dict[str, Any]], None] | None = None,
                    on_metrics: Callable[[str], None] | None = None,
-                   rotation: Rotation | None = DEFAULT_ROTATION) -> LiveRecording:
+                   rotation: Rotation | None = DEFAULT_ROTATION, cpu_compat: bool = False) -> LiveRecording:
     """Run ``command`` recording its allocators into ``out``; returns its exit code and
     the traces it wrote. Traces still being finished by a writer process when the
     command ends (a process that was killed) get ``settle_s`` seconds to appear.
@@ -104,7 +107,8 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     http://127.0.0.1:PORT/metrics (``on_metrics`` is told the address).
 
     ``rotation`` (default ``DEFAULT_ROTATION``; None: one file per trace): each trace is a
-    directory of parts (rotation.py) that replays whole or a part at a time."""
+    directory of parts (rotation.py) that replays whole or a part at a time. ``cpu_compat``:
+    the server's processes get the engines' CPU patches (recorder/compat.py)."""
     if not command:
         raise BadInput("nothing to run: give the server command after --, e.g. "
                        "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
@@ -126,7 +130,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
         on_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
     _adopt_orphans()
     env = record_env(out, classes, flight=flight, counters_every=counters_every, checkpoint_every=checkpoint_every,
-                     watch=watch or ("metrics" if metrics_port else ""), rotation=rotation)
+                     watch=watch or ("metrics" if metrics_port else ""), rotation=rotation, cpu_compat=cpu_compat)
     try:
         # A process group of its own: what the command starts and leaves behind is ended
         # with the recording (_end_group); Ctrl-C and SIGTERM reach it through forward().

@@ -22,6 +22,7 @@ ENGINE = Engine(
     sdists=True,
     git_trees=True,
     drive="kvreplay.families.sglang.drive:NATIVE",
+    cpu_compat="kvreplay.families.sglang.cpu_compat:PATCHES",
 )
 
 _BUILD = "kvreplay.families.sglang.release:construct"

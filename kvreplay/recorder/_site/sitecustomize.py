@@ -8,6 +8,14 @@ import os
 import sys
 
 try:
+    from kvreplay.recorder.compat import install_from_env as compat_from_env
+
+    compat_from_env()  # opt-in patches (record --cpu-compat) before anything imports the engine
+except Exception as exc:
+    print(f"kvreplay: cpu-compat patches not applied in process {os.getpid()}: {type(exc).__name__}: {exc}",
+          file=sys.stderr)
+
+try:
     from kvreplay.recorder.autorecord import install_from_env
 
     install_from_env()
