@@ -131,3 +131,22 @@ def test_the_live_disaggregated_decode_trace_is_clean_on_the_recording_release_a
     r = replay(CORPUS / "live-sglang-0.5.23-disagg-decode-mooncake300.parquet", build, mode=mode, device="cpu")
     assert r.status == "clean", (build, r.first_divergence, r.first_violation)
     assert r.calls_replayed == 2_530_447
+
+
+SPEC = CORPUS / "live-sglang-0.5.23-swa-speculative-mooncake24.parquet"
+PEER = "swa-mapping/released-page-keeps-peer"
+
+
+def test_live_speculative_traffic_meets_exact_token_clearing_until_0_5_14(tmp_path):
+    # A real speculative-decoding server frees the slots past a request's accepted tokens
+    # inside a partly used page; releases before 0.5.14 clear only the tokens passed
+    # (#27779), so the page goes back still mapped to its SWA slots.
+    for build in ("sglang==0.5.12", "sglang==0.5.12.post1", "sglang==0.5.13.post1"):
+        r = replay(SPEC, build, mode="remap", device="cpu")
+        assert r.first_violation is not None and r.first_violation.call == 50329, build
+        assert f"{r.first_violation.invariant}/{r.first_violation.rule}" == PEER, build
+    assert replay(SPEC, "sglang==0.5.14", mode="remap", device="cpu").status == "clean"
+    old, order = build_candidates(expand("sglang==0.5.12..0.5.23"))
+    res = bisect(SPEC, old, order, db=str(tmp_path / "k.db"), device="cpu", mode="remap",
+                 failure=Failure.parse(PEER), fixed=True)
+    assert res.verdict == "found" and res.first_bad.spec == "sglang==0.5.14", res.steps
