@@ -43,8 +43,9 @@ def patches() -> list[Patch]:
 def compat_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` with the layer switched on for a server's processes."""
     out = dict(env)
-    out[COMPAT_ENV] = ",".join(p.name for p in patches())
-    for p in patches():
+    found = patches()  # each engine's record loaded once
+    out[COMPAT_ENV] = ",".join(p.name for p in found)
+    for p in found:
         for k, v in p.env.items():
             out.setdefault(k, v)
     return out
