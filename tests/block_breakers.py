@@ -88,3 +88,44 @@ class LeakyManager(BlockManager):
     def _free(self, **wire: Any) -> None:
         ids = [b.block_id for b in reversed(self._pop(wire["request_id"]))]
         self.wire_blocks.free_blocks(ids[1:])  # the tail block is never released
+
+
+class WindowManager(BlockManager):
+    """The one group as a sliding window of WINDOW tokens, its blocks let go on the
+    processed-token basis (vLLM 0.26 on): tokens scheduled but in flight still count as
+    read. The correct counterpart of EagerWindowManager."""
+
+    WINDOW = 8
+
+    def windows(self) -> tuple[tuple[int, int], ...]:
+        return ((self.WINDOW, self.block_size),)
+
+    def window_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        return (tuple(-1 if b.is_null else b.block_id for b in self.req_to_blocks.get(request_id, ())),)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ()) if not b.is_null]
+
+    def basis(self, total: int, in_flight: int) -> int:
+        return max(0, total - in_flight)
+
+    def allocate_slots(self, **kw: Any) -> tuple[int, ...] | None:
+        req = self._book.request(kw)
+        total = req.num_computed_tokens + int(kw.get("num_new_computed_tokens") or 0)
+        skip = max(0, self.basis(total, req.num_in_flight_tokens) - self.WINDOW + 1) // self.block_size
+        table = self.req_to_blocks.get(req.request_id, [])
+        gone = [b for b in table[:skip] if not b.is_null]
+        for i in range(min(skip, len(table))):
+            table[i] = self.pool.null_block
+        if gone:
+            self.wire_blocks.free_blocks([b.block_id for b in gone])
+        return super().allocate_slots(**kw)
+
+    def _free(self, **wire: Any) -> None:
+        blocks = [b for b in reversed(self._pop(wire["request_id"])) if not b.is_null]
+        self.wire_blocks.free_blocks([b.block_id for b in blocks])
+
+
+class EagerWindowManager(WindowManager):
+    def basis(self, total: int, in_flight: int) -> int:
+        return total  # vLLM up to 0.25: the optimistic count, in-flight tokens as if processed

@@ -51,6 +51,15 @@ def shared_prefix(m: CheckedManager) -> None:
     admit(m, "b")  # its first block is a's
 
 
+def decode_in_flight(m: CheckedManager) -> None:
+    """A request decoding under asynchronous scheduling: each step is scheduled while the
+    one before is in flight (one token in flight at every allocation)."""
+    admit(m, "a", tokens=10, blocks=(1, 2))
+    for computed in range(11, 17):
+        req = _request("a", computed + 1, tuple(range(1, 1 + (computed + 1) // 4)), computed=computed)
+        m.allocate_slots(**{**req, "request_num_in_flight_tokens": 1, "request_status": "RUNNING"}, num_new_tokens=1)
+
+
 def then_finish(steps):
     def run(m: CheckedManager) -> None:
         steps(m)
@@ -71,6 +80,7 @@ CASES = {
     "block-pool/stale-cached-hash": (B + "ForgetfulManager", then_finish(lambda m: (one_and_free(m), admit(
         m, "b", blocks=(5, 6)), admit(m, "c", blocks=(7, 8))))),
     "quiescence/held-block": (B + "LeakyManager", then_finish(one_and_free)),
+    "block-pool/window-freed-in-flight": (B + "EagerWindowManager", decode_in_flight),
 }
 
 
@@ -115,3 +125,16 @@ def test_a_prefix_hit_shares_blocks_and_the_hit_is_whole_blocks_short_of_the_las
     m.free_request(request_id="a")
     m.free_request(request_id="b")
     assert m.finish() == {}
+
+
+def test_a_window_let_go_on_the_processed_basis_keeps_what_the_step_in_flight_reads():
+    """vLLM 0.26 on: the window's blocks go once no scheduled step reads them, and go all
+    the same (the same calls on the optimistic basis fire at the step that lets one go early)."""
+    m = CheckedManager(B + "WindowManager", ctor=CTOR)
+    decode_in_flight(m)
+    m.finish()
+    # at 16 tokens computed, one in flight: the step at position 15 reads from 8, block 2 on
+    assert m.pool.window_tables("a")[0][:3] == (-1, -1, m.pool.window_tables("a")[0][2]) != (-1, -1, -1)
+    fired = r"window-freed-in-flight at call #\d+ allocate_slots.*a step in flight still reads"
+    with pytest.raises(AssertionError, match=fired):
+        decode_in_flight(CheckedManager(B + "EagerWindowManager", ctor=CTOR))

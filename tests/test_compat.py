@@ -58,7 +58,7 @@ def test_the_engines_patches_are_named_explained_and_aim_at_no_allocator():
     allocator_homes = ("sglang.srt.mem_cache", "vllm.v1.core")  # where the engines' pools live
     for p in found:
         assert p.why and len(p.why) > 40 and not p.module.startswith(allocator_homes), p
-    assert [e.name for e in engines() if e.cpu_compat] == ["sglang"]
+    assert [e.name for e in engines() if e.cpu_compat] == ["sglang", "vllm"]
 
 
 def test_print_env_names_the_switch_and_what_the_patches_need(capsys, tmp_path, monkeypatch):
@@ -68,3 +68,30 @@ def test_print_env_names_the_switch_and_what_the_patches_need(capsys, tmp_path, 
     assert env[COMPAT_ENV] == ",".join(p.name for p in compat.patches()) and env["TRITON_INTERPRET"] == "1"
     plain = json.loads(run(capsys, "record", "--out", str(tmp_path / "o"), "--print-env", "--json").stdout)
     assert COMPAT_ENV not in plain and "TRITON_INTERPRET" not in plain
+
+
+def test_vllms_patch_keeps_the_scheduling_the_engine_chose_and_the_rest_of_the_platforms_word():
+    """vLLM's CPU platform turns asynchronous scheduling off after the engine resolved it:
+    the patch puts back what was resolved, whichever it was, and keeps the rest of what
+    the platform set."""
+    import types
+
+    from kvreplay.families.vllm.cpu_compat import PATCHES
+
+    (patch,) = PATCHES
+    assert patch.module == "vllm.platforms.cpu"
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, config):
+            config.scheduler_config.async_scheduling = False
+            config.cache_config.block_size = 128
+
+    module = types.ModuleType("vllm.platforms.cpu")
+    module.CpuPlatform = CpuPlatform
+    patch.apply(module)
+    for wanted in (True, False):
+        config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(async_scheduling=wanted),
+                                       cache_config=types.SimpleNamespace(block_size=16))
+        CpuPlatform.check_and_update_config(config)
+        assert config.scheduler_config.async_scheduling is wanted and config.cache_config.block_size == 128

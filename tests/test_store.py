@@ -120,6 +120,16 @@ def test_a_database_that_cannot_be_opened_is_bad_input(tmp_path, trace, capsys, 
     assert code == 2 and message in err and err.count("\n") == 1
 
 
+def test_on_a_fresh_machine_the_default_database_and_its_directory_are_made(tmp_path, trace, capsys, monkeypatch):
+    """No --db and no KVREPLAY_DB: the default file's directory is made on first use (a
+    directory given with --db must exist; the case above)."""
+    monkeypatch.delenv("KVREPLAY_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "fresh" / "share"))
+    code, out, err = run_cli(capsys, "replay", str(trace), "--build", "builtin:swa")
+    assert code == 0, err
+    assert (tmp_path / "fresh" / "share" / "kvreplay" / "kvreplay.db").is_file()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--build", "builtin:nope"], "unknown build"),
     (["--build", "builtin:paged"], "records a swa pool"),

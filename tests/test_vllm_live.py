@@ -60,12 +60,13 @@ class VllmServer(RecordedServer):
     """A recorded vLLM OpenAI server of a tiny model on CPU, prefix caching on, a
     1,024-block pool."""
 
-    def __init__(self, model: Path, out: Path, block_size: int = 32, record_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: Path, out: Path, block_size: int = 32, record_args: tuple[str, ...] = (),
+                 server_args: tuple[str, ...] = ()) -> None:
         super().__init__(out, lambda port: [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
             "--block-size", str(block_size), "--max-model-len", "4096", "--num-gpu-blocks-override", "1024",
-            "--port", str(port)], start_s=START_S, name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "--port", str(port), *server_args], start_s=START_S, name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
             record_args=record_args)
 
     def drive(self, n: int, output_scale: float = 0.5) -> object:
@@ -74,10 +75,11 @@ class VllmServer(RecordedServer):
         return drive(DriveConfig(url=self.url, api="openai", concurrency=16, block_tokens=32), reqs)
 
 
-def serve_then_ctrl_c(model: Path, out: Path, requests: int, block_size: int = 32) -> Path:
+def serve_then_ctrl_c(model: Path, out: Path, requests: int, block_size: int = 32, record_args: tuple[str, ...] = (),
+                      server_args: tuple[str, ...] = ()) -> Path:
     """Record a server of ``model`` serving ``requests`` Mooncake requests, stop it with
     Ctrl-C; its trace."""
-    server = VllmServer(model, out, block_size=block_size)
+    server = VllmServer(model, out, block_size=block_size, record_args=record_args, server_args=server_args)
     try:
         served = server.drive(requests)
         # vLLM 0.32's Ctrl-C sends its engine core SIGTERM and SIGKILL at once (its shutdown
@@ -189,3 +191,26 @@ def test_a_hybrid_sliding_window_server_is_recorded_and_replays_on_vllm(tiny_hyb
     assert r.first_violation.method == "free_request"
     fixed = replay(trace, "vllm==0.33.0", mode="strict", device="cpu")
     assert fixed.status == "clean", (fixed.status, fixed.message, fixed.first_divergence)
+    # vLLM's CPU platform turns asynchronous scheduling off: no step is ever in flight
+    assert not any(_in_flight(c) for c in TraceReader(trace).calls(top_level_only=True))
+
+
+def _in_flight(call) -> int:  # type: ignore[no-untyped-def]
+    return int(call.args.get("request_num_in_flight_tokens") or 0) if call.method == "allocate_slots" else 0
+
+
+def test_asynchronous_scheduling_is_recorded_with_the_cpu_compat_layer_and_holds_the_window(tiny_hybrid, tmp_path):
+    """With --cpu-compat the server keeps the asynchronous scheduling it was asked for:
+    step N+1 is scheduled while step N runs, so most allocations are made with tokens in
+    flight, and vLLM 0.32 lets a window's blocks go only once no step in flight reads
+    them (block-pool/window-freed-in-flight stays silent; the null block's count is 0.32's
+    own finding). The patch touches no allocator: the trace replays on the unpatched vLLM
+    with every block id again."""
+    trace = serve_then_ctrl_c(tiny_hybrid, tmp_path / "out", 60, block_size=16, record_args=("--cpu-compat",),
+                              server_args=("--async-scheduling",))
+    allocs = [c for c in TraceReader(trace).calls(top_level_only=True) if c.method == "allocate_slots"]
+    in_flight = sum(_in_flight(c) > 0 for c in allocs)
+    assert in_flight > len(allocs) // 2, (in_flight, len(allocs))
+    r = replay(trace, "vllm", mode="strict", device="cpu")
+    assert r.first_divergence is None, r.first_divergence
+    assert {v.rule for v in r.violations} <= {"null-block-ref-count"}, r.violations

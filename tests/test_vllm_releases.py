@@ -145,3 +145,23 @@ def test_the_corpus_holds_on_a_vllm_release_as_the_manifest_says(tmp_path):
     null-block count caught, the rest clean) and sglang's are skipped."""
     res = _kvreplay("ci", str(TRACES), "--build", "vllm==0.32.0", "--db", f"sqlite:///{tmp_path / 'c.db'}", "--json")
     assert res.returncode == 0, (res.stdout[-1500:], res.stderr[-800:])
+
+
+ASYNC = TRACES / "live-vllm-0.32.0-async-hybrid-mooncake300.parquet"
+
+
+def test_vllm_0_25_lets_a_window_go_under_a_step_in_flight_and_0_26_waits(tmp_path):
+    """Asynchronous scheduling counts a step's tokens as computed when it is scheduled.
+    Up to 0.25 allocate_slots let a sliding window's blocks go on that count, so a block
+    the step in flight still reads went back to the pool; 0.26 lets go on the processed
+    tokens (vLLM #47728). The trace was recorded live on 0.32 with async scheduling on."""
+    bad = replay(ASYNC, "vllm==0.25.1", mode="remap", device="cpu")
+    first = bad.first_violation
+    assert (first.rule, first.call, first.method) == ("window-freed-in-flight", 5, "allocate_slots"), first
+    assert "a step in flight still reads" in first.message, first.message
+    good = replay(ASYNC, "vllm==0.26.0", mode="remap", device="cpu")
+    assert "block-pool/window-freed-in-flight" not in good.violation_counts, good.violation_counts
+    res = _kvreplay("bisect", str(ASYNC), "--builds", "vllm==0.24.0..0.27.1", "--fixed", "--mode", "remap",
+                    "--failure", "block-pool/window-freed-in-flight", "--db", str(tmp_path / "b.db"), "--json")
+    assert res.returncode == 0, res.stderr[-800:]
+    assert json.loads(res.stdout)["first_bad"]["spec"] == "vllm==0.26.0"

@@ -54,7 +54,8 @@ def record(
                                    "trace (0: no bound by count)."),
     cpu_compat: bool = typer.Option(False, "--cpu-compat", help="Patch the server so paths its engine only "
                                     "runs on a GPU run on this CPU (sglang: speculative decoding's draft tree in "
-                                    "Triton's interpreter). Each patch is named on stderr as it is applied; none "
+                                    "Triton's interpreter; vLLM: asynchronous scheduling, which its CPU platform "
+                                    "turns off). Each patch is named on stderr as it is applied; none "
                                     "touches an allocator. docs/recording.md lists them."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:

@@ -94,7 +94,8 @@ def check_store(db: str | None = None) -> None:
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.exists():
-            if not path.parent.is_dir():
+            # the default file's directory is made when there is a result to write (resolve_url)
+            if not path.parent.is_dir() and path != default_db_path():
                 raise BadInput(f"cannot open database {path}: no directory {path.parent} to create it in")
             return
         if not path.is_file():

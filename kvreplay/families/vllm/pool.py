@@ -239,6 +239,12 @@ class BlockManager:
     def held_blocks(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def windows(self) -> tuple[tuple[int, int], ...]:  # full attention only: no window to prune
+        return ()
+
+    def window_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        return ()
+
     def cached_blocks(self) -> Iterator[tuple[Any, list[int]]]:
         for key, blocks in self.pool.cache.items():
             yield key, list(blocks)

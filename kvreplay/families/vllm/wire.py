@@ -111,6 +111,20 @@ class ManagerWire:
         managers = self.manager.coordinator.single_type_managers
         return [b.block_id for m in managers for b in m.req_to_blocks.get(request_id, ())]
 
+    def windows(self) -> tuple[tuple[int, int], ...]:
+        """(window, block size) of each sliding-window KV-cache group, in the manager's order."""
+        return tuple((int(m.kv_cache_spec.sliding_window), int(m.kv_cache_spec.block_size))
+                     for m in self.manager.coordinator.single_type_managers
+                     if getattr(m.kv_cache_spec, "sliding_window", None))
+
+    def window_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The request's block table in each sliding-window group (``windows``' order), the
+        null block as -1: a window's pruning shows as its leading entries turning to -1."""
+        return tuple(tuple(-1 if getattr(b, "is_null", False) else b.block_id
+                           for b in m.req_to_blocks.get(request_id, ()))
+                     for m in self.manager.coordinator.single_type_managers
+                     if getattr(m.kv_cache_spec, "sliding_window", None))
+
     def cached_blocks(self) -> Iterable[tuple[Any, list[int]]]:
         """(hash key, block ids) of every entry in the prefix cache."""
         cache = self.pool.cached_block_hash_to_block
