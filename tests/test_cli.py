@@ -97,6 +97,9 @@ def test_workload_files_drive_the_model(tmp_path, capsys):
         (["synth", "decode", "--device", "cuda:7", "-o", "{tmp}/x.parquet"], "no CUDA device"),
         (["synth", "disagg-mtp", "--k", "-1", "-o", "{tmp}/x.parquet"], "--k must be 0"),
         (["synth", "vllm-prefix", "--eagle", "--k", "0", "-o", "{tmp}/x.parquet"], "--eagle: at least 1"),
+        (["synth", "decode", "--speculative", "-o", "{tmp}/x.parquet"], "an option of scenario radix-swa"),
+        (["synth", "radix-swa", "--speculative", "--draft-accept", "1.5", "-o", "{tmp}/x.parquet"],
+         "--draft-accept must be a probability"),
     ],
 )
 def test_bad_input_gives_one_line_and_exit_2(tmp_path, capsys, argv, message):
@@ -341,3 +344,27 @@ def test_disagg_mtp_without_speculation_decodes_a_token_a_step(tmp_path, capsys)
     assert "alloc_extend" not in calls and "free" not in calls
     # two groups a turn of the loop, one more for each retraction
     assert calls["free_group_begin"] == 2 * calls["alloc_decode"] + retracted
+
+
+def test_radix_swa_speculating_allocates_draft_slots_in_batched_extends(tmp_path, capsys):
+    """sglang 0.5.23's speculative path: no alloc_decode, every row kept 2 (k + 1) slots past
+    its committed length in whole pages; all accepted drafts end a request in fewer steps."""
+    from kvreplay.trace.reader import TraceReader
+    from kvreplay.trace.summary import summarize
+
+    steps = {}
+    for accept in ("0", "1"):
+        p = tmp_path / f"spec{accept}.parquet"
+        code, out, _ = run(capsys, "synth", "radix-swa", "--speculative", "--k", "2", "--draft-accept", accept,
+                           "--sglang-scheduler", "-n", "30", "--window", "16", "--page-size", "4", "-o", str(p))
+        assert code == 0, out
+        calls = summarize(p).calls_per_method
+        assert "alloc_decode" not in calls and "free" not in calls
+        steps[accept] = calls["free_group_begin"]
+        draft = 0  # extends whose rows all had slots before and grow to whole pages: draft slots
+        for c in TraceReader(p).calls(top_level_only=True):
+            if c.method == "alloc_extend" and int(c.args["prefix_lens_cpu"].min()) > 0:
+                rows = list(zip(c.args["prefix_lens_cpu"].tolist(), c.args["seq_lens_cpu"].tolist(), strict=True))
+                draft += all(b % 4 == 0 for a, b in rows if b > a)
+        assert draft > calls["alloc_extend"] // 2, (draft, calls["alloc_extend"])
+    assert steps["1"] < steps["0"]  # three tokens a step instead of one

@@ -79,3 +79,29 @@ def test_the_disaggregated_decode_model_is_within_ten_percent_of_the_live_server
     # and every other figure profile sets side by side (tokens per extend, batch sizes, slots per free, ...)
     for figure, x, y, ratio in compare(live, model).rows:
         assert ratio is None or abs(ratio - 1) <= 0.10, (figure, x, y)
+
+
+# The speculative-decoding server (traces/live-sglang-0.5.23-swa-speculative-mooncake24.parquet:
+# STANDALONE with one draft step, 24 Mooncake requests at a hundredth of their length, 8 in
+# flight) against `synth radix-swa --speculative --k 1 --sglang-scheduler`: sglang 0.5.23's
+# draft slots in batched alloc_extend, a row's overallocation freed in a call of its own.
+SPEC = ROOT / "traces" / "live-sglang-0.5.23-swa-speculative-mooncake24.parquet"
+
+
+@pytest.mark.slow
+def test_the_speculative_model_is_within_ten_percent_of_the_live_server(tmp_path):
+    from kvreplay.trace.profile import compare
+
+    live = profile(SPEC, requests=24)
+    args = TraceReader(SPEC).meta.ctor_args
+    out = tmp_path / "spec.parquet"
+    synthesize(SynthConfig(scenario="radix-swa", out=out, requests=24, workload=MOONCAKE, length_scale=0.01,
+                           output_scale=0.25, page_size=args["page_size"], block_tokens=16, window=128,
+                           full_size=args["size"], swa_size=args["size_swa"], max_running=8, speculative=True,
+                           k=1, sglang_scheduler=True, speedup=1e9))
+    model = profile(out, requests=24)
+    assert set(live.per_request()) == set(model.per_request()) and "alloc_decode" not in live.per_request()
+    for method, n in live.per_request().items():
+        assert model.per_request()[method] == pytest.approx(n, rel=0.10), (method, n, model.per_request()[method])
+    for figure, x, y, ratio in compare(live, model).rows:
+        assert ratio is None or abs(ratio - 1) <= 0.10, (figure, x, y)

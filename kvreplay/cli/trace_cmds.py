@@ -55,6 +55,13 @@ def synth(
     batch_tokens: int = typer.Option(
         2048, help="vllm-prefix: tokens the scheduler runs per step (vLLM's max_num_batched_tokens): the chunk "
         "size of a long prompt, and the manager's in-flight token bound."),
+    speculative: bool = typer.Option(
+        False, "--speculative", help="radix-swa: speculative decoding as sglang 0.5.23 serves it (EAGLE, top-1 "
+        "drafts, --k draft steps): each step keeps every row allocated to twice its draft tokens past what it "
+        "committed, whole pages, in one batched alloc_extend, and accepts 1 to --k + 1 tokens."),
+    draft_accept: float = typer.Option(
+        0.25, help="radix-swa --speculative: the chance the target accepts each draft token, in order (0.25: what "
+        "the live tiny random model accepted; a trained draft model accepts far more)."),
     eagle: bool = typer.Option(
         False, "--eagle", help="vllm-prefix: the server runs an EAGLE drafter of --k tokens: every prefix hit gives "
         "up its last block (the drafter's states for it are not cached) and every allocation reserves --k slots "
@@ -80,8 +87,8 @@ def synth(
         page_size=page_size, full_size=full_size, swa_size=swa_size, window=window, k=k,
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, output_scale=output_scale,
         speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching, attention=attention,
-        max_model_len=max_model_len, batch_tokens=batch_tokens, eagle=eagle, device=device,
-        checkpoint_every=checkpoint_every,
+        max_model_len=max_model_len, batch_tokens=batch_tokens, speculative=speculative, draft_accept=draft_accept,
+        eagle=eagle, device=device, checkpoint_every=checkpoint_every,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:

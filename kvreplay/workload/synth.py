@@ -55,6 +55,8 @@ class SynthConfig:
     attention: str = "full"  # vllm-prefix: its KV-cache groups (full, sliding, hybrid; windows of `window` tokens)
     max_model_len: int | None = None  # vllm-prefix: longest sequence served (default: full_size)
     batch_tokens: int = 2048  # vllm-prefix: the scheduler's token budget per step (vLLM's max_num_batched_tokens)
+    speculative: bool = False  # radix-swa: draft-and-verify steps of k draft tokens (sglang 0.5.23's path)
+    draft_accept: float = 0.25  # radix-swa --speculative: the chance each draft token is accepted, in order
     eagle: bool = False  # vllm-prefix: an EAGLE drafter (k draft tokens a step): hits give up a block, k slots reserved
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
@@ -89,6 +91,8 @@ def validate(cfg: SynthConfig) -> Scenario:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
     if cfg.k < 0 or (cfg.k == 0 and getattr(cfg, "eagle", False)):
         raise BadInput("--k must be 0 (no speculation) or more draft tokens per step (--eagle: at least 1)")
+    if not 0 <= cfg.draft_accept <= 1:
+        raise BadInput("--draft-accept must be a probability, 0 to 1")
     if cfg.checkpoint_every < 0:
         raise BadInput("--checkpoint-every must be 0 (no checkpoints) or positive")
     if cfg.length_scale <= 0 or cfg.speedup <= 0 or (cfg.output_scale is not None and cfg.output_scale <= 0):

@@ -153,8 +153,10 @@ quiescence/orphan-swa-slot | leaks | at the end, a live SWA slot is mapped from 
     scenarios=(
         Scenario("disagg-mtp", "swa", "disaggregated decode with MTP speculation on an SWA pool (need_sort on)",
                  server=_SCENARIOS + "disagg_mtp", ctor=_SCENARIOS + "pool_ctor_sorted", check=_SCENARIOS + "check"),
-        Scenario("radix-swa", "swa", "prefix cache over an SWA pool: hits, leaf eviction, SWA tombstones",
-                 server=_SCENARIOS + "radix_swa", ctor=_SCENARIOS + "pool_ctor", check=_SCENARIOS + "check"),
+        Scenario("radix-swa", "swa", "prefix cache over an SWA pool: hits, leaf eviction, SWA tombstones "
+                 "(--speculative: draft-and-verify steps of --k draft tokens, as sglang 0.5.23 serves them)",
+                 server=_SCENARIOS + "radix_swa", ctor=_SCENARIOS + "pool_ctor", check=_SCENARIOS + "check",
+                 options=frozenset({"speculative", "draft_accept"})),
     ),
 )
 

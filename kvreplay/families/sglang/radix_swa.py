@@ -21,6 +21,7 @@ slots and freeing its old ones full-side."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,16 @@ class Node:
 
 class RadixSWAServer(ServerModel):
     def __init__(self, pool: Any, requests: list[Any], *, window: int, block_tokens: int,
-                 eviction_interval: int = 128, **kw: Any) -> None:
+                 eviction_interval: int = 128, draft_steps: int = 0, draft_accept: float = 0.25,
+                 **kw: Any) -> None:
         super().__init__(pool, requests, **kw)
+        # Speculative decoding (draft_steps > 0, top-1 drafts): sglang 0.5.23 keeps each row
+        # allocated to twice a step's draft tokens past its committed length, whole pages
+        # (get_alloc_reserve_per_decode), in one batched alloc_extend when any row needs it.
+        self.draft_steps = draft_steps
+        self.spec_reserve = 2 * (draft_steps + 1)
+        self.draft_accept = draft_accept  # the chance the target accepts each draft token, in order
+        self.accept_salt = self.rng.getrandbits(32) if draft_steps else 0  # the seed's say in what is accepted
         # sglang evicts a request's out-of-window SWA only once that many tokens have
         # slid out (SGLANG_SWA_EVICTION_INTERVAL, 128), not at every page.
         self.eviction_interval = eviction_interval if self.sglang_scheduler else 0
@@ -200,9 +209,12 @@ class RadixSWAServer(ServerModel):
     def decode(self) -> None:
         pool, ps = self.pool, self.ps
         while True:
-            pages = sum(1 for lv in self.running if (lv.committed + 1) % ps == 1)
-            self.evict_for(pages * ps, pages * ps)
-            if pages * ps <= min(pool.full_available_size(), pool.swa_available_size()) or len(self.running) == 1:
+            if self.draft_steps:
+                need = sum(t - lv.allocated for lv, t in self._spec_rows())
+            else:
+                need = ps * sum(1 for lv in self.running if (lv.committed + 1) % ps == 1)
+            self.evict_for(need, need)
+            if need <= min(pool.full_available_size(), pool.swa_available_size()) or len(self.running) == 1:
                 break
             victim = self.victim()
             pool.free_group_begin()
@@ -211,7 +223,40 @@ class RadixSWAServer(ServerModel):
             for n in victim.nodes:
                 n.lock -= 1
             self.retract(victim)
-        self.decode_one_token()
+        if self.draft_steps:
+            self.decode_speculative()
+        else:
+            self.decode_one_token()
+
+    def _spec_rows(self) -> list[tuple[Live, int]]:
+        return [(lv, max(lv.allocated, ceil_page(lv.committed + self.spec_reserve, self.ps))) for lv in self.running]
+
+    def decode_speculative(self) -> None:
+        """A draft-and-verify step: every running row is listed in the step's alloc_extend
+        (a row with room grows by nothing); the target accepts 1 to draft_steps + 1 tokens
+        and the rows keep the slots past them for the next step."""
+        rows = self._spec_rows()
+        prefix = [lv.allocated for lv, _ in rows]
+        seq = [t for _, t in rows]
+        if sum(seq) > sum(prefix):
+            out = self.pool.alloc_extend(self.dev(prefix), self.cpu(prefix), self.dev(seq), self.cpu(seq),
+                                         self.dev([int(lv.row[-1]) for lv, _ in rows]), sum(seq) - sum(prefix))
+            if out is None:
+                self.stats.none_results += 1
+                self.outgrown()
+                return
+            pos = 0
+            for (lv, t), a in zip(rows, prefix, strict=True):
+                lv.row = torch.cat((lv.row, out[pos:pos + t - a]))
+                pos += t - a
+        for lv, _ in rows:
+            # Greedy decoding: what the target accepts follows from the sequence so far, so
+            # two requests with one prompt accept alike (a draw seeded by prompt and length).
+            draw = random.Random(hash((lv.req.blocks, lv.req.input_len, lv.committed, self.accept_salt)))
+            accepted = 1  # the target's own token
+            while accepted <= self.draft_steps and draw.random() < self.draft_accept:
+                accepted += 1
+            lv.committed = min(lv.committed + accepted, lv.target)
 
     def finish(self) -> None:
         def release(lv: Live) -> None:
@@ -261,6 +306,14 @@ class RadixSWAServer(ServerModel):
             # sglang frees the part past the tree's whole pages even when it is empty.
             self.pool.free_segments([(lv.row[pos:pos], pos)])
         self.release_range(lv.row, pos, lv.committed, lv.evicted)
+        self.release_overallocated(lv)
+
+    def release_overallocated(self, lv: Live) -> None:
+        """Speculative rows hold whole pages past what they committed: sglang gives those
+        back in a call of their own, from the first page the sequence does not touch."""
+        start = ceil_page(lv.committed, self.ps)
+        if self.draft_steps and start < lv.allocated:
+            self.pool.free_segments([(lv.row[start:], start)])
 
     def _node_runs(self, blocks: list[tuple[int, Node]]) -> list[list[tuple[int, Node]]]:
         """Consecutive blocks that one request inserted: one node of sglang's tree,
@@ -322,6 +375,7 @@ class RadixSWAServer(ServerModel):
 
     def release_rest(self, lv: Live, start: int) -> None:
         self.release_range(lv.row, start, lv.committed, lv.evicted)
+        self.release_overallocated(lv)
 
     def drain(self) -> None:
         """Flush the cache leaf-first so the trace ends on an empty pool."""

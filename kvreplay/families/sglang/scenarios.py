@@ -46,4 +46,6 @@ def disagg_mtp(pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], No
 def radix_swa(pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> Any:
     from kvreplay.families.sglang.radix_swa import RadixSWAServer
 
-    return RadixSWAServer(pool, reqs, window=cfg.window, block_tokens=cfg.block_tokens, **_common(cfg, progress))
+    return RadixSWAServer(pool, reqs, window=cfg.window, block_tokens=cfg.block_tokens,
+                          draft_steps=cfg.k if cfg.speculative else 0, draft_accept=cfg.draft_accept,
+                          **_common(cfg, progress))
