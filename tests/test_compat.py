@@ -61,6 +61,32 @@ def test_the_engines_patches_are_named_explained_and_aim_at_no_allocator():
     assert [e.name for e in engines() if e.cpu_compat] == ["sglang", "vllm"]
 
 
+def test_sglangs_meta_parameters_patch_puts_them_where_the_model_is():
+    """0.5.12's transformers backend put meta-device parameters on 'cuda' by name."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from kvreplay.families.sglang.cpu_compat import PATCHES
+
+    (patch,) = [p for p in PATCHES if p.name == "transformers-meta-params"]
+
+    class TransformersBase(nn.Module):
+        def _init_parameters(self, module):
+            raise AssertionError("the release's own: materializes on cuda")
+
+    module = types.ModuleType("sglang.srt.models.transformers")
+    module.TransformersBase = TransformersBase
+    patch.apply(module)
+    model = TransformersBase()
+    model.dense = nn.Linear(2, 2)  # loaded: on the CPU
+    with torch.device("meta"):
+        model.experts = nn.Linear(4, 4)  # left on the meta device
+    model._init_parameters(model)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
 def test_print_env_names_the_switch_and_what_the_patches_need(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     r = run(capsys, "record", "--out", str(tmp_path / "o"), "--print-env", "--cpu-compat", "--json")

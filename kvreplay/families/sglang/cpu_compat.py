@@ -21,10 +21,32 @@ def _tree_kernels_in_triton(module: ModuleType) -> None:
     module._is_xpu = True  # noqa: SLF001 - the flag is the module's own switch
 
 
+def _meta_params_on_server_device(module: ModuleType) -> None:
+    # Up to 0.5.12 the transformers backend materializes a model's meta-device parameters
+    # (a mixture of experts' weights) on "cuda" by name; later releases ask for the
+    # server's device. Here: where the loader put the model's other parameters.
+    import torch
+    from torch import nn
+
+    def init_parameters(self: nn.Module, mod: nn.Module) -> None:
+        device = next((p.device for p in self.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        for name, param in mod.named_parameters(recurse=False):
+            if param.device.type == "meta":
+                setattr(mod, name, nn.Parameter(torch.empty_like(param.data, device=device)))
+        for child in mod.children():
+            init_parameters(self, child)
+
+    module.TransformersBase._init_parameters = init_parameters
+
+
 PATCHES = (
     Patch("eagle-tree-triton", "sglang.kernels.ops.speculative.spec_tree",
           why="speculative decoding builds and verifies its draft tree with sgl_kernel, which does not load "
               "without a GPU; sglang's own Triton tree kernels (its XPU path) do the same work in Triton's "
               "interpreter",
           apply=_tree_kernels_in_triton, env={"TRITON_INTERPRET": "1"}),
+    Patch("transformers-meta-params", "sglang.srt.models.transformers",
+          why="up to 0.5.12 the transformers backend puts a model's meta-device parameters (a mixture of "
+              "experts' weights) on 'cuda' by name; the patch puts them on the server's device, as 0.5.13 on do",
+          apply=_meta_params_on_server_device),
 )
