@@ -23,7 +23,7 @@ LAYERS: list[list[str]] = [
     ["corpus"],
     ["bisect", "minimize", "demo", "matrix", "dashboard"],
     ["stored_replay", "reproducer", "report", "watch"],
-    ["families.sglang", "families.vllm", "families"],  # each family's own code, named by its record
+    ["families.sglang", "families.vllm", "families.mamba", "families"],  # each family's own code, named by its record
     ["workload"],
     ["recorder", "replay", "checked_pool"],
     ["check", "store"],

@@ -185,9 +185,12 @@ VLLM_CTOR = {"num_blocks": 16, "block_size": 4, "hash_block_size": 4, "max_model
              "enable_caching": True, "watermark": 0.0, "attention": "full"}
 
 
+MAMBA_CTOR = {"size": 8, "mamba_size": 16, "extra_buffer": True, "ping_pong": 2, "max_context_len": 64}
+
+
 def test_every_builtin_constructs_from_recorded_ctor_args_on_cpu():
     for name, b in BUILTINS.items():
-        ctor = VLLM_CTOR if b.family == "vllm" else {
+        ctor = VLLM_CTOR if b.family == "vllm" else MAMBA_CTOR if b.family == "mamba" else {
             "size": 64, "size_swa": 32, "page_size": 4 if b.family != "token" else 1, "need_sort": True,
             "dtype": "torch.int64"}
         pool = resolve(f"builtin:{name}").construct(ctor)

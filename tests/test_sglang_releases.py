@@ -150,3 +150,34 @@ def test_live_speculative_traffic_meets_exact_token_clearing_until_0_5_14(tmp_pa
     res = bisect(SPEC, old, order, db=str(tmp_path / "k.db"), device="cpu", mode="remap",
                  failure=Failure.parse(PEER), fixed=True)
     assert res.verdict == "found" and res.first_bad.spec == "sglang==0.5.14", res.steps
+
+
+MAMBA_STALE = CORPUS / "sglang-0.5.12-mamba-stale-ping-pong.parquet"
+STALE_RULE = "state-pool/request-holds-free-slot"
+
+
+def test_a_hybrid_state_pool_trace_replays_strict_on_the_release_the_builtin_mirrors():
+    """builtin:mamba is sglang 0.5.23's pool: the installed release hands out the same
+    rows and slots, call for call."""
+    r = replay(MAMBA_STALE, "sglang", device="cpu")
+    assert r.status == "clean", (r.status, r.first_divergence, r.first_violation, r.message)
+
+
+def test_sglang_0_5_12_gives_a_retracted_request_its_freed_tracking_pair_and_0_5_13_does_not():
+    bad = replay(MAMBA_STALE, "sglang==0.5.12", mode="remap", device="cpu")
+    first = bad.first_violation
+    assert (first.invariant, first.rule, first.method, first.call) == ("state-pool", "request-holds-free-slot",
+                                                                        "alloc_reqs", 3025), first
+    # 0.5.12 has no grouped allocation and copies states into the cache: said, not hidden
+    assert {"alloc_group_begin", "donate_track"} <= set(bad.translated), bad.translated
+    good = replay(MAMBA_STALE, "sglang==0.5.13", mode="remap", device="cpu")
+    assert good.status == "clean", (good.status, good.first_violation, good.first_divergence)
+    old = replay(MAMBA_STALE, "sglang==0.5.5", mode="remap", device="cpu")
+    assert old.status == "unsupported" and "tracking pair" in old.message, old.message
+
+
+def test_bisect_fixed_names_0_5_13_for_the_stale_tracking_pair(tmp_path):
+    old, order = build_candidates(expand("sglang==0.5.9..0.5.16"))
+    res = bisect(MAMBA_STALE, old, order, db=str(tmp_path / "b.db"), device="cpu", mode="remap",
+                 failure=Failure.parse(STALE_RULE), fixed=True)
+    assert res.verdict == "found" and res.first_bad.spec == "sglang==0.5.13", res.steps

@@ -19,7 +19,8 @@ from kvreplay.family.registry import unit_of
 @app.command()
 def synth(
     scenario: str = typer.Argument(..., help="decode | disagg-mtp | radix-swa (sglang's pools) | vllm-prefix "
-                                   "(vLLM's KV-cache manager)"),
+                                   "(vLLM's KV-cache manager) | hybrid-mamba (sglang's state pool of a "
+                                   "state-space hybrid model)"),
     out_path: str = typer.Option(..., "-o", "--out", help="Trace file to write (Parquet): a path or a URI."),
     requests: int = typer.Option(200, "--requests", "-n", help="Number of requests to run."),
     seed: int = typer.Option(0, help="Seed for the request generator and accept lengths."),
@@ -62,6 +63,10 @@ def synth(
     draft_accept: float = typer.Option(
         0.25, help="radix-swa --speculative: the chance the target accepts each draft token, in order (0.25: what "
         "the live tiny random model accepted; a trained draft model accepts far more)."),
+    state_slots: int = typer.Option(
+        64, help="hybrid-mamba: slots in the state pool (sglang's --max-mamba-cache-size): each request holds three "
+        "(its state and a tracking pair), the prefix cache the rest."),
+    aborts: float = typer.Option(0.05, help="hybrid-mamba: the share of requests aborted while they decode."),
     eagle: bool = typer.Option(
         False, "--eagle", help="vllm-prefix: the server runs an EAGLE drafter of --k tokens: every prefix hit gives "
         "up its last block (the drafter's states for it are not cached) and every allocation reserves --k slots "
@@ -88,7 +93,7 @@ def synth(
         block_tokens=block_tokens, max_running=max_running, length_scale=length_scale, output_scale=output_scale,
         speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching, attention=attention,
         max_model_len=max_model_len, batch_tokens=batch_tokens, speculative=speculative, draft_accept=draft_accept,
-        eagle=eagle, device=device, checkpoint_every=checkpoint_every,
+        eagle=eagle, device=device, checkpoint_every=checkpoint_every, state_slots=state_slots, aborts=aborts,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:

@@ -20,6 +20,7 @@ from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
 PACKAGES: tuple[str, ...] = (
     "kvreplay.families.sglang",
     "kvreplay.families.vllm",
+    "kvreplay.families.mamba",
 )
 FAMILIES_ENV = "KVREPLAY_FAMILIES"  # more family packages, outside kvreplay (a user's configuration)
 
@@ -204,4 +205,4 @@ SCENARIOS: Mapping[str, Scenario] = LiveView(lambda: {s.name: s for f in familie
 
 def record_classes() -> tuple[str, ...]:
     """The engine classes a recorder patches in a running server, every family's."""
-    return tuple(p for f in families() for p in f.release_classes)
+    return tuple(p for f in families() if f.recorded_live for p in f.release_classes)

@@ -283,19 +283,22 @@ def check_ctor_args(name_of_family: str, args: dict[str, Any]) -> None:
                          f"not {str(args['dtype'])[:80]!r}")
     if fam.check_ctor is not None:
         fam.check_ctor(args)
-        att = args.get("attention")
-        if type(att) is not str or not 0 < len(att) <= 200:
-            # any KV-cache spec kinds a manager had (a hybrid model's several); the builds
-            # say which they can construct (full attention, so far)
-            raise ValueError(f"constructor argument attention must name the manager's attention kinds, not "
-                             f"{str(att)[:40]!r}")
-        for group in att.split(","):
-            kind, colon, width = group.partition(":")
-            sized = not colon or (width.isdigit() and 0 < int(width) < 1 << 31)
-            ok = ATTENTION_KIND.match(kind) is not None and sized
-            if not ok or (kind == "sliding_window" and not colon):
-                raise ValueError(f"constructor argument attention: {group[:40]!r} is not a KV-cache group (full, "
-                                 "sliding_window:W with a window of W > 0 tokens, or a spec's name)")
+
+
+def check_attention(att: Any) -> None:
+    """A block manager's ``attention``: the KV-cache groups it had, comma-separated."""
+    if type(att) is not str or not 0 < len(att) <= 200:
+        # any KV-cache spec kinds a manager had (a hybrid model's several); the builds
+        # say which they can construct (full attention, so far)
+        raise ValueError(f"constructor argument attention must name the manager's attention kinds, not "
+                         f"{str(att)[:40]!r}")
+    for group in att.split(","):
+        kind, colon, width = group.partition(":")
+        sized = not colon or (width.isdigit() and 0 < int(width) < 1 << 31)
+        ok = ATTENTION_KIND.match(kind) is not None and sized
+        if not ok or (kind == "sliding_window" and not colon):
+            raise ValueError(f"constructor argument attention: {group[:40]!r} is not a KV-cache group (full, "
+                             "sliding_window:W with a window of W > 0 tokens, or a spec's name)")
 
 
 @dataclass(slots=True)

@@ -57,6 +57,8 @@ class SynthConfig:
     batch_tokens: int = 2048  # vllm-prefix: the scheduler's token budget per step (vLLM's max_num_batched_tokens)
     speculative: bool = False  # radix-swa: draft-and-verify steps of k draft tokens (sglang 0.5.23's path)
     draft_accept: float = 0.25  # radix-swa --speculative: the chance each draft token is accepted, in order
+    state_slots: int = 64  # hybrid-mamba: the state pool's slots (sglang's --max-mamba-cache-size)
+    aborts: float = 0.05  # hybrid-mamba: the share of requests aborted while they decode
     eagle: bool = False  # vllm-prefix: an EAGLE drafter (k draft tokens a step): hits give up a block, k slots reserved
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
@@ -91,6 +93,10 @@ def validate(cfg: SynthConfig) -> Scenario:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
     if cfg.k < 0 or (cfg.k == 0 and getattr(cfg, "eagle", False)):
         raise BadInput("--k must be 0 (no speculation) or more draft tokens per step (--eagle: at least 1)")
+    if cfg.state_slots < 4:
+        raise BadInput("--state-slots must be at least 4 (a request holds a state slot and a tracking pair)")
+    if not 0 <= cfg.aborts <= 1:
+        raise BadInput("--aborts must be a share of requests, 0 to 1")
     if not 0 <= cfg.draft_accept <= 1:
         raise BadInput("--draft-accept must be a probability, 0 to 1")
     if cfg.checkpoint_every < 0:

@@ -37,6 +37,9 @@ MAX_BLOCKS = limit("KVREPLAY_MAX_BLOCKS", 1 << 21)
 
 
 def _check_ctor(args: dict[str, Any]) -> None:
+    from kvreplay.trace.format import check_attention
+
+    check_attention(args.get("attention"))
     if args["num_blocks"] > MAX_BLOCKS:
         raise ValueError(f"constructor argument num_blocks is {args['num_blocks']:,}, more than {MAX_BLOCKS:,} "
                          "(KVREPLAY_MAX_BLOCKS raises the limit)")

@@ -1,0 +1,29 @@
+"""The synth scenario of the mamba family: sglang's scheduler on a hybrid model's state pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvreplay.errors import BadInput
+
+
+def check(cfg: Any) -> None:
+    if cfg.full_size < cfg.batch_tokens:
+        raise BadInput("--full-size (the KV tokens) must hold at least one chunk of --batch-tokens")
+    if cfg.state_slots < 3 * 1 + 1:
+        raise BadInput("--state-slots must hold at least one request's three slots")
+
+
+def pool_ctor(cfg: Any) -> dict[str, Any]:
+    """Rows for every running request, a state pool of ``state_slots``, the tracking pair on."""
+    return {"size": cfg.max_running, "mamba_size": cfg.state_slots, "extra_buffer": True, "ping_pong": 2,
+            "max_context_len": cfg.full_size}
+
+
+def hybrid(wire: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> Any:
+    from kvreplay.families.mamba.scheduler import HybridMambaServer
+
+    return HybridMambaServer(wire, reqs, block_tokens=cfg.block_tokens, kv_tokens=cfg.full_size,
+                             max_running=cfg.max_running, chunk=cfg.batch_tokens, aborts=cfg.aborts,
+                             seed=cfg.seed, progress=progress)
