@@ -35,7 +35,6 @@ class _Live:
     computed: int = 0  # tokens whose state is computed
     out: int = 0  # tokens generated
     hit: int = 0  # prompt tokens the prefix hit covered
-    donated: bool = False
 
 
 class HybridMambaServer:
@@ -170,7 +169,6 @@ class HybridMambaServer:
         if got is None:
             return
         self._insert(key, self.wire.donate_track(live.number, got[0]))
-        live.donated = True
         self.stats.extra["donations"] += 1
 
     def _finish(self, live: _Live) -> None:

@@ -186,10 +186,7 @@ class StateWire:
 
     # -- the counter a row carries: free state slots ----------------------------------------
     def available_size(self) -> int:
-        return int(self._slot_real_available())
-
-    def _slot_real_available(self) -> int:
-        return self.pool.mamba_allocator.available_size()
+        return int(self.pool.mamba_allocator.available_size())
 
     # -- the pool's calls ----------------------------------------------------------------------
     def alloc_reqs(self, requests: tuple[int, ...]) -> tuple[int, ...] | None:
