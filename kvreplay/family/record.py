@@ -83,7 +83,6 @@ class Family:
     base_classes: tuple[str, ...] = ()  # MODULE:CLASS: a class deriving from one is of this family
     class_words: tuple[str, ...] = ()  # words in an engine class's names that say this family
     release_classes: tuple[str, ...] = ()  # MODULE:CLASS in an engine release, newest layout first
-    recorded_live: bool = True  # a running server's release classes are recorded (else builds only)
     sub_allocators: tuple[tuple[str, str], ...] = ()  # (target in traces, attribute): calls recorded nested
     slots: bool = True  # calls name token slots (minimize shrinks them), else ids of the family's own
     snapshots: bool = True  # a live pool's state can be taken: each recorded part starts from one

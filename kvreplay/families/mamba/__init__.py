@@ -55,8 +55,7 @@ MAMBA = Family(
     base_classes=("kvreplay.families.mamba.pool:HybridStatePool", "kvreplay.families.mamba.wire:StateWire"),
     class_words=("hybridreqtotoken",),
     release_classes=(POOL_CLASS,),
-    # a running server's pool is not recorded yet: its wire has no live face (docs/mamba.md)
-    recorded_live=False,
+    wire="kvreplay.families.mamba.live:wire_for",
     slots=False,
     snapshots=False,
     check_ctor=_check_ctor,

@@ -27,7 +27,11 @@ class StatePoolChecker:
         self.owner: dict[int, str] = {}  # live slot -> who holds it (a request's number as text, or the above)
         self.named: dict[int, dict[int, str]] = {}  # request -> its slots as last seen, {slot: "state"|"track"}
         self.calls = 0
-        self.in_group = False
+        # Without the extra buffer the prefix cache keeps a finished request's own state
+        # slot in place (the request gives its row back still naming the slot it handed
+        # over), and copies a running request's state into slots it takes itself: the
+        # server's top-level allocations are the cache's until a request names one.
+        self.no_buffer = not bool(wire.ctor_args.get("extra_buffer"))
 
     def _flag(self, call: int, method: str, rule_id: str, slots: list[int], message: str) -> None:
         rule = RULES[rule_id]
@@ -48,7 +52,7 @@ class StatePoolChecker:
                                f"the allocator handed out state slot(s) {held[:8]} held by "
                                f"{', '.join(sorted({self._who(owner[s]) for s in held}))}")
                 for s in ids:
-                    owner[s] = PENDING
+                    owner[s] = CACHE if self.no_buffer and method == "alloc" else PENDING
             elif m == "free" and ids:
                 free = [s for s in ids if s not in owner]
                 if free:
@@ -85,6 +89,11 @@ class StatePoolChecker:
         for s in before:  # let go of: freed (gone from owner), kept for the cache, or moved on
             if s not in now and self.owner.get(s) == tag:
                 self.owner[s] = CACHE
+        if method == "free_req" and self.no_buffer and req.req_pool_idx is None:
+            for s in now:
+                if self.owner.get(s) == tag:
+                    self.owner[s] = CACHE
+            now = {}
         # a request between lives (ended, retracted) may still name slots it gave back; the
         # pool must not give them to it again when it is allocated anew
         free = [s for s in now if s not in self.owner] if method == "alloc_reqs" else []

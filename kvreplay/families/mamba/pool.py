@@ -73,8 +73,9 @@ class HybridStatePool:
     slots_class = StateSlots
 
     def __init__(self, size: int, mamba_size: int, extra_buffer: bool = True, ping_pong: int = 2,
-                 device: str = "cpu", **_: Any) -> None:
+                 max_context_len: int = 0, device: str = "cpu", **_: Any) -> None:
         self.size = size
+        self.max_context_len = int(max_context_len or 0)
         self.device = device
         self.free_rows = list(range(1, size + 1))  # row 0 pads cuda-graph batches
         self.mamba_allocator = self.slots_class(mamba_size, device)

@@ -39,6 +39,12 @@ def _meta_params_on_server_device(module: ModuleType) -> None:
     module.TransformersBase._init_parameters = init_parameters
 
 
+def _rope_in_torch(module: ModuleType) -> None:
+    # A host that is neither CUDA, ROCm nor sglang's CPU engine falls through to vLLM's
+    # rotary kernel, which is not installed; its MPS branch keeps the rotation in torch.
+    module._is_mps = True  # noqa: SLF001 - the flag is the module's own switch
+
+
 PATCHES = (
     Patch("eagle-tree-triton", "sglang.kernels.ops.speculative.spec_tree",
           why="speculative decoding builds and verifies its draft tree with sgl_kernel, which does not load "
@@ -49,4 +55,8 @@ PATCHES = (
           why="up to 0.5.12 the transformers backend puts a model's meta-device parameters (a mixture of "
               "experts' weights) on 'cuda' by name; the patch puts them on the server's device, as 0.5.13 on do",
           apply=_meta_params_on_server_device),
+    Patch("rope-native", "sglang.srt.layers.rotary_embedding.base",
+          why="sglang's own models (not the transformers backend) take vLLM's rotary kernel on a host that is "
+              "neither CUDA, ROCm nor sglang's CPU engine; the patch keeps the rotation in torch (the MPS path)",
+          apply=_rope_in_torch),
 )
