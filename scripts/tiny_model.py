@@ -2,11 +2,15 @@
 
     python scripts/tiny_model.py OUT            # 2 layers, full attention
     python scripts/tiny_model.py OUT --swa 128  # hybrid: layer 0 slides (window 128), layer 1 is full
+    python scripts/tiny_model.py OUT --conv     # hybrid LFM2: layer 0 a short convolution, layer 1 full
 
 Serve it with token ids in (``--skip-tokenizer-init``); on CPU add ``--device cpu
 --model-impl transformers``. The hybrid model opts in to sglang's hybrid
 sliding-window memory (``is_hybrid_swa`` with a ``hybrid_layer_pattern``), so the
-server builds its SWA allocator: the seed bug's pool family."""
+server builds its SWA allocator: the seed bug's pool family. The LFM2 model keeps a
+convolution state per request in sglang's hybrid request pool (the mamba family); sglang
+serves it with its own model code, on CPU under ``kvreplay record --cpu-compat`` with
+``--page-size 1 --disable-overlap-schedule`` (docs/mamba.md)."""
 
 from __future__ import annotations
 
@@ -15,8 +19,19 @@ import json
 from pathlib import Path
 
 
-def make(out: Path, swa_window: int = 0, vocab: int = 2048) -> Path:
+def make(out: Path, swa_window: int = 0, vocab: int = 2048, conv: bool = False) -> Path:
     import torch
+
+    if conv:
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        cfg = Lfm2Config(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         layer_types=["conv", "full_attention"], conv_L_cache=3, block_auto_adjust_ff_dim=False,
+                         torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        torch.manual_seed(0)
+        Lfm2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+        return out
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -38,9 +53,12 @@ if __name__ == "__main__":
     ap.add_argument("out", type=Path)
     ap.add_argument("--swa", type=int, default=0, metavar="WINDOW", help="hybrid sliding-window model")
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--conv", action="store_true", help="hybrid LFM2 (a convolution state per request)")
     a = ap.parse_args()
+    if a.conv and a.swa:
+        raise SystemExit("tiny_model.py: --conv and --swa make different models; give one")
     try:
-        print(make(a.out, a.swa, a.vocab))
+        print(make(a.out, a.swa, a.vocab, a.conv))
     except ModuleNotFoundError as exc:  # the server's venv has them; a bare one may not
         raise SystemExit(f"tiny_model.py: needs {exc.name} (pip install torch transformers, or run it with the "
                          "Python of the server's venv)") from None

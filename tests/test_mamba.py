@@ -217,3 +217,49 @@ def test_builds_lists_the_family_with_its_variant(cli):
     assert r.returncode == 0, (r.stdout + r.stderr)
     names = json.dumps(json.loads(r.stdout))
     assert "builtin:mamba" in names and "builtin:mamba@stale-ping-pong" in names
+
+
+# -- the live face: a server's requests recorded through the wire ------------------------------
+def test_a_running_servers_pool_is_recorded_and_replays_strict_clean(tmp_path):
+    """A scheduler as sglang 0.5.23's runs a pool without the extra buffer: groups of
+    admissions, a prefix hit's copied state put on the request by the cache, the cache's
+    own copies of running states, a finished request's state kept in place, an eviction,
+    and a retracted request allocated anew. Its trace replays clean, and every change the
+    server made to a request outside the pool is said once, before the call that reads it."""
+    from kvreplay.families.mamba.live import LiveStateWire
+    from kvreplay.families.mamba.wire import WireRequest
+    from kvreplay.recorder.recording import record
+    from kvreplay.trace.reader import TraceReader
+
+    ctor = {"size": 4, "mamba_size": 8, "extra_buffer": False, "ping_pong": 1, "max_context_len": 64}
+    pool = HybridStatePool(**ctor)
+    wire = LiveStateWire(pool)
+    slots = pool.mamba_allocator
+    out = tmp_path / "live.parquet"
+    reqs = [WireRequest(1000 + i) for i in range(4)]  # the server's objects (their own numbering)
+    with record(wire, out, flush_s=0):
+        slots.alloc_group_begin(2)
+        assert pool.alloc(reqs[:2]) is not None
+        slots.alloc_group_end()
+        tree = [slots.alloc(1)]  # the cache copies a running request's state
+        reqs[0].kv_allocated_len = 40
+        pool.free(reqs[0])  # finished: the cache keeps its state slot in place
+        tree.append(reqs[0].mamba_pool_idx.reshape(1))
+        hit = slots.alloc(1)  # a prefix hit: the cached state copied for a new request
+        reqs[2].mamba_pool_idx = hit[0]
+        assert pool.alloc([reqs[2]]) is not None
+        slots.free(tree.pop(0))  # an eviction
+        reqs[1].kv_allocated_len = 12
+        pool.free_mamba_cache(reqs[1])  # retracted: state and row given back
+        pool.free(reqs[1])
+        reqs[1].kv_allocated_len = 0
+        assert pool.alloc([reqs[1]]) is not None  # back, with a fresh state slot
+    assert wire._known.keys() == {2, 3}  # requests that gave their row back are forgotten
+    rows = [tc.call for tc in TraceReader(out).top_calls(device="cpu", nested_args=True)]
+    said = [(c.args["request"], {k: v for k, v in c.args.items() if k != "request" and v is not None})
+            for c in rows if c.method == "set_request"]
+    assert said == [(1, {"kv_len": 40}), (3, {"state": int(hit[0])}), (2, {"kv_len": 12}),
+                    (2, {"state": -1, "track": (), "kv_len": 0})]  # back after its row went: said whole
+    for build in ("builtin:mamba", "builtin:mamba@stale-ping-pong"):
+        r = replay(out, build, mode="strict", device="cpu")
+        assert r.status == "clean", (build, r.first_divergence, r.first_violation)
