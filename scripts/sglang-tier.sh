@@ -54,4 +54,4 @@ esac
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
 # One server at a time (each takes a core); bounded as a whole.
-timeout "${KVREPLAY_LIVE_BUDGET_S:-1500}" "$PY" -m pytest -m live -n 0 tests/test_live_server.py
+timeout "${KVREPLAY_LIVE_BUDGET_S:-1800}" "$PY" -m pytest -m live -n 0 tests/test_live_server.py

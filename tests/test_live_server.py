@@ -31,31 +31,29 @@ MOONCAKE = ROOT / "workloads" / "mooncake" / "synthetic_trace.jsonl"
 START_S = float(os.environ.get("KVREPLAY_LIVE_START_S", "600"))  # a loaded 2-core machine took 3 minutes
 
 
-def _tiny(out: Path, swa: int = 0, conv: bool = False) -> Path:
+def _tiny(out: Path, swa: int = 0) -> Path:
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         from tiny_model import make
     finally:
         sys.path.pop(0)
-    return make(out, swa, conv=conv)
+    return make(out, swa)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     base = tmp_path_factory.mktemp("models")
-    return {"llama": _tiny(base / "llama"), "swa": _tiny(base / "swa", swa=128),
-            "conv": _tiny(base / "conv", conv=True)}
+    return {"llama": _tiny(base / "llama"), "swa": _tiny(base / "swa", swa=128)}
 
 
 class Server(RecordedServer):
     """A recorded ``python -m sglang.launch_server`` of a tiny model on CPU."""
 
     def __init__(self, model: Path, out: Path, page_size: int, *extra: str, small: bool = True,
-                 record_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 model_impl: str = "transformers") -> None:
+                 record_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         super().__init__(out, lambda port: [
             sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
-            "--device", "cpu", "--model-impl", model_impl, "--page-size", str(page_size),
+            "--device", "cpu", "--model-impl", "transformers", "--page-size", str(page_size),
             "--port", str(port), "--disable-cuda-graph", "--mem-fraction-static", "0.05",
             *(("--max-total-tokens", "65536") if small else ()), "--log-level", "warning", *extra],
             start_s=START_S, record_args=record_args, env=env)
@@ -116,26 +114,30 @@ def test_hybrid_swa_server_records_its_swa_allocator(models, tmp_path):
         assert r.status == "clean", (build, r.first_divergence, r.first_violation)
 
 
-def test_hybrid_state_space_server_records_its_state_pool(models, tmp_path):
-    # sglang's own LFM2 code (the transformers backend has no state pool), its convolution
-    # in sglang's Triton kernel under the interpreter; without the extra buffer (which
-    # sglang allows on GPUs only) a state pool takes page size 1 and no overlap. 24 state
-    # slots for 8 rows: the prefix cache's copies of running requests' states press on it.
-    server = Server(models["conv"], tmp_path / "out", 1, "--disable-overlap-schedule", "--max-mamba-cache-size",
-                    "24", model_impl="sglang", record_args=("--cpu-compat",))
-    try:
-        served = server.drive(24)
-    finally:
-        server.stop(signal.SIGINT)
-    assert served.ok == 24, served.error_kinds
-    traces = {TraceReader(t).meta.family: t for t in finished_traces(tmp_path / "out")}
-    assert set(traces) == {"mamba", "token"}, traces
-    meta = TraceReader(traces["mamba"]).meta
-    assert meta.ctor_args["mamba_size"] == 24 and meta.ctor_args["extra_buffer"] is False
-    for build in ("sglang", "builtin:mamba"):
-        r = replay(traces["mamba"], build, mode="strict", device="cpu")
-        assert r.status == "clean", (build, r.first_divergence, r.first_violation)
-        assert r.calls_replayed > 24 * 3  # a row and a state slot given and taken back per request
+def test_the_state_pool_page_block_runs_as_written(tmp_path):
+    """docs/mamba.md's block, as a reader runs it: a hybrid LFM2 served by sglang's own
+    model code on CPU (its convolution in sglang's Triton kernel under the interpreter;
+    without the extra buffer, which sglang allows on GPUs only, page size 1 and no
+    overlap), 24 state slots for 8 rows, so the prefix cache's copies of prefilled states
+    press on the pool; the state pool's trace replays strict-clean on sglang and the builtin."""
+    from docs_commands import blocks
+
+    text = (ROOT / "docs" / "mamba.md").read_text()
+    (block,) = [b for b in blocks(text) if "kvreplay record --cpu-compat --out traces/live/mamba" in b]
+    work = tmp_path / "work"
+    (work / "traces").mkdir(parents=True)  # the reader's checkout has it
+    ran = run_page_block(block, tmp_path, work, "30000", START_S + 600)
+    for line, (rc, said) in ran.items():
+        if not line.startswith("kill"):
+            assert rc == 0, (line, rc, said)
+    traces = {TraceReader(t).meta.family: t for t in finished_traces(work / "traces" / "live" / "mamba")}
+    assert set(traces) == {"mamba", "token"} and traces["mamba"].name.endswith("-0.parquet"), traces
+    args = TraceReader(traces["mamba"]).meta.ctor_args
+    assert args["mamba_size"] == 24 and args["extra_buffer"] is False
+    replays = [said for line, (_, said) in ran.items() if line.startswith("kvreplay replay")]
+    assert len(replays) == 2 and all("clean" in out for out in replays), replays
+    r = replay(traces["mamba"], "builtin:mamba", mode="strict", device="cpu")
+    assert r.calls_replayed > 24 * 3  # a row and a state slot given and taken back per request, and the cache's
 
 
 # The seed bug's setting, as far as CPU goes without speculation: a disaggregated decode

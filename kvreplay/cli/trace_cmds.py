@@ -67,6 +67,10 @@ def synth(
         64, help="hybrid-mamba: slots in the state pool (sglang's --max-mamba-cache-size): each request holds three "
         "(its state and a tracking pair), the prefix cache the rest."),
     aborts: float = typer.Option(0.05, help="hybrid-mamba: the share of requests aborted while they decode."),
+    no_extra_buffer: bool = typer.Option(
+        False, "--no-extra-buffer", help="hybrid-mamba: the pool sglang builds where the extra buffer is not "
+        "allowed (any CPU): no tracking pair; the cache copies a prompt's state when it is prefilled and keeps "
+        "a finished request's state slot in place."),
     eagle: bool = typer.Option(
         False, "--eagle", help="vllm-prefix: the server runs an EAGLE drafter of --k tokens: every prefix hit gives "
         "up its last block (the drafter's states for it are not cached) and every allocation reserves --k slots "
@@ -94,6 +98,7 @@ def synth(
         speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching, attention=attention,
         max_model_len=max_model_len, batch_tokens=batch_tokens, speculative=speculative, draft_accept=draft_accept,
         eagle=eagle, device=device, checkpoint_every=checkpoint_every, state_slots=state_slots, aborts=aborts,
+        no_extra_buffer=no_extra_buffer,
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:

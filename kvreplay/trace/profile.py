@@ -106,8 +106,8 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
             m = c.method
             if m in COUNTER_METHODS:
                 reads += 1
-            else:
-                methods[m] += 1
+            else:  # a sub-allocator's own top-level calls (the mamba family's) by target
+                methods[m if c.target == "root" else f"{c.target}.{m}"] += 1
             available = c.counters.get(counter) if c.counters else None
             if available is not None:
                 used.append(1.0 - available / capacity)
@@ -142,7 +142,9 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
                 s = c.args.get("seq_lens")
                 if s is not None:
                     decode.append(_length(s))
-            elif m == "alloc":
+            elif m == "alloc_reqs":  # the mamba family: requests by number
+                request_ids.update(str(r) for r in c.args.get("requests") or ())
+            elif m == "alloc" and c.target == "root":
                 n = c.args.get("need_size")
                 if n is not None:
                     if type(n) is not int:
@@ -176,7 +178,7 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
         notes.append("requests counted from alloc_extend (one prefix_lens entry each)")
     elif requests is None and request_ids:
         requests = len(request_ids)
-        notes.append("requests counted by id (vLLM's allocate_slots)")
+        notes.append("requests counted by id (vLLM's allocate_slots, the mamba family's alloc_reqs)")
     return TraceProfile(
         path=str(path), family=meta.family, requests=requests, calls=sum(methods.values()) + reads,
         counter_reads=reads, calls_by_method=dict(methods), extend_tokens=_quantiles(extend),

@@ -59,6 +59,7 @@ class SynthConfig:
     draft_accept: float = 0.25  # radix-swa --speculative: the chance each draft token is accepted, in order
     state_slots: int = 64  # hybrid-mamba: the state pool's slots (sglang's --max-mamba-cache-size)
     aborts: float = 0.05  # hybrid-mamba: the share of requests aborted while they decode
+    no_extra_buffer: bool = False  # hybrid-mamba: no tracking pair (the pool sglang builds off GPUs)
     eagle: bool = False  # vllm-prefix: an EAGLE drafter (k draft tokens a step): hits give up a block, k slots reserved
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
@@ -93,8 +94,6 @@ def validate(cfg: SynthConfig) -> Scenario:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
     if cfg.k < 0 or (cfg.k == 0 and getattr(cfg, "eagle", False)):
         raise BadInput("--k must be 0 (no speculation) or more draft tokens per step (--eagle: at least 1)")
-    if cfg.state_slots < 4:
-        raise BadInput("--state-slots must be at least 4 (a request holds a state slot and a tracking pair)")
     if not 0 <= cfg.aborts <= 1:
         raise BadInput("--aborts must be a share of requests, 0 to 1")
     if not 0 <= cfg.draft_accept <= 1:

@@ -77,7 +77,7 @@ quiescence/ended-request-state | leaks | at the end, a request that gave up its 
                  "sglang's scheduler on a hybrid model's state pool: prefix hits copy cached states, chunked "
                  "prefill, tracking pairs, donation to the cache, aborts, retraction (--state-slots, --aborts)",
                  server=_SCENARIOS + "hybrid", ctor=_SCENARIOS + "pool_ctor", check=_SCENARIOS + "check",
-                 options=frozenset({"state_slots", "aborts"})),
+                 options=frozenset({"state_slots", "aborts", "no_extra_buffer"})),
     ),
 )
 

@@ -67,8 +67,10 @@ class LiveStateWire(StateWire):
         for wire_name in self._pool_real:
             setattr(pool, LIVE_NAMES[wire_name], self._shim(wire_name))
 
-    def _sync(self, req: Any) -> int:
-        """The request's number, after a ``set_request`` of what changed since the pool saw it."""
+    def _sync(self, req: Any, reads_kv_len: bool) -> int:
+        """The request's number, after a ``set_request`` of what changed since the pool saw
+        it. The KV length is said only before a call that reads it (``alloc``): it changes
+        at every step, and a replay's stand-in keeps the last one said."""
         n = req.__dict__.get(_TAG)
         if n is None:  # new to the pool: the replay's stand-in starts empty
             n = req.__dict__[_TAG] = next(self._numbers)
@@ -76,6 +78,8 @@ class LiveStateWire(StateWire):
         else:  # back after its row was given back (retracted): said whole, as nothing is remembered
             before = self._known.get(n, (None, None, None, None))
         now = _fields(req)
+        if not reads_kv_len:
+            now = (*now[:3], before[3])
         if now != before:
             changed: dict[str, Any] = {}
             for key, a, b in zip(("state", "track", "last", "kv_len"), now, before, strict=True):
@@ -83,6 +87,7 @@ class LiveStateWire(StateWire):
                     changed[key] = a
             if changed:
                 self.set_request(request=n, **changed)
+        self._known[n] = now
         return n
 
     def _shim(self, wire_name: str) -> Any:
@@ -92,15 +97,15 @@ class LiveStateWire(StateWire):
             if self._call is not None:  # the pool calling itself: one recorded call
                 return original(*args, **kwargs)
             reqs = list(args[0]) if wire_name == "alloc_reqs" else args[:1] if wire_name != "clear" else []
-            numbers = [self._sync(r) for r in reqs]
+            numbers = [self._sync(r, wire_name == "alloc_reqs") for r in reqs]
             wire = dict(self._wire_args(wire_name, numbers, args, kwargs))
             self._call, self._result = (args, kwargs), None
             try:
                 getattr(self, wire_name)(**wire)  # looked up per call: the recorder wraps it
             finally:
                 self._call = None
-            for n, r in zip(numbers, reqs, strict=True):
-                self._known[n] = _fields(r)
+            for n, r in zip(numbers, reqs, strict=True):  # the pool's own writes (never the KV length)
+                self._known[n] = (*_fields(r)[:3], self._known[n][3])
             if wire_name == "free_req":  # a server runs for months: forget requests that gave their row back
                 self._known.pop(numbers[0], None)
             return self._result

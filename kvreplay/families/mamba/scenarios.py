@@ -11,14 +11,17 @@ from kvreplay.errors import BadInput
 def check(cfg: Any) -> None:
     if cfg.full_size < cfg.batch_tokens:
         raise BadInput("--full-size (the KV tokens) must hold at least one chunk of --batch-tokens")
-    if cfg.state_slots < 3 * 1 + 1:
-        raise BadInput("--state-slots must hold at least one request's three slots")
+    if cfg.state_slots < (2 if cfg.no_extra_buffer else 4):
+        raise BadInput("--state-slots must hold one request's slots (three, one without the extra buffer) and one "
+                       "for the cache")
 
 
 def pool_ctor(cfg: Any) -> dict[str, Any]:
-    """Rows for every running request, a state pool of ``state_slots``, the tracking pair on."""
-    return {"size": cfg.max_running, "mamba_size": cfg.state_slots, "extra_buffer": True, "ping_pong": 2,
-            "max_context_len": cfg.full_size}
+    """Rows for every running request, a state pool of ``state_slots``, the tracking pair
+    on (two entries: sglang's overlap schedule) unless ``no_extra_buffer`` (then one: no overlap)."""
+    extra = not cfg.no_extra_buffer
+    return {"size": cfg.max_running, "mamba_size": cfg.state_slots, "extra_buffer": extra,
+            "ping_pong": 2 if extra else 1, "max_context_len": cfg.full_size}
 
 
 def hybrid(wire: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> Any:
@@ -26,4 +29,4 @@ def hybrid(wire: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] 
 
     return HybridMambaServer(wire, reqs, block_tokens=cfg.block_tokens, kv_tokens=cfg.full_size,
                              max_running=cfg.max_running, chunk=cfg.batch_tokens, aborts=cfg.aborts,
-                             seed=cfg.seed, progress=progress)
+                             seed=cfg.seed, speedup=cfg.speedup, progress=progress)

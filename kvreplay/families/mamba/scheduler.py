@@ -39,7 +39,7 @@ class _Live:
 
 class HybridMambaServer:
     def __init__(self, wire: Any, reqs: list[Request], *, block_tokens: int, kv_tokens: int, max_running: int,
-                 chunk: int, aborts: float, seed: int,
+                 chunk: int, aborts: float, seed: int, speedup: float = 1.0,
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.wire = wire
         self.slots = wire.wire_state
@@ -58,6 +58,11 @@ class HybridMambaServer:
         self.stats = SynthStats(extra={"aborts": 0, "donations": 0, "cow_returns": 0})
         self.now = 0.0
         self.rows = int(wire.ctor_args["size"])
+        self.speedup = speedup
+        # Without the extra buffer (sglang off GPUs) a request holds its state slot only: the
+        # cache copies a prefilled prompt's state into a slot of its own and keeps a finished
+        # request's slot in place.
+        self.extra = bool(wire.ctor_args["extra_buffer"])
 
     # -- the prefix cache ---------------------------------------------------------------------
     def _evict(self, need: int) -> None:
@@ -108,7 +113,7 @@ class HybridMambaServer:
                     self.wire.set_request(live.number, state=cow)  # the cached state, copied
                 else:
                     live.hit = 0
-            need = 2 + (1 if cow is None and group == 0 else 0)
+            need = (2 if self.extra else 0) + (1 if cow is None and group == 0 else 0)
             kv_need = min(live.req.input_len - live.hit, self.chunk)
             self._evict(free_needed + need)
             if self.wire.available_size() < free_needed + need or kv + kv_need > self.kv_tokens:
@@ -164,6 +169,14 @@ class HybridMambaServer:
         key = live.req.blocks
         if not key or key in self.cache:
             return
+        if not self.extra:  # a copy into a slot the cache takes: evict only when none is free, as sglang
+            got = self.slots.alloc(1)
+            if got is None:
+                self._evict(1)
+                got = self.slots.alloc(1)
+            if got is not None:
+                self._insert(key, got[0])
+            return
         self._evict(1)
         got = self.slots.alloc(1)
         if got is None:
@@ -174,6 +187,12 @@ class HybridMambaServer:
     def _finish(self, live: _Live) -> None:
         key = live.req.blocks + (-1 - live.number,)  # the whole sequence: its own key
         req = self.wire.request(live.number)
+        if not self.extra:  # the cache keeps the request's own state slot
+            self._insert(key, int(req.mamba_pool_idx))
+            self.wire.free_req(live.number)
+            self.running.remove(live)
+            self.stats.requests_done += 1
+            return
         keep = req.mamba_last_track_idx if req.mamba_ping_pong_track_buffer is not None else None
         kept = int(req.mamba_ping_pong_track_buffer[keep]) if keep is not None else None
         self._release(live, keep=keep)
@@ -196,11 +215,11 @@ class HybridMambaServer:
     def run(self) -> SynthStats:
         step_ms = 20.0
         while self.pending or self.waiting or self.running:
-            while self.pending and self.pending[0].arrival_ms <= self.now:
+            while self.pending and self.pending[0].arrival_ms / self.speedup <= self.now:
                 r = self.pending.popleft()
                 self.waiting.append(_Live(r, r.rid))
             if not self.waiting and not self.running and self.pending:
-                self.now = self.pending[0].arrival_ms
+                self.now = self.pending[0].arrival_ms / self.speedup
                 continue
             self._admit()
             self._prefill_and_decode()
@@ -209,7 +228,10 @@ class HybridMambaServer:
             self.now += step_ms
             if self.progress is not None and self.stats.steps % 64 == 0:
                 self.progress(self.stats.requests_done, self.total)
-        for slot in list(self.cache.values()):  # the cache is flushed at the end: nothing is left held
-            self.slots.free((slot,))
-        self.cache.clear()
+        if self.extra:  # the cache is flushed at the end: nothing is left held
+            for slot in list(self.cache.values()):
+                self.slots.free((slot,))
+            self.cache.clear()
+        # Without the extra buffer the model stands for a live recording on a CPU, which
+        # ends with the server's cache still holding its states: no flush to compare.
         return self.stats
