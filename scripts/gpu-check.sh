@@ -25,6 +25,9 @@
 #     spec        speculative decoding: STANDALONE with the tiny Llama as its own draft (three
 #                 draft steps: on CPU only one runs, under --cpu-compat), and NGRAM (no draft
 #                 model; dies on CPU). See docs/recording.md.
+#     mamba       a tiny hybrid Qwen3-Next (gated delta net and full attention) with the
+#                 extra buffer, which sglang allows on GPUs only: its state pool's trace
+#                 replays on builtin:mamba, its variant and sglang 0.5.12 / 0.5.13 (remap).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVREPLAY_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay/venvs/sglang-0.5.23}
@@ -64,6 +67,7 @@ RESULT[gpu_recorder]="exit $? $(tail -n 3 "$OUT/gpu_recorder.txt" | tr '\n' ' ')
 # 3. Live servers under kvreplay record (the CPU live tier's path, on CUDA, and what CPU cannot run).
 "$PY" scripts/tiny_model.py "$OUT/tiny-llama" > /dev/null
 "$PY" scripts/tiny_model.py "$OUT/tiny-swa" --swa 128 > /dev/null
+"$PY" scripts/tiny_model.py "$OUT/tiny-gdn" --gdn > /dev/null
 live_step() {  # NAME MODEL REQUESTS EXTRA_REPLAY_BUILDS [server args...]
     local name=$1 model=$2 n=$3 extra=$4; shift 4
     local traces="$OUT/$name" port=31999
@@ -103,7 +107,12 @@ live_step spec-standalone "$OUT/tiny-llama" 100 "" --speculative-algorithm STAND
     --speculative-num-draft-tokens 4
 live_step spec-ngram "$OUT/tiny-llama" 100 "" --speculative-algorithm NGRAM --speculative-ngram-max-bfs-breadth 1 \
     --speculative-num-draft-tokens 4
+# The state pool with the extra buffer (a tracking pair per request, donation to the cache,
+# free_mamba_cache keeping an entry), which sglang allows on a GPU only: the mamba family's
+# live path that CPU cannot take (docs/mamba.md).
+live_step mamba "$OUT/tiny-gdn" 200 "builtin:mamba@stale-ping-pong sglang==0.5.12 sglang==0.5.13" \
+    --mamba-radix-cache-strategy extra_buffer --max-mamba-cache-size 96
 
 echo "=== gpu-check summary ($(cat "$OUT/gpu.txt")) ==="
-for k in matrix gpu_recorder live disagg seed spec-standalone spec-ngram; do echo "$k: ${RESULT[$k]}"; done
+for k in matrix gpu_recorder live disagg seed spec-standalone spec-ngram mamba; do echo "$k: ${RESULT[$k]}"; done
 echo "files: $OUT"
