@@ -63,7 +63,7 @@ def tier(words: list[str], page: str = "") -> str:
         return "vllm"  # a real vLLM server, or the installed vLLM as a build
     if words[0] in ("record", "drive") or any("traces/live/" in w for w in words):
         return "live"
-    if any("sglang" in w for w in words):
+    if any("sglang" in w and not w.endswith(".parquet") for w in words):  # a trace's name says nothing
         return "sglang"
     return "here"
 
