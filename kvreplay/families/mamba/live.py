@@ -54,8 +54,6 @@ class LiveStateWire(StateWire):
     """The wire in front of a running server's pool: the server's requests pass through
     to the pool's own methods; the recorder records the wire's calls."""
 
-    live = True
-
     def __init__(self, pool: Any) -> None:
         self._pool_real = {wire: getattr(pool, name) for wire, name in LIVE_NAMES.items()
                            if callable(getattr(pool, name, None))}
