@@ -52,6 +52,10 @@ def make(out: Path, swa_window: int = 0, vocab: int = 2048, conv: bool = False, 
                          torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
         torch.manual_seed(0)
         Lfm2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+        path = out / "config.json"  # vLLM reads the widths by the names of LFM2's own checkpoints
+        config = json.loads(path.read_text())
+        config.update(conv_dim=cfg.hidden_size, block_dim=cfg.hidden_size)
+        path.write_text(json.dumps(config, indent=1))
         return out
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Any
 
 from kvreplay.check.rules import RULES, Violation, ViolationLog
+from kvreplay.families.vllm.vocabulary import STATE_WINDOW
 
 
 class BlockPoolChecker:
@@ -154,13 +155,17 @@ class BlockPoolChecker:
             args.get("num_external_computed_tokens") or 0)
         settled = max(0, total - int(args.get("request_num_in_flight_tokens") or 0))
         for (window, size), old, new in zip(self.windows, before, now):  # noqa: B905 - same groups
-            first_read = settled - window + 1  # the earliest position a step to come reads
+            # the earliest position a step to come reads; a Mamba group's step reads the
+            # state after the token before it
+            first_read = settled - window + 1 if window != STATE_WINDOW else settled - 1
+            kept = set(new)  # a block moved along the table (a drafter's) is not let go
             gone = [b for i, b in enumerate(old)
-                    if b >= 0 and (i + 1) * size > first_read and (i >= len(new) or new[i] != b)]
+                    if b >= 0 and (i + 1) * size > first_read and (i >= len(new) or new[i] != b) and b not in kept]
             if gone:
                 in_flight = total - settled
+                what = f"the {window}-token window" if window != STATE_WINDOW else "the Mamba group"
                 self._flag(call, method, "block-pool/window-freed-in-flight", gone,
-                           f"the {window}-token window let go of block(s) {gone[:8]} that "
+                           f"{what} let go of block(s) {gone[:8]} that "
                            + (f"a step in flight still reads ({in_flight} token(s) scheduled, not yet processed: "
                               f"the first, at position {settled}, reads from {max(0, first_read)})"
                               if in_flight else f"the next token, at position {settled}, reads "

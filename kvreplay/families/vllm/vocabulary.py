@@ -3,6 +3,8 @@ their kinds, and the KV-cache groups a trace's ``attention`` names."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 # vLLM's scheduler calls its KVCacheManager with Request objects and gets blocks back;
 # kvreplay records those calls in a wire form (families/vllm/wire.py): a request as its id, the
 # counts the manager reads of it and the block hashes it has not sent before; blocks by
@@ -30,19 +32,41 @@ VLLM_HOUSEKEEPING = frozenset({"new_step_starts", "remove_skipped_blocks"})
 
 
 # The attention a vLLM manager is replayed with: one name per KV-cache group, in the
-# manager's order, joined by commas: ``full``, or ``sliding_window:W`` for a window of W
-# tokens (``full,sliding_window:128``: a hybrid model's two groups).
-def vllm_groups(attention: str) -> tuple[int, ...] | None:
-    """The KV-cache groups a vLLM trace's ``attention`` names, each as its sliding window
-    in tokens (0: full attention); None when one is a kind no build constructs (Mamba,
-    chunked-local, ...: recorded by its spec's name)."""
+# manager's order, joined by commas: ``full``, ``sliding_window:W`` for a window of W
+# tokens, or a state-space (Mamba) group by its cache mode: ``mamba`` (no prefix caching
+# of states), ``mamba_all`` (a state per block) or ``mamba_align`` (states at block
+# boundaries, interior ones let go), with ``:S`` where it keeps S speculative blocks for
+# a drafter. ``full,sliding_window:128`` is a hybrid model's two attention groups,
+# ``mamba_align,full`` a hybrid state-space model's.
+MAMBA_MODES = {"mamba": "none", "mamba_all": "all", "mamba_align": "align"}
+
+
+# A Mamba group where the checker lists windows: it keeps only the state after the last
+# computed token, so a step starting at position p reads the block that holds p-1's state.
+STATE_WINDOW = 0
+
+
+class Group(NamedTuple):
+    """One KV-cache group a trace names: ``kind`` is full, sliding_window or a
+    MAMBA_MODES key; ``width`` a window's tokens, or a Mamba group's speculative blocks."""
+
+    kind: str
+    width: int = 0
+
+
+def vllm_groups(attention: str) -> tuple[Group, ...] | None:
+    """The KV-cache groups a vLLM trace's ``attention`` names; None when one is a kind no
+    build constructs (chunked-local, ...: recorded by its spec's name)."""
     groups = []
     for name in attention.split(","):
-        kind, _, width = name.partition(":")
+        kind, colon, width = name.partition(":")
+        sized = width.isdigit() and 0 < int(width) < 1 << 31
         if name == "full":
-            groups.append(0)
-        elif kind == "sliding_window" and width.isdigit() and 0 < int(width) < 1 << 31:
-            groups.append(int(width))
+            groups.append(Group("full"))
+        elif kind == "sliding_window" and sized:
+            groups.append(Group(kind, int(width)))
+        elif kind in MAMBA_MODES and (sized or not colon):
+            groups.append(Group(kind, int(width) if colon else 0))
         else:
             return None
     return tuple(groups) if len(groups) <= 16 else None

@@ -34,7 +34,15 @@ from kvreplay.families.vllm.block_wire import (
     groups_out,
     hashes_out,
 )
-from kvreplay.families.vllm.vocabulary import VLLM_BLOCK_METHODS, VLLM_MANAGER_METHODS, VLLM_MANAGER_NAMES, vllm_groups
+from kvreplay.families.vllm.vocabulary import (
+    MAMBA_MODES,
+    STATE_WINDOW,
+    VLLM_BLOCK_METHODS,
+    VLLM_MANAGER_METHODS,
+    VLLM_MANAGER_NAMES,
+    Group,
+    vllm_groups,
+)
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 ENGINE = "vllm"
@@ -111,19 +119,24 @@ class ManagerWire:
         managers = self.manager.coordinator.single_type_managers
         return [b.block_id for m in managers for b in m.req_to_blocks.get(request_id, ())]
 
+    def _pruned_groups(self) -> list[Any]:
+        # the groups that let go of a request's leading blocks: sliding windows, and Mamba
+        # groups that keep only the state of the last computed token
+        return [m for m in self.manager.coordinator.single_type_managers
+                if getattr(m.kv_cache_spec, "sliding_window", None) or type(m.kv_cache_spec).__name__ == "MambaSpec"]
+
     def windows(self) -> tuple[tuple[int, int], ...]:
-        """(window, block size) of each sliding-window KV-cache group, in the manager's order."""
-        return tuple((int(m.kv_cache_spec.sliding_window), int(m.kv_cache_spec.block_size))
-                     for m in self.manager.coordinator.single_type_managers
-                     if getattr(m.kv_cache_spec, "sliding_window", None))
+        """(window, block size) of each KV-cache group that lets go of leading blocks, in
+        the manager's order; a Mamba group's window is STATE_WINDOW."""
+        return tuple((int(getattr(m.kv_cache_spec, "sliding_window", None) or STATE_WINDOW),
+                      int(m.kv_cache_spec.block_size)) for m in self._pruned_groups())
 
     def window_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
-        """The request's block table in each sliding-window group (``windows``' order), the
-        null block as -1: a window's pruning shows as its leading entries turning to -1."""
+        """The request's block table in each group of ``windows``, the null block as -1: a
+        window's pruning shows as its leading entries turning to -1."""
         return tuple(tuple(-1 if getattr(b, "is_null", False) else b.block_id
                            for b in m.req_to_blocks.get(request_id, ()))
-                     for m in self.manager.coordinator.single_type_managers
-                     if getattr(m.kv_cache_spec, "sliding_window", None))
+                     for m in self._pruned_groups())
 
     def cached_blocks(self) -> Iterable[tuple[Any, list[int]]]:
         """(hash key, block ids) of every entry in the prefix cache."""
@@ -429,9 +442,47 @@ def attention_of(specs: list[Any]) -> str:
             names.append("full")
         elif kind == "SlidingWindowSpec":
             names.append(f"sliding_window:{int(spec.sliding_window)}")
+        elif kind == "MambaSpec" and mamba_name(spec):
+            names.append(mamba_name(spec))
         else:  # recorded by name; no build constructs it yet
             names.append(kind)
     return ",".join(names)
+
+
+def mamba_name(spec: Any) -> str | None:
+    """A Mamba group's name in a trace's ``attention``; None for one no build constructs
+    (prefill checkpoints, a mode of a release after this wire)."""
+    kind = {v: k for k, v in MAMBA_MODES.items()}.get(getattr(spec, "mamba_cache_mode", "none"))
+    if kind is None or getattr(spec, "num_prefill_checkpoint_blocks", 0):
+        return None
+    spec_blocks = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+    return f"{kind}:{spec_blocks}" if spec_blocks else kind
+
+
+def group_specs(groups: tuple[Group, ...], block_size: int) -> list[Any]:
+    """vLLM KV-cache specs for the groups a trace names, of the smallest shapes: which
+    block goes where does not depend on what a block holds."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    shape = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    specs: list[Any] = []
+    for g in groups:
+        if g.kind == "full":
+            specs.append(FullAttentionSpec(**shape))
+        elif g.kind == "sliding_window":
+            specs.append(SlidingWindowSpec(**shape, sliding_window=g.width))
+        else:
+            try:
+                from vllm.v1.kv_cache_interface import MambaSpec
+            except ImportError:
+                raise BuildUnsupported("this vLLM has no Mamba KV-cache group") from None
+            params = inspect.signature(MambaSpec).parameters
+            if "mamba_cache_mode" not in params:
+                raise BuildUnsupported("this vLLM's Mamba group has no prefix-caching modes")
+            specs.append(MambaSpec(block_size=block_size, shapes=((1,),), dtypes=(torch.float32,),
+                                   mamba_cache_mode=MAMBA_MODES[g.kind], num_speculative_blocks=g.width))
+    return specs
 
 
 class InstalledManager(ManagerWire):
@@ -444,12 +495,11 @@ class InstalledManager(ManagerWire):
                  retention_interval: int | None = None, use_eagle: bool | None = None) -> None:
         groups = vllm_groups(attention)
         if not groups:
-            raise BuildUnsupported("--build vllm builds managers of full-attention and sliding-window groups; "
-                                   f"the trace's had {attention}")
+            raise BuildUnsupported("--build vllm builds managers of full-attention, sliding-window and Mamba "
+                                   f"groups of one block size; the trace's had {attention}")
         try:
-            import torch
             from vllm.v1.core.kv_cache_manager import KVCacheManager
-            from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+            from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
             from vllm.v1.request import RequestStatus
         except ModuleNotFoundError as exc:
             if exc.name and exc.name.partition(".")[0] != ENGINE:  # a release's own dependency, not vLLM's code
@@ -460,17 +510,16 @@ class InstalledManager(ManagerWire):
         except Exception as exc:  # any import-time failure: this vLLM cannot be a build
             raise BuildUnloadable(f"vLLM's KV-cache manager could not be imported: {type(exc).__name__}: "
                                   f"{exc}") from None
-        shape = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
         retention = {}
         if retention_interval is not None:
             if "prefix_cache_retention_interval" in inspect.signature(KVCacheConfig).parameters:
                 retention = {"prefix_cache_retention_interval": retention_interval}
-            elif any(groups):  # only a sliding window's caching reads it
+            elif any(g.kind == "sliding_window" for g in groups):  # only a sliding window's caching reads it
                 raise BuildUnsupported("this vLLM keeps every sliding-window block cached; the trace's manager had "
                                        f"a retention interval of {retention_interval}")
         config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}"], SlidingWindowSpec(**shape, sliding_window=w) if w else FullAttentionSpec(
-                **shape)) for i, w in enumerate(groups)], **retention)
+            KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(group_specs(groups, block_size))],
+            **retention)
         wanted = dict(max_model_len=max_model_len, scheduler_block_size=block_size, hash_block_size=hash_block_size,
                       max_in_flight_tokens=max_in_flight_tokens, enable_caching=enable_caching, watermark=watermark,
                       # what releases before 0.26 called the in-flight token budget
