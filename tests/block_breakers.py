@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvreplay.families.vllm.pool import Block, BlockManager, BlockPool
+from kvreplay.families.vllm.vocabulary import STATE_WINDOW
 
 
 class DoubleFreeManager(BlockManager):
@@ -129,3 +130,26 @@ class WindowManager(BlockManager):
 class EagerWindowManager(WindowManager):
     def basis(self, total: int, in_flight: int) -> int:
         return total  # vLLM up to 0.25: the optimistic count, in-flight tokens as if processed
+
+
+class StateManager(WindowManager):
+    """The one group as a vLLM Mamba group: only the block with the state after the last
+    processed token stays (a step starting at position p reads p-1's state), the earlier
+    ones retired on the processed-token basis (vLLM 0.30 on)."""
+
+    WINDOW = 2  # positions p-1 and p: the state block the next step reads, and its own
+
+    def windows(self) -> tuple[tuple[int, int], ...]:
+        return ((STATE_WINDOW, self.block_size),)
+
+
+class UnretiredStateManager(StateManager):
+    def basis(self, total: int, in_flight: int) -> int:
+        # vLLM 0.26 to 0.29 stopped retiring at the first null gap that align-mode prefill
+        # leaves between states; here no state is retired at all
+        return 0
+
+
+class EagerStateManager(StateManager):
+    def basis(self, total: int, in_flight: int) -> int:
+        return total  # vLLM up to 0.25: a step's tokens retire its state while it is in flight

@@ -81,6 +81,7 @@ CASES = {
         m, "b", blocks=(5, 6)), admit(m, "c", blocks=(7, 8))))),
     "quiescence/held-block": (B + "LeakyManager", then_finish(one_and_free)),
     "block-pool/window-freed-in-flight": (B + "EagerWindowManager", decode_in_flight),
+    "block-pool/state-not-retired": (B + "UnretiredStateManager", decode_in_flight),
 }
 
 
@@ -138,3 +139,21 @@ def test_a_window_let_go_on_the_processed_basis_keeps_what_the_step_in_flight_re
     fired = r"window-freed-in-flight at call #\d+ allocate_slots.*a step in flight still reads"
     with pytest.raises(AssertionError, match=fired):
         decode_in_flight(CheckedManager(B + "EagerWindowManager", ctor=CTOR))
+
+
+def test_a_mamba_group_keeps_only_the_state_its_next_step_reads():
+    """A Mamba group retired on the processed tokens fires neither rule; retired on the
+    count that includes the step in flight it lets go of the state that step reads; kept,
+    its old states are flagged once each."""
+    m = CheckedManager(B + "StateManager", ctor=CTOR)
+    decode_in_flight(m)
+    m.finish()
+    # at 16 tokens computed, one in flight: the step at 15 reads 14's state, in block 3
+    table = m.pool.window_tables("a")[0]
+    assert table[:3] == (-1, -1, -1) and table[3] >= 0, table
+    with pytest.raises(AssertionError, match=r"window-freed-in-flight at call #\d+ allocate_slots.*the Mamba group"):
+        decode_in_flight(CheckedManager(B + "EagerStateManager", ctor=CTOR))
+    kept = CheckedManager(B + "UnretiredStateManager", ctor=CTOR, invariant="block-pool/none")
+    decode_in_flight(kept)
+    fired = [v for v in kept.checker.log.kept if v.rule == "state-not-retired"]
+    assert fired and len({b for v in fired for b in v.indices}) == sum(len(v.indices) for v in fired), fired

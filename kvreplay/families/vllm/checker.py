@@ -43,6 +43,7 @@ class BlockPoolChecker:
         windows = getattr(wire, "windows", None)
         self.windows: tuple[tuple[int, int], ...] = windows() if windows is not None else ()
         self.window_tables: dict[str, tuple[tuple[int, ...], ...]] = {}  # request id -> as last seen
+        self.stale_states: dict[str, set[int]] = {}  # request id -> Mamba state blocks flagged as kept
         null = getattr(self.pool, "null_block", None)
         self._null = null.block_id if null is not None else -1  # the pool keeps one null block for life
         self._null_below = False  # the null block's count is below zero (flagged when it got there)
@@ -144,6 +145,7 @@ class BlockPoolChecker:
         to another request while a step still reads it."""
         if method == "free_request":
             self.window_tables.pop(rid, None)  # its whole table goes: the request's own end
+            self.stale_states.pop(rid, None)
             return
         before = self.window_tables.get(rid)
         now = self.wire.window_tables(rid)
@@ -158,6 +160,8 @@ class BlockPoolChecker:
             # the earliest position a step to come reads; a Mamba group's step reads the
             # state after the token before it
             first_read = settled - window + 1 if window != STATE_WINDOW else settled - 1
+            if window == STATE_WINDOW and method == "allocate_slots":
+                self._state_retired(call, method, rid, new, first_read // size)
             kept = set(new)  # a block moved along the table (a drafter's) is not let go
             gone = [b for i, b in enumerate(old)
                     if b >= 0 and (i + 1) * size > first_read and (i >= len(new) or new[i] != b) and b not in kept]
@@ -170,6 +174,22 @@ class BlockPoolChecker:
                               f"the first, at position {settled}, reads from {max(0, first_read)})"
                               if in_flight else f"the next token, at position {settled}, reads "
                                                 f"(from {max(0, first_read)})"))
+
+    def _state_retired(self, call: int, method: str, rid: str, table: tuple[int, ...], first: int) -> None:
+        """An allocation lets a Mamba group's request keep only the state blocks from the one
+        a step to come reads (index ``first``): a state block before it that stays in the
+        table is memory no step reads, held until the request ends. Each such block is
+        flagged once."""
+        stale = [b for b in table[:max(0, first)] if b >= 0]
+        if not stale:
+            return
+        seen = self.stale_states.setdefault(rid, set())
+        fresh = [b for b in stale if b not in seen]
+        if fresh:
+            seen.update(fresh)
+            self._flag(call, method, "block-pool/state-not-retired", fresh,
+                       f"the Mamba group kept state block(s) {fresh[:8]} before block {first}, which holds the "
+                       "state the request's next step reads: no step reads them, yet they stay out of the pool")
 
     def _check_block(self, call: int, method: str, b: int) -> None:
         if b == self._null or not 0 <= b < len(self.pool.blocks):
