@@ -110,7 +110,7 @@ block-pool/free-queue-links | corrupts | the free queue's links hold a block twi
 block-pool/null-block-free | corrupts | the null block (block 0, a placeholder) is in the free queue
 block-pool/null-block-ref-count | misreports | the null block's reference count went below zero (a free counted it)
 block-pool/stale-cached-hash | corrupts | a cached hash maps to a block that carries another hash
-block-pool/window-freed-in-flight | corrupts | a window or Mamba group let go of a block a step in flight (or the next) reads
+block-pool/window-freed-in-flight | corrupts | a window or Mamba group let go of a block that a step to come reads
 block-pool/state-not-retired | leaks | a Mamba group kept a state block before the one its next step reads
 """,
     scenarios=(
