@@ -49,9 +49,9 @@ case "${1:-all}" in
     *) echo "sglang-tier: unknown step ${1} (install, soak, or nothing for the whole tier)" >&2; exit 2 ;;
 esac
 # What this tier holds, collected where its engine is installed (scripts/tiers.py).
-"$PY" scripts/tiers.py | grep -E "^(sglang|live|soak) "
-"$PY" -m pytest -m sglang -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py tests/test_docs_sglang.py || exit 1
+"$PY" scripts/tiers.py | grep -E "^(sglang|live|soak|mamba) "
+"$PY" -m pytest -m "sglang and not mamba" -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py tests/test_docs_sglang.py || exit 1
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
 # One server at a time (each takes a core); bounded as a whole.
-timeout "${KVREPLAY_LIVE_BUDGET_S:-1800}" "$PY" -m pytest -m live -n 0 tests/test_live_server.py
+timeout "${KVREPLAY_LIVE_BUDGET_S:-1800}" "$PY" -m pytest -m "live and not mamba" -n 0 tests/test_live_server.py

@@ -28,10 +28,12 @@ TIERS: dict[str, Callable[[set[str]], bool]] = {
     "browser": lambda m: "browser" in m,
     "ray": lambda m: "ray" in m,
     "gpu": lambda m: "gpu" in m,
-    "sglang": lambda m: "sglang" in m and not m & {"live", "soak"},
-    "live": lambda m: "live" in m,
+    "sglang": lambda m: "sglang" in m and not m & {"live", "soak", "mamba"},
+    "live": lambda m: "live" in m and "mamba" not in m,
     "soak": lambda m: "soak" in m,
-    "vllm": lambda m: "vllm" in m,
+    "vllm": lambda m: "vllm" in m and "mamba" not in m,
+    # the family's tests on real engines (its engine-free ones are in the fast tier)
+    "mamba": lambda m: "mamba" in m,
 }
 
 

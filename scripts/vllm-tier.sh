@@ -48,7 +48,7 @@ budget=${KVREPLAY_VLLM_BUDGET_S:-900}
 start=$SECONDS
 # What this tier holds, collected where its engine is installed (scripts/tiers.py).
 "$PY" scripts/tiers.py | grep -E "^(vllm) "
-timeout "$budget" "$PY" -m pytest -m vllm -n 0 tests/test_vllm_live.py || exit $?
+timeout "$budget" "$PY" -m pytest -m "vllm and not mamba" -n 0 tests/test_vllm_live.py || exit $?
 left=$((budget - (SECONDS - start)))
 [ "$left" -gt 0 ] || { echo "vllm-tier: out of time (${budget}s) before the release tests" >&2; exit 124; }
-timeout "$left" "$PY" -m pytest -m vllm -n 2 tests/test_vllm_releases.py tests/test_vllm_groups.py
+timeout "$left" "$PY" -m pytest -m "vllm and not mamba" -n 2 tests/test_vllm_releases.py tests/test_vllm_groups.py

@@ -114,6 +114,7 @@ def test_hybrid_swa_server_records_its_swa_allocator(models, tmp_path):
         assert r.status == "clean", (build, r.first_divergence, r.first_violation)
 
 
+@pytest.mark.mamba
 def test_the_state_pool_page_block_runs_as_written(tmp_path):
     """docs/mamba.md's block, as a reader runs it: a hybrid LFM2 served by sglang's own
     model code on CPU (its convolution in sglang's Triton kernel under the interpreter;

