@@ -153,3 +153,12 @@ class UnretiredStateManager(StateManager):
 class EagerStateManager(StateManager):
     def basis(self, total: int, in_flight: int) -> int:
         return total  # vLLM up to 0.25: a step's tokens retire its state while it is in flight
+
+
+class HoardingManager(BlockManager):
+    """Keeps the id of every request it freed, in a list nobody drains (as a per-step list
+    of finished requests would be, were the step never to end)."""
+
+    def _free(self, **wire: Any) -> None:
+        super()._free(**wire)
+        self.__dict__.setdefault("finished", []).append(wire["request_id"])

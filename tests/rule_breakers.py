@@ -117,5 +117,14 @@ class StaleTailSWAPool(KeepsPeerSWAPool):
         pass
 
 
+class HoardingTokenPool(TokenPool):
+    """Keeps every freed index tensor in a list nobody drains: a pending-free list that is
+    never flushed. Every slot is still accounted for; only the list grows."""
+
+    def free(self, free_index: torch.Tensor) -> None:
+        super().free(free_index)
+        self.__dict__.setdefault("pending", []).append(free_index)
+
+
 __all__ = [name for name, v in dict(globals()).items() if isinstance(v, type) and
            issubclass(v, (TokenPool, PagedPool, SWAPool)) and v not in (TokenPool, PagedPool, SWAPool)]

@@ -157,3 +157,23 @@ def test_a_mamba_group_keeps_only_the_state_its_next_step_reads():
     decode_in_flight(kept)
     fired = [v for v in kept.checker.log.kept if v.rule == "state-not-retired"]
     assert fired and len({b for v in fired for b in v.indices}) == sum(len(v.indices) for v in fired), fired
+
+
+def test_a_manager_container_that_grows_with_the_requests_served_fires_growth():
+    """growth/unbounded-container, on the vLLM family: a list the manager appends to per
+    finished request passes 4 x its 8 blocks + 1024 entries and is flagged once, at the
+    call that took it there; builtin:vllm serves as many requests and keeps nothing."""
+    served = 4 * CTOR["num_blocks"] + 1024 + 1
+    m = CheckedManager(B + "HoardingManager", ctor=CTOR, invariant="growth")
+    with pytest.raises(AssertionError, match=r"growth/unbounded-container at call #\d+ free_request.*finished"):
+        for i in range(served):
+            one_and_free_as(m, f"r{i}")
+    fine = CheckedManager("builtin:vllm", ctor=CTOR)
+    for i in range(served):
+        one_and_free_as(fine, f"r{i}")
+    fine.finish()
+
+
+def one_and_free_as(m: CheckedManager, rid: str) -> None:
+    admit(m, rid)
+    m.free_request(request_id=rid)

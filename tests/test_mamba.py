@@ -190,6 +190,28 @@ def test_quiescence_orphans_and_state_left_on_an_ended_request():
     assert "quiescence/ended-request-state" in _finish(d)
 
 
+class _HoardPool(HybridStatePool):
+    """Keeps every request that gave its row back, in a list nobody drains."""
+
+    def free(self, req: Any) -> None:
+        super().free(req)
+        self.__dict__.setdefault("ended", []).append(req)
+
+
+def test_a_container_that_grows_with_the_requests_served_fires_growth():
+    """growth/unbounded-container on the mamba family: past 4 x (8 rows + 16 slots) + 1024
+    entries, flagged once; builtin:mamba serves as many requests and keeps nothing."""
+    for pool, fires in ((_HoardPool, True), (None, False)):
+        d = Driven(pool)
+        for n in range(4 * 24 + 1024 + 1):
+            d("alloc_reqs", requests=(n,))
+            d("free_mamba_cache", request=n, keep=None)
+            d("free_req", request=n)
+        fired = [v for v in d.checker.log.kept if f"{v.invariant}/{v.rule}" == "growth/unbounded-container"]
+        assert len(fired) == fires, fired
+        assert not fires or "ended holds" in fired[0].message, fired
+
+
 def test_every_rule_of_the_family_is_made_to_fire_here():
     named = set(Path(__file__).read_text().split('"')[1::2])
     rules = {line.split("|")[0].strip() for line in family("mamba").rules.strip().splitlines()}

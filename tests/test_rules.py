@@ -40,6 +40,12 @@ def free_unheld(p: CheckedPool) -> None:
     p.free(free_index=_t(5))
 
 
+def alloc_free_many(p: CheckedPool) -> None:
+    """More frees than 4 x the pool's 16 slots + 1024: past what any container may hold."""
+    for _ in range(4 * 16 + 1024 + 1):
+        alloc_free(p)
+
+
 def then_finish(steps):  # the end-of-trace checks after ``steps``
     def run(p: CheckedPool) -> None:
         steps(p)
@@ -79,6 +85,7 @@ CASES = {
     "swa-mapping/sentinel-changed": ("py:rule_breakers:SentinelSWAPool", SWA1, alloc),
     "quiescence/leaked-page": ("py:rule_breakers:DroppingFreeTokenPool", TOKEN, then_finish(alloc_free)),
     "quiescence/orphan-swa-slot": ("py:rule_breakers:OrphanSWAPool", SWA1, then_finish(alloc_twice)),
+    "growth/unbounded-container": ("py:rule_breakers:HoardingTokenPool", TOKEN, alloc_free_many),
 }
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvreplay.check import kernels
+from kvreplay.check.growth import GrowthWatch
 from kvreplay.check.pool_view import PoolView, to_np
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.check.shadow import Shadow, packed, unpacked
@@ -51,6 +52,7 @@ class InvariantChecker:
         self.ps = self.main.ps
         # A pool's size never changes: read once, not after every call.
         self._bounds = [(name, sh, sh.sub.size, sh.sub.capacity) for name, sh in self.shadows.items()]
+        self.growth = GrowthWatch(view.pool, sum(int(sh.sub.capacity) for sh in self.shadows.values()))
         self.full_check_every = full_check_every
         self.log = ViolationLog(keep=keep)
         self.in_group = False
@@ -250,6 +252,9 @@ class InvariantChecker:
                            f"{name}: {len(lost)} page(s) are neither held by the caller nor free (leaked)")
         if self.mapping is not None:
             self.mapping.full_check(call, method, free_by_sub, final)
+        for path, size in self.growth.sample():
+            self._flag(call, method, "growth", "unbounded-container", self.main_name, [size],
+                       self.growth.message(path, size))
 
     def finish(self, call: int) -> dict[str, Any]:
         """End of trace: the O(pool) checks as quiescence, plus what is still held."""

@@ -35,6 +35,7 @@ _SHARED_INVARIANTS: dict[str, str] = {
     "ownership": "3 ownership: no index handed out while live, no free of a non-live index, live + available == size",
     "none-unchanged": "4 a call that returned None changed nothing",
     "quiescence": "6 quiescence: at the end everything allocated is accounted for",
+    "growth": "9 bounded state: no container a pool keeps grows past what its capacity bounds",
 }
 
 # invariant/rule | severity | what happened (docs/invariants.md explains each at length)
@@ -51,6 +52,7 @@ ownership/live-page-free | corrupts | a page the caller holds is on the free lis
 ownership/leaked-page | leaks | a page is neither held nor free
 none-unchanged/none-changed-state | leaks | a call returned None but changed the counters
 quiescence/leaked-page | leaks | at the end, a page is neither held nor free
+growth/unbounded-container | leaks | a container the pool keeps grew past 4 x its capacity + 1024 entries
 """
 
 

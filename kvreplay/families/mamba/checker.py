@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.check.growth import GrowthWatch
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 
 CACHE, GROUP, PENDING = "cache", "group", "pending"  # owners that are not a request
@@ -32,6 +33,7 @@ class StatePoolChecker:
         # over), and copies a running request's state into slots it takes itself: the
         # server's top-level allocations are the cache's until a request names one.
         self.no_buffer = not bool(wire.ctor_args.get("extra_buffer"))
+        self.growth = GrowthWatch(wire, int(wire.ctor_args["size"]) + self.size)
 
     def _flag(self, call: int, method: str, rule_id: str, slots: list[int], message: str) -> None:
         rule = RULES[rule_id]
@@ -131,6 +133,8 @@ class StatePoolChecker:
             self._flag(call, method, "state-pool/conservation", gone,
                        f"{lost} state slot(s) are neither free nor held (held {len(self.owner)}, free {len(seen)}, "
                        f"size {self.size})")
+        for path, size in self.growth.sample():
+            self._flag(call, method, "growth/unbounded-container", [size], self.growth.message(path, size))
 
     def finish(self, call: int) -> dict[str, int]:
         self.full_check(call, "end")

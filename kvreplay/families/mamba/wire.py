@@ -139,6 +139,9 @@ class StateWire:
     """A hybrid request pool (kvreplay's or a release's) spoken to in wire form."""
 
     engine = ENGINE
+    # the replay's stand-in for every request of the trace, kept so that one coming back
+    # (retracted) brings what the pool left on it: the trace's, not the pool's, state
+    growth_exempt = ("requests",)
 
     def __init__(self, pool: Any, ctor_args: dict[str, Any]) -> None:
         self.pool = pool

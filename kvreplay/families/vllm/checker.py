@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from kvreplay.check.growth import GrowthWatch
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.families.vllm.vocabulary import STATE_WINDOW
 
@@ -47,6 +48,7 @@ class BlockPoolChecker:
         null = getattr(self.pool, "null_block", None)
         self._null = null.block_id if null is not None else -1  # the pool keeps one null block for life
         self._null_below = False  # the null block's count is below zero (flagged when it got there)
+        self.growth = GrowthWatch(wire, len(self.pool.blocks))
 
     # -- reporting --------------------------------------------------------------------------
     def _flag(self, call: int, method: str, rule_id: str, blocks: list[int], message: str) -> None:
@@ -254,6 +256,8 @@ class BlockPoolChecker:
                 if blocks[b].block_hash != key:
                     self._flag(call, method, "block-pool/stale-cached-hash", [b],
                                f"a cached hash maps to block {b}, which carries another hash")
+        for path, size in self.growth.sample():
+            self._flag(call, method, "growth/unbounded-container", [size], self.growth.message(path, size))
 
     def finish(self, call: int) -> dict[str, int]:
         """At the end: the whole pool, and with no request left, no block held."""

@@ -193,6 +193,9 @@ def _cdiv(a: int, b: int) -> int:
 class BlockManager:
     """vLLM's KV-cache manager for one full-attention group, on the family's wire."""
 
+    # the requests the scheduler looked up: its queue, which no pool bounds
+    growth_exempt = ("_book",)
+
     engine = "kvreplay"
     pool_class: type[BlockPool] = BlockPool  # a bug variant may break the pool
     # vLLM since #11565 takes a reference on a prefix hit's blocks only once the request's

@@ -80,6 +80,9 @@ class ManagerWire:
     ``live`` the wire serves a running engine: the caller's objects reach the
     original methods; otherwise requests are stand-ins rebuilt from the arguments."""
 
+    # the requests the scheduler looked up: its queue, which no pool bounds
+    growth_exempt = ("_book",)
+
     engine = ENGINE
 
     def __init__(self, manager: Any, ctor_args: dict[str, Any], *, live: bool = False,
