@@ -164,6 +164,20 @@ def test_a_hybrid_state_pool_trace_replays_strict_on_the_release_the_builtin_mir
     assert r.status == "clean", (r.status, r.first_divergence, r.first_violation, r.message)
 
 
+LIVE_MAMBA = CORPUS / "live-sglang-0.5.23-lfm2-mamba-mooncake40.parquet"
+
+
+@pytest.mark.mamba
+@pytest.mark.parametrize("release", ["0.5.9", "0.5.13", "0.5.19"])
+def test_the_live_state_pool_trace_replays_clean_on_releases_that_read_other_request_fields(release):
+    """The live LFM2 server's trace (no extra buffer) on releases whose pools read other
+    fields of a request: 0.5.13 to 0.5.19 let a request keep its row only as a chunk in
+    flight or with KV committed, which the wire's KV length answers (it crashed the
+    replay before); in remap mode every release agrees with 0.5.23."""
+    r = replay(LIVE_MAMBA, f"sglang=={release}", mode="remap", device="cpu")
+    assert r.status == "clean", (r.status, r.message, r.first_divergence, r.first_violation)
+
+
 @pytest.mark.mamba
 def test_sglang_0_5_12_gives_a_retracted_request_its_freed_tracking_pair_and_0_5_13_does_not():
     bad = replay(MAMBA_STALE, "sglang==0.5.12", mode="remap", device="cpu")

@@ -65,6 +65,12 @@ class WireRequest:
         return self.req_pool_idx is not None
 
     @property
+    def inflight_middle_chunks(self) -> int:
+        # 0.5.13 to 0.5.19 let a request keep its row only as a chunk in flight or with KV
+        # committed; the trace says the KV length allocated (0.5.23's test), which answers both
+        return int(self.kv_allocated_len > 0)
+
+    @property
     def holds_mamba(self) -> bool:
         return self.mamba_pool_idx is not None
 
