@@ -179,6 +179,14 @@ def test_the_live_state_pool_trace_replays_clean_on_releases_that_read_other_req
 
 
 @pytest.mark.mamba
+@pytest.mark.parametrize(("release", "why"), [("0.5.2", "mamba_utils came in 0.5.4"),
+                                              ("0.5.5", "no free_mamba_cache (it came in sglang 0.5.9)")])
+def test_a_release_before_the_state_pool_took_its_calls_says_why_in_one_line(release, why):
+    r = replay(LIVE_MAMBA, f"sglang=={release}", mode="remap", device="cpu")
+    assert r.status == "unsupported" and why in r.message, (r.status, r.message)
+
+
+@pytest.mark.mamba
 def test_sglang_0_5_12_gives_a_retracted_request_its_freed_tracking_pair_and_0_5_13_does_not():
     bad = replay(MAMBA_STALE, "sglang==0.5.12", mode="remap", device="cpu")
     first = bad.first_violation

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -206,7 +207,10 @@ class StateWire:
         self.pool.free(self.request(int(request)))
 
     def free_mamba_cache(self, request: int, keep: int | None = None) -> None:
-        self.pool.free_mamba_cache(self.request(int(request)), keep)
+        free = getattr(self.pool, "free_mamba_cache", None)
+        if free is None:  # up to 0.5.7 a request's state went with its row, in free
+            raise BuildUnsupported(f"{type(self.pool).__name__} has no free_mamba_cache (it came in sglang 0.5.9)")
+        free(self.request(int(request)), keep)
 
     def donate_track(self, request: int, slot: int) -> int:
         """The prefix cache takes the request's last tracked state: the pair's entry, with
@@ -268,7 +272,13 @@ def _release_pool(cls: type, ctor: dict[str, Any], device: Any) -> Any:
     if ctor.get("extra_buffer") and "enable_mamba_extra_buffer" not in inspect.signature(cls.__init__).parameters:
         raise BuildUnsupported(f"{cls.__module__}.{cls.__name__} has no tracking pair (the extra buffer came in "
                                "sglang 0.5.9); the trace uses one")
-    mu = importlib.import_module("sglang.srt.configs.mamba_utils")
+    try:
+        mu = importlib.import_module("sglang.srt.configs.mamba_utils")
+    except ModuleNotFoundError:
+        raise BuildUnsupported(f"{cls.__module__}.{cls.__name__} takes no state shape kvreplay can build "
+                               "(sglang.srt.configs.mamba_utils came in 0.5.4)") from None
+    # up to 0.5.7 the state's dtype is read from the environment the server's arguments set
+    os.environ.setdefault("SGLANG_MAMBA_SSM_DTYPE", "float32")
     shape = mu.Mamba2StateShape.create(**_fit(mu.Mamba2StateShape.create, dict(
         tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=2, head_dim=4, state_size=4, conv_kernel=2)))
     params = mu.Mamba2CacheParams(shape=shape, layers=[0])
