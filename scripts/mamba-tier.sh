@@ -9,8 +9,8 @@
 #   scripts/mamba-tier.sh      # after scripts/sglang-tier.sh install and scripts/vllm-tier.sh
 #
 # The venvs are the other tiers' (KVREPLAY_SGLANG_VENV, KVREPLAY_VLLM_VENV as there);
-# those tiers leave the tests marked mamba to this one. Bounded by KVREPLAY_MAMBA_BUDGET_S
-# (900) per engine. Exit codes: 0 passed, 1 a test failed, 3 an engine is not installed
+# those tiers leave the tests marked mamba to this one. Each step bounded by
+# KVREPLAY_MAMBA_BUDGET_S (900). Exit codes: 0 passed, 1 a test failed, 3 an engine is not installed
 # (its tier's install makes it): that part did not run, which is not the same as passing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,24 +22,34 @@ budget=${KVREPLAY_MAMBA_BUDGET_S:-900}
 rc=0
 missing=0
 
-if "$SGLANG" -c "import sglang" 2>/dev/null; then
-    start=$SECONDS
-    "$SGLANG" -m pytest -m "mamba and sglang and not live" -n 2 tests/test_sglang_releases.py || rc=1
-    left=$((budget - (SECONDS - start)))
-    # one server at a time: it takes the machine's cores
-    timeout "$((left > 0 ? left : 1))" "$SGLANG" -m pytest -m "mamba and live" -n 0 tests/test_live_server.py || rc=1
-else
-    echo "mamba-tier: no sglang at $SGLANG (scripts/sglang-tier.sh install makes it); its part did not run" >&2
-    missing=1
+have_sglang=0; have_vllm=0
+"$SGLANG" -c "import sglang" 2>/dev/null && have_sglang=1
+"$VLLM" -c "import vllm.v1.core.kv_cache_manager" 2>/dev/null && have_vllm=1
+[ "$have_sglang" -eq 1 ] || { echo "mamba-tier: no sglang at $SGLANG (scripts/sglang-tier.sh install makes it); its part did not run" >&2; missing=1; }
+[ "$have_vllm" -eq 1 ] || { echo "mamba-tier: no vLLM at $VLLM (scripts/vllm-tier.sh makes it); its part did not run" >&2; missing=1; }
+
+# The release replays of both engines side by side, a core each (each test a worker
+# process replaying on one release); the vLLM ones' output after sglang's.
+vllm_log=$(mktemp)
+vllm_pid=""
+if [ "$have_vllm" -eq 1 ]; then
+    timeout "$budget" "$VLLM" -m pytest -m "mamba and vllm" -n 1 tests/test_vllm_releases.py >"$vllm_log" 2>&1 &
+    vllm_pid=$!
 fi
-if "$VLLM" -c "import vllm.v1.core.kv_cache_manager" 2>/dev/null; then
-    start=$SECONDS
+if [ "$have_sglang" -eq 1 ]; then
+    timeout "$budget" "$SGLANG" -m pytest -m "mamba and sglang and not live" -n 1 tests/test_sglang_releases.py || rc=1
+fi
+if [ -n "$vllm_pid" ]; then
+    wait "$vllm_pid" || rc=1
+    cat "$vllm_log"
+fi
+rm -f "$vllm_log"
+# The live servers, one at a time: each takes the machine's cores.
+if [ "$have_sglang" -eq 1 ]; then
+    timeout "$budget" "$SGLANG" -m pytest -m "mamba and live" -n 0 tests/test_live_server.py || rc=1
+fi
+if [ "$have_vllm" -eq 1 ]; then
     timeout "$budget" "$VLLM" -m pytest -m "mamba and vllm" -n 0 tests/test_vllm_live.py || rc=1
-    left=$((budget - (SECONDS - start)))
-    timeout "$((left > 0 ? left : 1))" "$VLLM" -m pytest -m "mamba and vllm" -n 2 tests/test_vllm_releases.py || rc=1
-else
-    echo "mamba-tier: no vLLM at $VLLM (scripts/vllm-tier.sh makes it); its part did not run" >&2
-    missing=1
 fi
 [ "$rc" -ne 0 ] && exit 1
 [ "$missing" -ne 0 ] && exit 3

@@ -182,15 +182,16 @@ def test_a_mamba_groups_state_blocks_on_the_release_before_a_fix_and_on_the_fix(
     """The live LFM2 trace (a Mamba group in align mode beside full attention, async
     scheduling) replays on every release; each fix to how the group lets go of its state
     blocks shows at its source call on the release before it, not on the fix, and bisect
-    --fixed names the fixing release."""
-    first = [v for v in replay(MAMBA, f"vllm=={bad}", mode="remap", device="cpu").violations if v.rule == rule][0]
-    assert (first.call, first.method) == (call, "allocate_slots"), first
-    assert "the Mamba group" in first.message, first.message
-    assert rule not in {v.rule for v in replay(MAMBA, f"vllm=={good}", mode="remap", device="cpu").violations}
+    --fixed names the fixing release (its steps are those two replays)."""
     res = _kvreplay("bisect", str(MAMBA), "--builds", f"vllm=={span}", "--fixed", "--mode", "remap",
                     "--failure", f"block-pool/{rule}", "--db", str(tmp_path / "b.db"), "--json")
     assert res.returncode == 0, res.stderr[-800:]
-    assert json.loads(res.stdout)["first_bad"]["spec"] == f"vllm=={good}"
+    out = json.loads(res.stdout)
+    assert out["first_bad"]["spec"] == f"vllm=={good}", out
+    steps = {s["spec"]: s for s in out["steps"]}
+    assert steps[f"vllm=={bad}"]["verdict"] == "bad", steps
+    assert f"block-pool/{rule} at call #{call} allocate_slots" in steps[f"vllm=={bad}"]["why"], steps
+    assert steps[f"vllm=={good}"]["verdict"] == "fixed", steps
 
 
 @pytest.mark.mamba
