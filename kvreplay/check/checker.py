@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvreplay.check import kernels
+from kvreplay.check.growth import RULE as GROWTH_RULE
 from kvreplay.check.growth import GrowthWatch
 from kvreplay.check.pool_view import PoolView, to_np
 from kvreplay.check.rules import RULES, Violation, ViolationLog
@@ -253,8 +254,7 @@ class InvariantChecker:
         if self.mapping is not None:
             self.mapping.full_check(call, method, free_by_sub, final)
         for path, size in self.growth.sample():
-            self._flag(call, method, "growth", "unbounded-container", self.main_name, [size],
-                       self.growth.message(path, size))
+            self._flag(call, method, *GROWTH_RULE.split("/"), self.main_name, [size], self.growth.message(path, size))
 
     def finish(self, call: int) -> dict[str, Any]:
         """End of trace: the O(pool) checks as quiescence, plus what is still held."""

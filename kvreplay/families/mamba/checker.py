@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.check.growth import RULE as GROWTH_RULE
 from kvreplay.check.growth import GrowthWatch
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 
@@ -134,7 +135,7 @@ class StatePoolChecker:
                        f"{lost} state slot(s) are neither free nor held (held {len(self.owner)}, free {len(seen)}, "
                        f"size {self.size})")
         for path, size in self.growth.sample():
-            self._flag(call, method, "growth/unbounded-container", [size], self.growth.message(path, size))
+            self._flag(call, method, GROWTH_RULE, [size], self.growth.message(path, size))
 
     def finish(self, call: int) -> dict[str, int]:
         self.full_check(call, "end")

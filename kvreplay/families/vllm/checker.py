@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from kvreplay.check.growth import RULE as GROWTH_RULE
 from kvreplay.check.growth import GrowthWatch
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.families.vllm.vocabulary import STATE_WINDOW
@@ -165,8 +166,7 @@ class BlockPoolChecker:
             if window == STATE_WINDOW and method == "allocate_slots":
                 self._state_retired(call, method, rid, new, first_read // size)
             kept = set(new)  # a block moved along the table (a drafter's) is not let go
-            gone = [b for i, b in enumerate(old)
-                    if b >= 0 and (i + 1) * size > first_read and (i >= len(new) or new[i] != b) and b not in kept]
+            gone = [b for i, b in enumerate(old) if b >= 0 and (i + 1) * size > first_read and b not in kept]
             if gone:
                 in_flight = total - settled
                 what = f"the {window}-token window" if window != STATE_WINDOW else "the Mamba group"
@@ -257,7 +257,7 @@ class BlockPoolChecker:
                     self._flag(call, method, "block-pool/stale-cached-hash", [b],
                                f"a cached hash maps to block {b}, which carries another hash")
         for path, size in self.growth.sample():
-            self._flag(call, method, "growth/unbounded-container", [size], self.growth.message(path, size))
+            self._flag(call, method, GROWTH_RULE, [size], self.growth.message(path, size))
 
     def finish(self, call: int) -> dict[str, int]:
         """At the end: the whole pool, and with no request left, no block held."""

@@ -445,17 +445,20 @@ def attention_of(specs: list[Any]) -> str:
             names.append("full")
         elif kind == "SlidingWindowSpec":
             names.append(f"sliding_window:{int(spec.sliding_window)}")
-        elif kind == "MambaSpec" and mamba_name(spec):
-            names.append(mamba_name(spec))
+        elif kind == "MambaSpec" and (name := mamba_name(spec)):
+            names.append(name)
         else:  # recorded by name; no build constructs it yet
             names.append(kind)
     return ",".join(names)
 
 
+_MAMBA_KINDS = {mode: kind for kind, mode in MAMBA_MODES.items()}  # vLLM's cache mode -> the trace's name
+
+
 def mamba_name(spec: Any) -> str | None:
     """A Mamba group's name in a trace's ``attention``; None for one no build constructs
     (prefill checkpoints, a mode of a release after this wire)."""
-    kind = {v: k for k, v in MAMBA_MODES.items()}.get(getattr(spec, "mamba_cache_mode", "none"))
+    kind = _MAMBA_KINDS.get(getattr(spec, "mamba_cache_mode", "none"))
     if kind is None or getattr(spec, "num_prefill_checkpoint_blocks", 0):
         return None
     spec_blocks = int(getattr(spec, "num_speculative_blocks", 0) or 0)
