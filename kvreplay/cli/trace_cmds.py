@@ -49,7 +49,9 @@ def synth(
     attention: str = typer.Option(
         "full", help="vllm-prefix: the manager's KV-cache groups: full; sliding (one sliding window of --window "
         "tokens: blocks that leave it are freed as the sequence grows); hybrid (a full-attention group and a "
-        "sliding-window one sharing the pool). Sliding and hybrid need --build vllm."),
+        "sliding-window one sharing the pool); mamba (a hybrid state-space model's state group, its states cached at "
+        "block boundaries, beside full attention: prefill chunks end where a state can be cached). Sliding, hybrid "
+        "and mamba need --build vllm."),
     max_model_len: int = typer.Option(
         None, help="vllm-prefix: the longest sequence the manager serves, in tokens (default: --full-size). A "
         "sliding window's pool can be smaller: vLLM sizes it for the window plus one step's tokens."),

@@ -52,7 +52,7 @@ class SynthConfig:
     sglang_scheduler: bool = False  # free groups and end of trace as sglang 0.5.23's scheduler (server.py)
     speedup: float = 1.0
     prefix_caching: bool = True  # vllm-prefix: the manager's enable_caching
-    attention: str = "full"  # vllm-prefix: its KV-cache groups (full, sliding, hybrid; windows of `window` tokens)
+    attention: str = "full"  # vllm-prefix: KV-cache groups (full, sliding, hybrid, mamba; windows of `window` tokens)
     max_model_len: int | None = None  # vllm-prefix: longest sequence served (default: full_size)
     batch_tokens: int = 2048  # vllm-prefix: the scheduler's token budget per step (vLLM's max_num_batched_tokens)
     speculative: bool = False  # radix-swa: draft-and-verify steps of k draft tokens (sglang 0.5.23's path)

@@ -8,7 +8,10 @@ from typing import Any
 from kvreplay.errors import BadInput
 
 # --attention: the manager's KV-cache groups, as a trace names them
-ATTENTION = {"full": "full", "sliding": "sliding_window:{window}", "hybrid": "full,sliding_window:{window}"}
+# (mamba: a hybrid state-space model's state group, its states cached at block boundaries, beside
+# full attention, as vLLM builds it with prefix caching on)
+ATTENTION = {"full": "full", "sliding": "sliding_window:{window}", "hybrid": "full,sliding_window:{window}",
+             "mamba": "mamba_align,full"}
 
 
 def check(cfg: Any) -> None:
@@ -37,4 +40,5 @@ def prefix(pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] 
 
     return VllmPrefixServer(pool, reqs, block_size=cfg.block_tokens, max_running=cfg.max_running,
                             token_budget=cfg.batch_tokens, lookahead=cfg.k if cfg.eagle else 0,
-                            speedup=cfg.speedup, progress=progress)
+                            speedup=cfg.speedup, align=cfg.attention == "mamba",
+                            progress=progress)

@@ -50,11 +50,14 @@ class _Req:
 class VllmPrefixServer(SteppedModel):
     def __init__(self, manager: Any, requests: list[Request], *, block_size: int, max_running: int = 64,
                  token_budget: int = 2048, speedup: float = 1.0,  # vLLM's OpenAI server on CPU: 2048
-                 lookahead: int = 0, progress: Callable[[int, int], None] | None = None) -> None:
+                 lookahead: int = 0, align: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         super().__init__(requests, max_running=max_running, speedup=speedup, progress=progress)
         self.m = manager
         self.bs = block_size
         self.budget = token_budget
+        # a Mamba group in align mode: prefill chunks end where a state can be cached
+        self.align = align
         # an EAGLE drafter's tokens: slots every allocation reserves past the scheduled ones
         self.extra = {"num_lookahead_tokens": lookahead} if lookahead else {}
 
@@ -85,6 +88,22 @@ class VllmPrefixServer(SteppedModel):
         key = hashlib.sha256(repr((req.blocks, req.input_len)).encode()).digest()[:8]
         self.waiting.append(_Req(req, key, req.input_len))
 
+    def _chunk(self, r: _Req, start: int, n: int) -> int:
+        """The tokens of a chunk from ``start``: ``n``, or in align mode fewer, so that a
+        prefill chunk ends on a block boundary (a state is written at a chunk's end and
+        cached only there) and stops at the prompt's last cacheable boundary, one token
+        short of its end, before the chunk that finishes it."""
+        prefill_end = max(r.req.input_len, r.num_tokens - 1)
+        if not self.align or start >= prefill_end:
+            return n
+        end = start + n
+        if end < prefill_end and (end // self.bs * self.bs > start or self.bs <= self.budget):
+            end = end // self.bs * self.bs  # to nothing, when the budget left is short of a block
+        last_cache = max((r.num_tokens - 1) // self.bs * self.bs, 0)
+        stops = ((start // self.bs + 1) * self.bs if start % self.bs else 0, last_cache)
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
+
     def step(self) -> None:
         self.m.new_step_starts()
         budget = self.budget
@@ -93,7 +112,10 @@ class VllmPrefixServer(SteppedModel):
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
-            n = min(r.num_tokens - r.computed, budget)
+            n = self._chunk(r, r.computed, min(r.num_tokens - r.computed, budget))
+            if n == 0:  # its chunk would end short of a cacheable boundary: next step
+                i += 1
+                continue
             while True:
                 got = self.m.allocate_slots(num_new_tokens=n, has_scheduled_reqs=bool(scheduled), **self.extra,
                                             **self._wire(r))
@@ -112,7 +134,9 @@ class VllmPrefixServer(SteppedModel):
             r = self.waiting[0]
             hit = self.m.get_computed_blocks(**self._wire(r))
             hit_tokens, blocks = hit[0], tuple(hit[2:])
-            n = min(r.num_tokens - hit_tokens, budget)
+            n = self._chunk(r, hit_tokens, min(r.num_tokens - hit_tokens, budget))
+            if n == 0:
+                break
             # admission reserves room for the whole sequence, not only this chunk
             got = self.m.allocate_slots(num_new_tokens=n, num_new_computed_tokens=hit_tokens,
                                         new_computed_blocks=blocks, full_sequence_must_fit=True,

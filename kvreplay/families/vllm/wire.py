@@ -215,12 +215,23 @@ class ManagerWire:
             result = fn(*args, **kwargs)
             self._live_result = result
         else:
+            if name == "new_step_starts":
+                self._drain_step()
             args = self._arguments(name, wire)
             result = None if self._checks_first(name, wire) and not self._fits(args) else original(**args)
         if name == "free_request":
             self._sent.pop(wire.get("request_id"), None)
             self._book.forget(wire.get("request_id"))
         return result_out(name, result, self.manager)
+
+    def _drain_step(self) -> None:
+        """What vLLM's scheduler takes from the manager once a step (blocks to zero, the
+        copies of partial-block hits), taken here in replay where no scheduler runs: left
+        in place, those lists would grow with every step the trace replays."""
+        for take in ("take_new_block_ids", "take_kv_cache_block_copies"):
+            fn = getattr(self.manager, take, None)
+            if callable(fn):
+                fn()
 
     def _checks_first(self, name: str, wire: dict[str, Any]) -> bool:
         """Before 0.21 the whole-sequence admission check was the manager's own method,
