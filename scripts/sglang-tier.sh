@@ -50,7 +50,7 @@ case "${1:-all}" in
 esac
 # What this tier holds, collected where its engine is installed (scripts/tiers.py).
 "$PY" scripts/tiers.py | grep -E "^(sglang|live|soak|mamba) "
-"$PY" -m pytest -m "sglang and not mamba" -n 2 tests/test_sglang_parity.py tests/test_sglang_releases.py tests/test_docs_sglang.py || exit 1
+"$PY" -m pytest -m "sglang and not mamba" -n 2 tests/test_docs_sglang.py tests/test_sglang_releases.py tests/test_sglang_parity.py || exit 1
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
 # One server at a time (each takes a core); bounded as a whole.

@@ -144,6 +144,32 @@ def test_a_divergence_expectation_holds_at_its_call_and_fails_elsewhere(tmp_path
     assert res.returncode == 1 and "got clean" in res.stdout, res.stdout
 
 
+def test_a_violation_expectation_may_pin_the_first_divergence_too(tmp_path, cli):
+    """A build that breaks a rule and also answers otherwise (vLLM 0.32's deferred sibling
+    hit beside its null-block count) is held to both: its violations and, where it first
+    answered otherwise, its first divergence."""
+    manifest = json.loads((CORPUS / "manifest.json").read_text())
+    manifest["traces"] = [e for e in manifest["traces"] if e["name"] == "vllm-11565-pin-before-room-check"]
+    shutil.copy(CORPUS / manifest["traces"][0]["file"], tmp_path / manifest["traces"][0]["file"])
+    build = "builtin:vllm@pin-before-room-check"
+    exp = next(x for x in manifest["traces"][0]["expect"] if x["build"] == build)
+    exp["divergence"] = {"kind": "counter", "method": "allocate_slots", "call": 1174}
+    manifest["traces"][0]["expect"] = [exp]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(cli, tmp_path, build)
+    assert res.returncode == 0, res.stdout + res.stderr
+    exp["divergence"]["call"] = 1175
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(cli, tmp_path, build)
+    assert res.returncode == 1 and "expected divergence: counter at call #1175" in res.stdout, res.stdout
+    assert "first was counter divergence at call #1174" in res.stdout, res.stdout
+    # a clean expectation names no divergence
+    manifest["traces"][0]["expect"] = [{"build": build, "status": "clean", "divergence": {"kind": "result"}}]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    res = _ci(cli, tmp_path, build)
+    assert res.returncode == 2 and "a clean expectation names no divergence" in res.stderr, res.stdout + res.stderr
+
+
 def test_every_builtin_bug_variant_is_expected_to_be_caught_somewhere():
     """Mutation score: each variant has at least one corpus trace where it must show (a
     rule it breaks, or for one that breaks none, the call where it answers otherwise)."""

@@ -204,3 +204,25 @@ def test_the_live_mamba_trace_replays_on_the_oldest_release_and_its_recording_on
     own = replay(MAMBA, "vllm==0.32.0", device="cpu")
     assert own.first_divergence is None, own.first_divergence
     assert {v.rule for v in own.violations} == {"null-block-ref-count"}, own.violation_counts
+
+
+SIBLING = TRACES / "vllm-0.33-mamba-sibling-hit-deferred.parquet"
+
+
+@pytest.mark.mamba
+def test_vllm_0_32_defers_a_sibling_hit_on_a_state_computed_a_step_earlier_and_0_33_admits_it(tmp_path):
+    """0.32.0 re-keyed a Mamba state block already keyed at the prompt's last cacheable
+    boundary when its request ran its final chunk, marking it cached this step, so a
+    sibling whose hit ends on it was deferred (allocate_slots: None). The trace, recorded
+    on 0.33.0, parts from 0.32.0 at that admission; bisect --fixed names 0.33.0, and 0.31.0
+    answers every call as 0.33.0 does (0.32.0 brought it)."""
+    res = _kvreplay("bisect", str(SIBLING), "--builds", "vllm==0.32.0..0.34.0", "--fixed", "--failure", "result",
+                    "--db", str(tmp_path / "b.db"), "--json")
+    assert res.returncode == 0, res.stderr[-800:]
+    out = json.loads(res.stdout)
+    assert out["first_bad"]["spec"] == "vllm==0.33.0", out
+    steps = {s["spec"]: s for s in out["steps"]}
+    assert "result divergence at call #5323 allocate_slots" in steps["vllm==0.32.0"]["why"], steps
+    before = replay(SIBLING, "vllm==0.31.0", device="cpu")
+    assert before.first_divergence is None, before.first_divergence
+    assert {v.rule for v in before.violations} == {"null-block-ref-count"}, before.violation_counts

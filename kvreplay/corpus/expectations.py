@@ -12,7 +12,8 @@ from kvreplay.replay.report import ReplayReport, describe, firsts_by_rule
 
 def expectation_of(report: ReplayReport) -> dict[str, Any]:
     """What a replay showed, as a manifest expectation: clean, the first violation of
-    each rule with its call, or the first divergence of a build that broke no rule."""
+    each rule with its call (and the first divergence, if it also answered otherwise), or
+    the first divergence of a build that broke no rule."""
     if report.status == "clean":
         return {"build": report.build, "status": "clean"}
     if report.status == "divergence" and report.first_divergence is not None:
@@ -23,9 +24,13 @@ def expectation_of(report: ReplayReport) -> dict[str, Any]:
         why = report.message.splitlines()[0][:200] if report.message else "nothing replayed"
         raise BadInput(f"{report.build} {report.status} on this trace ({why}): only clean, violation or divergence "
                        "can be an expectation")
-    return {"build": report.build, "status": "violation",
-            "violations": [{"invariant": v.invariant, "rule": v.rule, "method": v.method, "call": v.call}
-                           for v in firsts_by_rule(report.violations).values()]}
+    out = {"build": report.build, "status": "violation",
+           "violations": [{"invariant": v.invariant, "rule": v.rule, "method": v.method, "call": v.call}
+                          for v in firsts_by_rule(report.violations).values()]}
+    if report.first_divergence is not None:  # it also answered otherwise somewhere
+        d = report.first_divergence
+        out["divergence"] = {"kind": d.kind, "method": d.method, "call": d.call}
+    return out
 
 
 def check_report(report: ReplayReport, exp: Expectation) -> list[str]:
@@ -41,14 +46,15 @@ def check_report(report: ReplayReport, exp: Expectation) -> list[str]:
         return problems
     if exp.divergence is not None:
         ed, d = exp.divergence, report.first_divergence
-        if report.status != "divergence" or d is None:
+        if report.status != exp.status or d is None:
             first = report.first_violation or d
-            problems.append(f"expected divergence: {ed.describe()}, got {report.status}"
+            problems.append(f"expected {exp.status} with divergence: {ed.describe()}, got {report.status}"
                             + (f" (first: {describe(first)})" if first is not None else ""))
         elif d.kind != ed.kind or (ed.call is not None and d.call != ed.call) or \
                 (ed.method is not None and d.method != ed.method):
             problems.append(f"expected divergence: {ed.describe()}, first was {describe(d)}")
-        return problems
+        if exp.status == "divergence" or problems:
+            return problems
     if report.first_violation is None:
         problems.append("expected violations, got none: the checker missed the bug")
         return problems

@@ -6,7 +6,9 @@ must appear, each named by invariant and rule and optionally pinned to the metho
 and the call (``call``, 1..N) of the first violation of that rule: the call that
 creates the bad state; or, for a build that breaks no rule but answers otherwise
 (another block order), ``"status": "divergence"`` and the first divergence's kind,
-method and call. Every command that reads a corpus reads it here."""
+method and call. A violation expectation may pin a first divergence too: a build that
+breaks a rule and, elsewhere, answers otherwise. Every command that reads a corpus reads
+it here."""
 
 from __future__ import annotations
 
@@ -59,14 +61,15 @@ class Expectation:
     modes: list[str] = field(default_factory=lambda: ["strict"])
     violations: list[ExpectedViolation] = field(default_factory=list)
     capacity_assert_call: int | None = None
-    divergence: ExpectedDivergence | None = None  # status divergence: the first one
+    divergence: ExpectedDivergence | None = None  # the first one (status divergence, or beside violations)
 
     def describe(self) -> str:
         if self.status == "clean":
             return "clean"
-        if self.divergence is not None:
+        if self.status == "divergence" and self.divergence is not None:
             return "divergence: " + self.divergence.describe()
-        return "violation: " + ", ".join(v.describe() for v in self.violations)
+        also = f"; divergence: {self.divergence.describe()}" if self.divergence is not None else ""
+        return "violation: " + ", ".join(v.describe() for v in self.violations) + also
 
 
 @dataclass
@@ -172,8 +175,10 @@ def _expectation(d: Any, where: str) -> Expectation:
     status = d["status"]
     if status not in _STATUSES:
         raise BadInput(f"{where}: status must be clean, violation or divergence, not {str(status)[:40]!r}")
-    if (status == "divergence") != ("divergence" in d):
-        raise BadInput(f"{where}: a divergence expectation, and only one, names its first divergence")
+    if status == "divergence" and "divergence" not in d:
+        raise BadInput(f"{where}: a divergence expectation names its first divergence")
+    if status == "clean" and "divergence" in d:
+        raise BadInput(f"{where}: a clean expectation names no divergence")
     modes = _of(d.get("modes", ["strict"]), list, "modes (a list)", where)
     if not modes or any(m not in _MODES for m in modes) or len(set(modes)) != len(modes):
         raise BadInput(f"{where}: modes must be a list of distinct modes among {', '.join(_MODES)}")
