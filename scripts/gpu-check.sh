@@ -28,6 +28,8 @@
 #     mamba       a tiny hybrid Qwen3-Next (gated delta net and full attention) with the
 #                 extra buffer, which sglang allows on GPUs only: its state pool's trace
 #                 replays on builtin:mamba, its variant and sglang 0.5.12 / 0.5.13 (remap).
+#     mamba-unified  that model with --enable-unified-memory (tokens and state slots from one
+#                 buffer), which no CPU server builds: which pools the recorder is handed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVREPLAY_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvreplay/venvs/sglang-0.5.23}
@@ -112,7 +114,13 @@ live_step spec-ngram "$OUT/tiny-llama" 100 "" --speculative-algorithm NGRAM --sp
 # live path that CPU cannot take (docs/mamba.md).
 live_step mamba "$OUT/tiny-gdn" 200 "builtin:mamba@stale-ping-pong sglang==0.5.12 sglang==0.5.13" \
     --mamba-radix-cache-strategy extra_buffer --max-mamba-cache-size 96
+# The unified budget (--enable-unified-memory: KV tokens and state slots carved from one
+# buffer, UnifiedMambaTokenToKVPoolAllocator), which no CPU server builds: it needs a
+# stride-aware attention backend (fa3, fa4, flashinfer, triton, trtllm_mha; the CPU has
+# torch_native, and the tiny LFM2 refuses triton). What it records is not yet replayed:
+# the step says which pools a real server hands the recorder.
+live_step mamba-unified "$OUT/tiny-gdn" 100 "" --enable-unified-memory --max-mamba-cache-size 96
 
 echo "=== gpu-check summary ($(cat "$OUT/gpu.txt")) ==="
-for k in matrix gpu_recorder live disagg seed spec-standalone spec-ngram mamba; do echo "$k: ${RESULT[$k]}"; done
+for k in matrix gpu_recorder live disagg seed spec-standalone spec-ngram mamba mamba-unified; do echo "$k: ${RESULT[$k]}"; done
 echo "files: $OUT"
