@@ -23,6 +23,7 @@ from kvreplay.builds.releases import expand  # noqa: E402
 from kvreplay.matrix import run_matrix  # noqa: E402
 from kvreplay.replay.dispatch import replay  # noqa: E402
 from kvreplay.replay.report import Failure  # noqa: E402
+from kvreplay.stored_replay import replay_and_store  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
@@ -140,15 +141,16 @@ PEER = "swa-mapping/released-page-keeps-peer"
 def test_live_speculative_traffic_meets_exact_token_clearing_until_0_5_14(tmp_path):
     # A real speculative-decoding server frees the slots past a request's accepted tokens
     # inside a partly used page; releases before 0.5.14 clear only the tokens passed
-    # (#27779), so the page goes back still mapped to its SWA slots.
+    # (#27779), so the page goes back still mapped to its SWA slots. The replays are stored
+    # where the bisect looks, so it replays none of these releases again.
+    db = str(tmp_path / "k.db")
     for build in ("sglang==0.5.12", "sglang==0.5.13.post1"):
-        r = replay(SPEC, build, mode="remap", device="cpu")
+        r = replay_and_store(SPEC, build, db=db, mode="remap", device="cpu").report
         assert r.first_violation is not None and r.first_violation.call == 50329, build
         assert f"{r.first_violation.invariant}/{r.first_violation.rule}" == PEER, build
-    assert replay(SPEC, "sglang==0.5.14", mode="remap", device="cpu").status == "clean"
+    assert replay_and_store(SPEC, "sglang==0.5.14", db=db, mode="remap", device="cpu").report.status == "clean"
     old, order = build_candidates(expand("sglang==0.5.12..0.5.23"))
-    res = bisect(SPEC, old, order, db=str(tmp_path / "k.db"), device="cpu", mode="remap",
-                 failure=Failure.parse(PEER), fixed=True)
+    res = bisect(SPEC, old, order, db=db, device="cpu", mode="remap", failure=Failure.parse(PEER), fixed=True)
     assert res.verdict == "found" and res.first_bad.spec == "sglang==0.5.14", res.steps
 
 
