@@ -28,38 +28,31 @@ have_sglang=0; have_vllm=0
 [ "$have_sglang" -eq 1 ] || { echo "mamba-tier: no sglang at $SGLANG (scripts/sglang-tier.sh install makes it); its part did not run" >&2; missing=1; }
 [ "$have_vllm" -eq 1 ] || { echo "mamba-tier: no vLLM at $VLLM (scripts/vllm-tier.sh makes it); its part did not run" >&2; missing=1; }
 
-# The release replays of both engines side by side, a core each (each test a worker
-# process replaying on one release); the vLLM ones' output after sglang's.
-vllm_log=$(mktemp)
-vllm_pid=""
-if [ "$have_vllm" -eq 1 ]; then
-    timeout "$budget" "$VLLM" -m pytest -m "mamba and vllm" -n 1 tests/test_vllm_releases.py >"$vllm_log" 2>&1 &
-    vllm_pid=$!
-fi
-if [ "$have_sglang" -eq 1 ]; then
-    timeout "$budget" "$SGLANG" -m pytest -m "mamba and sglang and not live" -n 1 tests/test_sglang_releases.py || rc=1
-fi
-if [ -n "$vllm_pid" ]; then
-    wait "$vllm_pid" || rc=1
-    cat "$vllm_log"
-fi
-rm -f "$vllm_log"
-# The live servers side by side, a core each (the soak, if CI's still runs, is light); the vLLM one's
-# output after sglang's.
-vllm_log=$(mktemp)
-vllm_pid=""
-if [ "$have_vllm" -eq 1 ]; then
-    timeout "$budget" "$VLLM" -m pytest -m "mamba and vllm" -n 0 tests/test_vllm_live.py >"$vllm_log" 2>&1 &
-    vllm_pid=$!
-fi
-if [ "$have_sglang" -eq 1 ]; then
-    timeout "$budget" "$SGLANG" -m pytest -m "mamba and live" -n 0 tests/test_live_server.py || rc=1
-fi
-if [ -n "$vllm_pid" ]; then
-    wait "$vllm_pid" || rc=1
-    cat "$vllm_log"
-fi
-rm -f "$vllm_log"
+# Each part runs both engines' tests side by side, a core each; the vLLM one's output
+# after sglang's.
+side_by_side() {  # SGLANG_MARKER "SGLANG_ARGS" VLLM_MARKER "VLLM_ARGS" (the args word-split on purpose)
+    local vllm_log vllm_pid=""
+    vllm_log=$(mktemp)
+    if [ "$have_vllm" -eq 1 ]; then
+        # shellcheck disable=SC2086
+        timeout "$budget" "$VLLM" -m pytest -m "$3" $4 >"$vllm_log" 2>&1 &
+        vllm_pid=$!
+    fi
+    if [ "$have_sglang" -eq 1 ]; then
+        # shellcheck disable=SC2086
+        timeout "$budget" "$SGLANG" -m pytest -m "$1" $2 || rc=1
+    fi
+    if [ -n "$vllm_pid" ]; then
+        wait "$vllm_pid" || rc=1
+        cat "$vllm_log"
+    fi
+    rm -f "$vllm_log"
+}
+# The release replays (each test a worker process replaying on one release), then the
+# live servers (the soak, if CI's still runs, is light).
+side_by_side "mamba and sglang and not live" "-n 1 tests/test_sglang_releases.py" \
+    "mamba and vllm" "-n 1 tests/test_vllm_releases.py"
+side_by_side "mamba and live" "-n 0 tests/test_live_server.py" "mamba and vllm" "-n 0 tests/test_vllm_live.py"
 [ "$rc" -ne 0 ] && exit 1
 [ "$missing" -ne 0 ] && exit 3
 exit 0
