@@ -451,27 +451,38 @@ def rebase(subject: Subject, kept: Sequence[int], out: Path, failure: Failure) -
 
 
 def reproduce_findings(findings: list[dict[str, Any]], out: Path, timeout_s: float = 60.0,
-                       progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                       progress: Callable[[str], None] | None = None,
+                       traces: Sequence[Path] | None = None) -> list[dict[str, Any]]:
     """Beside each watched trace with a violation (``kvreplay record --watch``), a
     minimized reproducer of the first violation of each rule it found, on the class that
     recorded it: ``repro-TRACE-N.parquet``, at most ``timeout_s`` seconds of delta
-    debugging each (what it has by then is written)."""
+    debugging each (what it has by then is written).
+
+    The build is the one the finding names: the watching writer named the class the
+    recording process handed it (and ``kvreplay record`` reads only findings its own
+    writers sealed, recorder/seal.py). A trace's footer never chooses it: a trace whose
+    footer names another class gets no reproducer. ``traces``: the traces this
+    recording wrote (others in ``out`` are not its own)."""
     from kvreplay.trace.reader import TraceReader
     from kvreplay.watch import watch_build
 
+    own = None if traces is None else {Path(t).name for t in traces}
     done: list[dict[str, Any]] = []
     seen: set[tuple[str, str]] = set()
     for f in findings:
-        name, rule = str(f.get("trace", "")), str(f.get("rule", ""))
+        name, rule, build = str(f.get("trace", "")), str(f.get("rule", "")), f.get("build")
         trace = out / name
-        if f.get("kind") != "violation" or (name, rule) in seen or "/" in name or not trace.exists():
+        if (f.get("kind") != "violation" or (name, rule) in seen or "/" in name or name in ("", ".", "..")
+                or not isinstance(build, str) or not trace.exists() or (own is not None and name not in own)):
             continue
         seen.add((name, rule))
         target = out / f"repro-{trace.stem}-{len([k for k in seen if k[0] == name])}.parquet"
         if progress is not None:
             progress(f"minimizing {rule} in {name} (at most {timeout_s:.0f} s)")
         try:
-            build = watch_build(TraceReader(trace).meta)
+            if watch_build(TraceReader(trace).meta) != build:
+                raise BadInput("the trace on disk names another class than the one its writer watched: not "
+                               "replayed")
             res = minimize(trace, build, target, invariant=rule, timeout_s=timeout_s)
         except KvreplayError as exc:
             done.append({"trace": name, "rule": rule, "error": str(exc)})

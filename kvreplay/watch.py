@@ -32,7 +32,8 @@ from typing import Any
 import pyarrow as pa
 
 from kvreplay.recorder import writer_child
-from kvreplay.recorder.switches import FINDINGS_FILE, WATCH_ENV
+from kvreplay.recorder.seal import open_append, replace_file, seal
+from kvreplay.recorder.switches import FINDINGS_FILE, SEAL_ENV, WATCH_ENV
 from kvreplay.trace.format import GAP_METHOD, GAP_TARGET, TraceMeta
 
 MAX_BEHIND = 262_144  # rows waiting for the checker before it gives up (the recorder's own queue bound)
@@ -86,6 +87,7 @@ class Watcher:
         self._thread.start()
         self._last_metrics = 0.0
         self.sink: Any = None  # the writer's ParquetSink, for its parts (writer_child attaches it)
+        self.key = os.environ.get(SEAL_ENV, "")  # kvreplay record reads back only what this key sealed
 
     # -- the writer's side ---------------------------------------------------------------
 
@@ -224,8 +226,10 @@ class Watcher:
         self.violations[rule] += 1
         if rule not in self.reported:  # the first of each rule; /metrics counts them all
             self.reported.add(rule)
+            # the build is named here, by the process that recorded the class, for kvreplay
+            # record's reproducer: a trace's footer never names what is imported
             self._emit({"kind": "violation", "rule": rule, "call": v.call, "method": v.method,
-                        "message": v.message, "request": self._request()})
+                        "message": v.message, "request": self._request(), "build": watch_build(self.meta)})
 
     def _divergence(self, d: Any) -> None:
         if f"divergence/{d.kind}" not in self.reported:
@@ -242,11 +246,21 @@ class Watcher:
         return None
 
     def _emit(self, finding: dict[str, Any]) -> None:
-        line = json.dumps({"trace": self.name, "t": time.time(), **finding}) + "\n"
+        # strings cut short: the line stays one short write, never torn
+        doc = {k: v[:1000] if isinstance(v, str) else v
+               for k, v in {"trace": self.name, "t": time.time(), **finding}.items()}
+        line = (json.dumps(seal(doc, self.key)) + "\n").encode()
         # one write of a short line to a file opened for appending: writers of several
         # traces share the file without interleaving their lines
-        with open(self.out / FINDINGS_FILE, "a") as f:
-            f.write(line[:4000] if len(line) <= 4000 else line[:3998] + "\"}\n")
+        fd = open_append(self.out / FINDINGS_FILE)
+        if fd is None:  # not a regular file any more: kvreplay record would not read it either
+            return
+        try:
+            os.write(fd, line)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def metrics(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -268,12 +282,8 @@ class Watcher:
                "unchecked": self.unchecked, "checked": self.checked, "lag_s": round(lag, 3),
                "violations": dict(self.violations), "divergences": dict(self.divergences),
                "watching": self._replayer is not None, "status": self.status}
-        tmp = self.out / f".kvreplay-metrics-{self.name}.tmp"
-        try:
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, self.out / f".kvreplay-metrics-{self.name}.json")
-        except OSError:
-            pass  # the counters are a courtesy; the trace is what must be written
+        # the counters are a courtesy: a file that cannot be replaced is left as it was
+        replace_file(self.out / f".kvreplay-metrics-{self.name}.json", json.dumps(seal(doc, self.key)).encode())
 
 
 def _rss() -> int:

@@ -6,9 +6,11 @@ Ctrl-C and SIGTERM passed on to it, and report the traces it left."""
 
 from __future__ import annotations
 
-import json
+import itertools
+import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from typing import Any
 from kvreplay.errors import BadInput
 from kvreplay.recorder.compat import compat_env
 from kvreplay.recorder.rotation import Rotation
+from kvreplay.recorder.seal import new_key, opened, parse, read_small
 from kvreplay.recorder.switches import (
     CHECKPOINT_ENV,
     CLASSES_ENV,
@@ -32,6 +35,7 @@ from kvreplay.recorder.switches import (
     FLIGHT_ENV,
     METRICS_GLOB,
     PARTS_ENV,
+    SEAL_ENV,
     SITE_DIR,
     WATCH_ENV,
 )
@@ -50,30 +54,37 @@ class LiveRecording:
     traces: list[Path] = field(default_factory=list)
     unfinished: list[Path] = field(default_factory=list)  # .tmp files still there at the end
     findings: list[dict[str, Any]] = field(default_factory=list)  # what --watch found, as it came
+    forged: int = 0  # lines of the findings file (and counter files) no writer of this run sealed
     stopped_on: dict[str, Any] | None = None  # the violation --stop-on-violation ended the command for
     reproducers: list[dict[str, Any]] = field(default_factory=list)  # minimized findings (kvreplay record)
 
     def to_dict(self) -> dict[str, object]:
         return {"command": self.command, "out": str(self.out), "exit_code": self.exit_code,
                 "traces": [str(p) for p in self.traces], "unfinished": [str(p) for p in self.unfinished],
-                "findings": self.findings, "stopped_on": self.stopped_on, "reproducers": self.reproducers}
+                "findings": self.findings, "stopped_on": self.stopped_on, "reproducers": self.reproducers,
+                "forged": self.forged}
 
 
 def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | None = None,
                flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0, watch: str = "",
-               rotation: Rotation | None = None, cpu_compat: bool = False) -> dict[str, str]:
+               rotation: Rotation | None = None, cpu_compat: bool = False, key: str = "") -> dict[str, str]:
     """The environment that makes every Python process record into ``out`` (with
     ``flight`` > 0: keep the last ``flight`` calls, dump on a raise or SIGUSR2;
     ``counters_every`` N: read the pool's counters after every Nth call, 0 never;
     ``watch`` "check": writers check invariants as they write, "metrics": they count;
     ``rotation``: each trace a directory of parts, each replayable alone, the oldest
-    retired past the bound; ``cpu_compat``: the engines' CPU patches, recorder/compat.py)."""
+    retired past the bound; ``cpu_compat``: the engines' CPU patches, recorder/compat.py;
+    ``key``: what the writers seal their findings and counters with, seal.py)."""
     env = dict(os.environ if base is None else base)
     if cpu_compat:
         env = compat_env(env)
     env[DIR_ENV] = str(Path(out).resolve())
     if watch:
         env[WATCH_ENV] = watch
+    if key:
+        env[SEAL_ENV] = key
+    else:
+        env.pop(SEAL_ENV, None)  # an outer recording's key is not this one's
     if flight > 0:
         env[FLIGHT_ENV] = str(flight)
     if counters_every != 1:
@@ -121,16 +132,21 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     except OSError as exc:
         raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
     _check_writable(out)
+    findings_file = out / FINDINGS_FILE
+    if watch == "check" and (findings_file.is_symlink() or (findings_file.exists() and not findings_file.is_file())):
+        raise BadInput(f"{findings_file}: not a regular file; remove it (the watch appends its findings there)")
     before = set(out.glob(TRACE_GLOB))
     if watch or metrics_port:
         for old in out.glob(METRICS_GLOB):  # a last run's counters are not this run's
             old.unlink(missing_ok=True)
-    server = _serve_metrics(out, metrics_port) if metrics_port else None
+    key = new_key()
+    server = _serve_metrics(out, metrics_port, key) if metrics_port else None
     if server is not None and on_metrics is not None:
         on_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
     _adopt_orphans()
     env = record_env(out, classes, flight=flight, counters_every=counters_every, checkpoint_every=checkpoint_every,
-                     watch=watch or ("metrics" if metrics_port else ""), rotation=rotation, cpu_compat=cpu_compat)
+                     watch=watch or ("metrics" if metrics_port else ""), rotation=rotation, cpu_compat=cpu_compat,
+                     key=key)
     try:
         # A process group of its own: what the command starts and leaves behind is ended
         # with the recording (_end_group); Ctrl-C and SIGTERM reach it through forward().
@@ -155,7 +171,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
             result.stopped_on = finding
             proc.send_signal(signal.SIGTERM)
 
-    follower = _Follower(out / FINDINGS_FILE, found) if watch == "check" else None
+    follower = _Follower(findings_file, found, key) if watch == "check" else None
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = proc.wait()
@@ -173,6 +189,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     _reap()
     if follower is not None:
         follower.stop()  # after the writers finished: every finding they wrote is read
+        result.forged = follower.forged
     if server is not None:
         server.shutdown()
         server.server_close()
@@ -193,36 +210,60 @@ def _unfinished(out: Path) -> list[Path]:
 
 class _Follower:
     """Reads the findings file as watching writers append to it (from its end at the
-    start: an earlier run's lines are not this run's) and passes each line on."""
+    start: an earlier run's lines are not this run's) and passes on each line this
+    run's writers sealed; the others are counted in ``forged``."""
 
-    def __init__(self, path: Path, found: Callable[[dict[str, Any]], None], every_s: float = 0.1) -> None:
-        self.path, self.found, self.every_s = path, found, every_s
-        self.at = path.stat().st_size if path.exists() else 0
+    MAX_LINE = 1 << 16  # a writer's lines are at most a few KB: longer ones are not theirs
+
+    def __init__(self, path: Path, found: Callable[[dict[str, Any]], None], key: str,
+                 every_s: float = 0.1) -> None:
+        self.path, self.found, self.key, self.every_s = path, found, key, every_s
+        self.forged = 0
+        self.at = self._size()
         self.partial = b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvreplay-watch-follower", daemon=True)
         self._thread.start()
 
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size if self.path.is_file() else 0
+        except OSError:
+            return 0
+
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             self.poll()
 
-    def poll(self) -> None:
+    def _read(self) -> bytes:
+        # never follows a link, never waits on a FIFO put in the file's place
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self.at)
-                data = f.read(1 << 20)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError:
-            return
+            return b""
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return b""
+            return os.pread(fd, 1 << 20, self.at)
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
+
+    def poll(self) -> None:
+        data = self._read()
         self.at += len(data)
         *lines, self.partial = (self.partial + data).split(b"\n")
+        if len(self.partial) > self.MAX_LINE:
+            self.partial, self.forged = b"", self.forged + 1
         for line in lines:
-            try:
-                finding = json.loads(line)
-            except ValueError:
+            if not line.strip():
                 continue
-            if isinstance(finding, dict):
-                self.found(finding)
+            finding = opened(parse(line), self.key)
+            if finding is None:
+                self.forged += 1
+                continue
+            self.found(finding)
 
     def stop(self) -> None:
         self._stop.set()
@@ -230,15 +271,17 @@ class _Follower:
         self.poll()
 
 
-def metrics_text(out: Path) -> str:
-    """The watching writers' counters (their latest), in Prometheus's text format."""
+MAX_METRICS_FILES = 1024  # a writer each: far more than a node's schedulers
+
+
+def metrics_text(out: Path, key: str) -> str:
+    """The watching writers' counters (their latest), in Prometheus's text format: of
+    the counter files in ``out``, the regular ones this run's writers sealed with ``key``."""
     docs = []
-    for p in sorted(out.glob(METRICS_GLOB)):
-        try:
-            doc = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced: the next scrape has it
-        if isinstance(doc, dict):
+    for p in sorted(itertools.islice(out.glob(METRICS_GLOB), MAX_METRICS_FILES)):
+        data = read_small(p)  # None while being replaced: the next scrape has it
+        doc = opened(parse(data), key) if data is not None else None
+        if doc is not None:
             docs.append(doc)
     lines: list[str] = []
 
@@ -276,38 +319,78 @@ def metrics_text(out: Path) -> str:
 
 
 def _number(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return 0.0
+    try:
+        f = float(v)
+    except OverflowError:
+        return 0.0
+    return f if math.isfinite(f) else 0.0
 
 
 def _items(v: Any) -> list[tuple[Any, Any]]:
-    return list(v.items()) if isinstance(v, dict) else []
+    return list(v.items())[:256] if isinstance(v, dict) else []
 
 
 def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")[:200]
+    """A label value as Prometheus's text format escapes it, control characters shown
+    as escapes (a scraper's console must not run them), at most 200 characters."""
+    value = value[:200].replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return "".join(c if c.isprintable() else f"\\\\x{ord(c):02x}" if ord(c) < 256 else f"\\\\u{ord(c):04x}"
+                   for c in value)
 
 
-def _serve_metrics(out: Path, port: int) -> ThreadingHTTPServer:
+class _Scrapes:
+    """One scrape computed at a time, and reused for a moment: parallel scrapers share
+    it instead of each reading every counter file."""
+
+    def __init__(self, out: Path, key: str) -> None:
+        self.out, self.key = out, key
+        self.lock = threading.Lock()
+        self.at, self.body = -1.0, b""
+
+    def body_now(self) -> bytes:
+        with self.lock:
+            if time.monotonic() - self.at > 0.5:
+                self.body = metrics_text(self.out, self.key).encode()
+                self.at = time.monotonic()
+            return self.body
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a scraper that hung up early is its own business: no traceback on the console
+
+
+def _serve_metrics(out: Path, port: int, key: str) -> ThreadingHTTPServer:
+    scrapes = _Scrapes(out, key)
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = 10  # a client that sends nothing is dropped, not kept
+
         def do_GET(self) -> None:  # noqa: N802 - the standard library's name
             if self.path.split("?")[0] != "/metrics":
                 self.send_error(404, "only /metrics here")
                 return
-            body = metrics_text(out).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            body = scrapes.body_now()
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError:  # the scraper hung up
+                self.close_connection = True
 
         def log_message(self, *args: Any) -> None:
             pass
 
     try:
-        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        server = _QuietServer(("127.0.0.1", port), Handler)
     except OSError as exc:
         raise BadInput(f"--metrics-port {port}: cannot listen there ({exc.strerror or exc})") from None
-    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="kvreplay-metrics", daemon=True).start()
     return server
 

@@ -16,5 +16,6 @@ METRICS_GLOB = ".kvreplay-metrics-*.json"  # there too: each watching writer's c
 FOLD_ENV = "KVREPLAY_FOLD_READS"  # 0: every call a row of its own, reads and empty groups too (format 1's rows)
 CHECKPOINT_ENV = "KVREPLAY_CHECKPOINT_EVERY"  # N: a checkpoint every N calls (replay --jobs splits there)
 PARTS_ENV = "KVREPLAY_PARTS"  # ROWS,SECONDS,KEEP_PARTS,KEEP_BYTES: a trace is a directory of parts (rotation.py)
+SEAL_ENV = "KVREPLAY_WATCH_KEY"  # this run's key: its writers seal each finding and counter file with it (seal.py)
 CPUS_ENV = "KVREPLAY_CPUS"  # the CPUs kvreplay record may use: its recorder threads go back to them
 SITE_DIR = Path(__file__).with_name("_site")

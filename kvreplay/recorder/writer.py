@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -93,6 +94,9 @@ class ParquetSink:
         self.calls_written = 0  # numbered calls in the parts so far (a part's first call is this + 1)
         self.closed: list[ClosedPart] = []  # closed parts still on disk, oldest first
         self.retired = self.retired_bytes = 0
+        # Every part names its recording and its place in it: a reader refuses a directory
+        # that mixes two recordings' parts or lacks one between two it holds.
+        self.recording = uuid.uuid4().hex
         if self.rotating:
             if self.path.exists() and not self.path.is_dir():
                 raise FileExistsError(f"{self.path} is a file; a rotated trace is a directory of parts")
@@ -105,6 +109,9 @@ class ParquetSink:
         self._gap: GapRecord | None = None  # lost calls not yet marked in the file
         self.lost_calls = 0
         self._part_meta = meta
+        if self.rotating:
+            first = {"index": 0, "first_call": 1, "standalone": True, "recording": self.recording}
+            self._part_meta = replace(meta, extra={**meta.extra, "part": first})
         self._standalone = True  # the open part needs no part before it
         self._open_part()
 
@@ -170,7 +177,8 @@ class ParquetSink:
             except Exception:
                 pass
             self.tmp.unlink(missing_ok=True)
-        part = {"index": self.parts, "first_call": self.calls_written + 1, "standalone": state is not None}
+        part = {"index": self.parts, "first_call": self.calls_written + 1, "standalone": state is not None,
+                "recording": self.recording}
         self._part_meta = replace(self.meta, initial_state=state, extra={**self.meta.extra, "part": part})
         self._standalone = state is not None
         try:

@@ -52,6 +52,9 @@ MAX_FOLDED_READS = _limit("KVREPLAY_MAX_FOLDED_READS", 1 << 24)
 # ...and a whole trace: each folded read is a call replay makes (an hour of an idle
 # server polling is ~35 million), so a few rows cannot ask for days of replay.
 MAX_TRACE_FOLDED_READS = _limit("KVREPLAY_MAX_TRACE_FOLDED_READS", 1 << 28)
+# Parts of one rotated trace: each is opened (a file and its footer, ~80 KB) before any
+# replays. Ten-minute parts kept for two weeks are ~2,000.
+MAX_TRACE_PARTS = _limit("KVREPLAY_MAX_TRACE_PARTS", 2048)
 FOLD_MAX = 8  # distinct counter reads in a fold's pattern (recorder/layout.py's)
 # An empty free group folded into a row: its two top-level calls, and at most this many
 # nested calls on sub-allocators per call (recorder/layout.py's GROUP_NESTED_MAX).
@@ -353,6 +356,9 @@ PART_GLOB = "part-*.parquet"
 
 def part_name(n: int) -> str:
     return f"part-{n:06d}.parquet"
+
+
+PART_NAME = re.compile(r"^part-([0-9]{6,9})\.parquet$")
 
 
 # Where the recorder lost calls (its queue was full, the writer failed, the recorder

@@ -177,10 +177,13 @@ def corpus_traces(location: str | os.PathLike[str]) -> list[CorpusTrace]:
     base = str(location).rstrip("/")
     found: list[CorpusTrace] = []
     seen_rotated: set[Path] = set()
+    rotated: dict[Path, bool] = {}  # asked once a directory: a trace of 20,000 parts is one question
     for p in sorted(root.rglob(f"*{TRACE_SUFFIX}")):
         if any(part.startswith(".") for part in p.relative_to(root).parts):
             continue  # the mirror's bookkeeping, partial files
-        where = p.parent if is_rotated_trace(p.parent) and p.parent != root else p
+        if p.parent not in rotated:
+            rotated[p.parent] = is_rotated_trace(p.parent)
+        where = p.parent if rotated[p.parent] and p.parent != root else p
         if where in seen_rotated:
             continue
         if where is not p:

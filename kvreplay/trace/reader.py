@@ -37,7 +37,9 @@ from kvreplay.trace.format import (
     MAX_GROUP_VALUES,
     MAX_STRING_BYTES,
     MAX_TRACE_FOLDED_READS,
+    MAX_TRACE_PARTS,
     PART_GLOB,
+    PART_NAME,
     SCHEMA,
     SCHEMA_VERSION,
     TENSOR_DTYPES,
@@ -45,6 +47,7 @@ from kvreplay.trace.format import (
     TopCall,
     TraceMeta,
     folded_calls,
+    part_name,
 )
 from kvreplay.trace.format import (
     targets as row_targets,
@@ -122,6 +125,51 @@ def _check_dtypes(path: Path, *columns: pa.Array) -> None:
                                        f"{', '.join(TENSOR_DTYPES)}")
 
 
+def _part_files(directory: Path) -> list[Path]:
+    """A rotated trace's parts, counted before any is opened."""
+    parts = []
+    for p in directory.glob(PART_GLOB):
+        if len(parts) >= MAX_TRACE_PARTS:
+            raise TraceFormatError(f"{directory}: holds more than {MAX_TRACE_PARTS:,} parts "
+                                   "(KVREPLAY_MAX_TRACE_PARTS raises the limit)")
+        if not PART_NAME.match(p.name):
+            raise TraceFormatError(f"{directory}: {p.name[:80]!r} is not a part's name (part-NNNNNN.parquet)")
+        parts.append(p)
+    if not parts:
+        raise TraceFormatError(f"{directory}: is a directory without trace parts ({PART_GLOB}), not a trace")
+    return sorted(parts, key=lambda p: int(PART_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def _check_sequence(directory: Path, parts: list[Path], metas: list[TraceMeta]) -> None:
+    """The parts of a rotated trace are one recording's, each where its name says, none
+    missing between the first and the last, and the first one replays without those
+    before it. Anything else would replay calls that never followed each other: a part
+    missing in the middle shows as frees of slots nobody allocated, false violations."""
+    ids = set()
+    prev = None
+    for part, meta in zip(parts, metas, strict=True):
+        index = int(PART_NAME.match(part.name).group(1))  # type: ignore[union-attr]
+        info = meta.extra.get("part") if isinstance(meta.extra.get("part"), dict) else {}
+        ids.add(info.get("recording") if isinstance(info.get("recording"), str) else None)
+        if len(ids) > 1:
+            raise TraceFormatError(f"{directory}: holds parts of more than one recording ({part.name} is of "
+                                   "another); keep each recording's parts in a directory of its own")
+        said = info.get("index", 0)
+        if type(said) is not int or said != index:
+            raise TraceFormatError(f"{part}: says it is part {str(said)[:20]} of its recording, not {index}")
+        if prev is None:
+            fresh = index == 0
+            if not fresh and meta.initial_state is None and info.get("standalone") is not True:
+                raise TraceFormatError(f"{directory}: starts at {part.name}, which needs the parts before it "
+                                       "(its pool has no snapshot there), and they are not here")
+        elif index != prev + 1:
+            missing = part_name(prev + 1) + ("" if index == prev + 2 else f" to {part_name(index - 1)}")
+            raise TraceFormatError(f"{directory}: {missing} of the recording is missing (between "
+                                   f"{part_name(prev)} and {part.name}): the calls in it are unknown; replay the "
+                                   f"parts before it, or those from {part.name} on, as a trace of their own")
+        prev = index
+
+
 class TraceReader:
     """An open trace: its footer checked against the trace contract when opened
     (schema, metadata, and across the parts of a rotated trace); ``check_calls``
@@ -136,10 +184,7 @@ class TraceReader:
         if not self.path.exists():
             raise TraceFormatError(f"{self.path}: no such file")
         if self.path.is_dir():
-            self.parts = sorted(self.path.glob(PART_GLOB))
-            if not self.parts:
-                raise TraceFormatError(f"{self.path}: is a directory without trace parts ({PART_GLOB}), "
-                                       "not a trace")
+            self.parts = _part_files(self.path)
         else:
             self.parts = [self.path]
         for part in self.parts:
@@ -161,6 +206,8 @@ class TraceReader:
                                        f"the trace's first part ({self.meta.pool_class}, {self.meta.family})")
             _check_schema(part, f.schema_arrow, self._absent[-1])
             _check_sizes(part, f, self.meta)
+        if self.path.is_dir():
+            _check_sequence(self.path, self.parts, metas)
 
     def _meta(self, part: Path, f: pq.ParquetFile) -> TraceMeta:
         try:
