@@ -143,7 +143,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     server = _serve_metrics(out, metrics_port, key) if metrics_port else None
     if server is not None and on_metrics is not None:
         on_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
-    _adopt_orphans()
+    adopted = _adopt_orphans()
     env = record_env(out, classes, flight=flight, counters_every=counters_every, checkpoint_every=checkpoint_every,
                      watch=watch or ("metrics" if metrics_port else ""), rotation=rotation, cpu_compat=cpu_compat,
                      key=key)
@@ -181,9 +181,11 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     _end_group(proc.pid)
     # The writers finish their files after the command: wait for them (this process
     # adopted them), not only for their .tmp files, which a writer that has just
-    # started has not made yet.
+    # started has not made yet. Where the writers are this process's children, a .tmp
+    # file with none of them running is one that a killed writer left: nobody will
+    # finish it, and waiting settle_s for it only stalls the end of the recording.
     deadline = time.monotonic() + settle_s
-    while (_reap() or _unfinished(out)) and time.monotonic() < deadline:
+    while (_reap() or (not adopted and _unfinished(out))) and time.monotonic() < deadline:
         time.sleep(0.1)
     _end_group(proc.pid, signal.SIGKILL)
     _reap()
@@ -268,7 +270,11 @@ class _Follower:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.poll()
+        for _ in range(64):  # what the writers left unread, a MiB a poll, up to a bound
+            at = self.at
+            self.poll()
+            if self.at - at < 1 << 20:
+                break
 
 
 MAX_METRICS_FILES = 1024  # a writer each: far more than a node's schedulers
@@ -384,6 +390,14 @@ def _serve_metrics(out: Path, port: int, key: str) -> ThreadingHTTPServer:
             except OSError:  # the scraper hung up
                 self.close_connection = True
 
+        def do_HEAD(self) -> None:  # noqa: N802
+            self.send_error(405, "GET /metrics only")
+
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("do_"):  # any other method: not allowed here (never 501, a server error)
+                return self.do_HEAD
+            raise AttributeError(name)
+
         def log_message(self, *args: Any) -> None:
             pass
 
@@ -395,18 +409,18 @@ def _serve_metrics(out: Path, port: int, key: str) -> ThreadingHTTPServer:
     return server
 
 
-def _adopt_orphans() -> None:
+def _adopt_orphans() -> bool:
     """Make this process the subreaper of the command's tree (Linux): the trace writers,
     which leave the recorded processes' tree on purpose (writer_child.py), become
     children of ``kvreplay record`` instead of PID 1, so they are reaped here and
     never outlive the recording as zombies. Elsewhere PID 1 adopts them; they still
-    finish their files."""
+    finish their files. Whether this process adopts them."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
-        pass
+        return False
 
 
 def _reap() -> bool:
@@ -440,7 +454,9 @@ def _check_writable(out: Path) -> None:
     """--out must take files, found before the command starts (not by its writers)."""
     probe = out / f".kvreplay-probe-{os.getpid()}"
     try:
-        probe.write_bytes(b"")
+        # a new file only: a link planted under this name is removed, never followed nor truncated through
+        probe.unlink(missing_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
         probe.unlink()
     except OSError as exc:
         raise BadInput(f"--out {out}: cannot write there ({exc.strerror or exc})") from None

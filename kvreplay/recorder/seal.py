@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import secrets
 import stat
@@ -61,13 +62,20 @@ def parse(data: bytes) -> Any:
     if len(data) > MAX_DOC_BYTES or _too_deep(data):
         return None
     try:
-        return json.loads(data, parse_constant=_refuse, parse_int=_int)
+        return json.loads(data, parse_constant=_refuse, parse_int=_int, parse_float=_float)
     except (ValueError, RecursionError, UnicodeDecodeError):
         return None
 
 
 def _refuse(name: str) -> float:
     raise ValueError(f"{name} is not a number a writer writes")
+
+
+def _float(text: str) -> float:
+    f = float(text)
+    if not math.isfinite(f):
+        raise ValueError("a number past what a float holds")
+    return f
 
 
 def _int(text: str) -> int:
