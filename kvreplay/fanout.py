@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
 from kvreplay.errors import BadInput, KvreplayError
+from kvreplay.limits import start_method
 from kvreplay.scratch import kill_tree, outer_tmp
 
 U = TypeVar("U")
@@ -84,7 +85,7 @@ def _context(method: str | None = None) -> multiprocessing.context.BaseContext:
     # fork by default: a worker starts in milliseconds with kvreplay and torch already
     # imported; a spawned one spends seconds importing them again. KVREPLAY_START_METHOD
     # overrides (spawn for a CUDA device, which a forked child cannot use).
-    method = os.environ.get("KVREPLAY_START_METHOD") or method or (
+    method = start_method() or method or (
         "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     return multiprocessing.get_context(method)
 

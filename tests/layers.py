@@ -30,7 +30,8 @@ LAYERS: list[list[str]] = [
     ["builds"],
     ["trace", "fanout"],
     ["family"],  # what a family is: the record, and the registry of records
-    ["pool_api", "errors", "version", "scratch", "limits"],
+    ["limits", "safe_files"],  # bounds on input and configuration; reading and writing files as input
+    ["pool_api", "errors", "version", "scratch", "text"],
 ]
 
 

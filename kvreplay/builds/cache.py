@@ -16,11 +16,22 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvreplay.errors import BadInput
+
 
 def cache_root() -> Path:
-    base = os.environ.get("KVREPLAY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvreplay")
-    return Path(base)
+    """``$KVREPLAY_CACHE`` (default ``~/.cache/kvreplay``): BadInput when it cannot be a
+    directory kvreplay writes in (a file, or below one; no write permission), said before
+    anything is fetched rather than as an error from deep inside a build."""
+    given = os.environ.get("KVREPLAY_CACHE", "").strip()
+    base = Path(given or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                      "kvreplay")).absolute()
+    near = next((p for p in (base, *base.parents) if os.path.lexists(p)), Path("/"))
+    if not near.is_dir() or not os.access(near, os.W_OK | os.X_OK):
+        why = "is not a directory" if not near.is_dir() else "is not writable"
+        raise BadInput(f"KVREPLAY_CACHE={str(base)[:200]!r}: {near} {why} (want a directory kvreplay can write "
+                       "its fetched builds in)")
+    return base
 
 
 @contextmanager

@@ -59,9 +59,11 @@ def _pin_torch_threads() -> None:
     spinning on the other core slows everything else down."""
     import os
 
+    from kvreplay.limits import torch_threads
+
     if "OMP_NUM_THREADS" in os.environ:
         return
-    os.environ["OMP_NUM_THREADS"] = os.environ.get("KVREPLAY_TORCH_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = torch_threads()
 
 
 def _keep_freed_memory() -> None:
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: turns library errors into one line and an exit code."""
     argv = _ray_value(sys.argv[1:] if argv is None else argv)
     base.argv[:] = argv
+    _check_environment(argv)
     # record runs someone else's program: its environment (torch's threads, TMPDIR)
     # stays as it was, and its processes (the server, the trace writers) end on their
     # own, never killed here.
@@ -203,6 +206,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     with scratch.owned():
         _run(argv, interrupted=_stop_and_fail)
+
+
+def _check_environment(argv: list[str]) -> None:
+    """kvreplay's own variables (limits, progress, threads, start method, recorder) must
+    hold values it takes, or no command starts: a typo is one line and exit 2, not a
+    default taken in silence or an error deep inside a run. Help and the version are
+    still there to read."""
+    from kvreplay.limits import check_environment
+
+    own = argv[:argv.index("--")] if "--" in argv else argv  # not the recorded command's --help
+    if not argv or any(a in ("--help", "--version") for a in own):
+        return
+    try:
+        check_environment()
+    except KvreplayError as exc:
+        _fail(str(exc), exc.exit_code)
 
 
 def _stop_and_fail(message: str, code: int) -> NoReturn:

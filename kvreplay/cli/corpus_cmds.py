@@ -8,7 +8,10 @@ from typing import Any
 
 import typer
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, RAY_HELP, app, emit_json, say
+from kvreplay.cli.base import DB_HELP, JOBS, JSON_HELP, RAY_HELP, TIMEOUT_S, app, emit_json, say, within
+
+# A corpus holds small traces: its size bound is a number of megabytes, never off.
+MAX_MB = within(0.001, 1e6, "a size in megabytes from 0.001 to 1000000")
 
 
 @app.command("ci")
@@ -17,11 +20,12 @@ def corpus_ci(
                                  "traces (hive-partitioned: host=.../date=.../rank=...), each of which must replay "
                                  "clean. A path or a URI (s3://, gs://, hdfs://, file://)."),
     build: str = typer.Option(..., "--build", "-b", help="Build to replay the corpus on."),
-    jobs: int = typer.Option(1, "--jobs", "-j", help="Worker processes."),
+    jobs: int = typer.Option(1, "--jobs", "-j", callback=JOBS, help="Worker processes."),
     junit: Path | None = typer.Option(None, "--junit", help="Write JUnit XML here (one testcase per trace and mode)."),
     summary: Path | None = typer.Option(None, "--summary", help="Write a Markdown summary here (for a PR comment)."),
     device: str = typer.Option("cpu", help="cpu, cuda or auto."),
-    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds one case may run; a case past it is an "
+    timeout: float = typer.Option(1800.0, "--timeout", callback=TIMEOUT_S,
+                                  help="Seconds one case may run; a case past it is an "
                                   "error (a build that never returns does not hold up the corpus)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     ray: str | None = typer.Option(None, "--ray", help=RAY_HELP, metavar="[ADDRESS]"),
@@ -91,7 +95,7 @@ def corpus_add(
     builds: list[str] = typer.Option([], "--build", "-b", help="Build whose replay becomes an expectation "
                                      "(repeatable; default: the builtin pool of the trace's family)."),
     force: bool = typer.Option(False, "--force", help="Replace an entry of the same name."),
-    max_mb: float = typer.Option(5.0, "--max-mb", help="Refuse traces larger than this."),
+    max_mb: float = typer.Option(5.0, "--max-mb", callback=MAX_MB, help="Refuse traces larger than this."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Copy a trace into the corpus, replay it, record what it must show."""
@@ -111,7 +115,7 @@ def corpus_add(
 @corpus_app.command("check")
 def corpus_check(
     corpus: Path = typer.Argument(Path("traces"), help="Corpus directory."),
-    max_mb: float = typer.Option(5.0, "--max-mb", help="Largest trace allowed."),
+    max_mb: float = typer.Option(5.0, "--max-mb", callback=MAX_MB, help="Largest trace allowed."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Check a corpus: files readable and unchanged, entries backed, sizes."""

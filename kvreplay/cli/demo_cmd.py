@@ -6,13 +6,14 @@ from pathlib import Path
 
 import typer
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, say
+from kvreplay.cli.base import DB_HELP, JSON_HELP, REQUESTS, app, emit_json, say
 from kvreplay.cli.render import render_report, render_stored
 
 
 @app.command()
 def demo(
-    requests: int = typer.Option(2000, "--requests", "-n", help="Requests in the synthesized trace."),
+    requests: int = typer.Option(2000, "--requests", "-n", callback=REQUESTS,
+                                 help="Requests in the synthesized trace."),
     out_dir: Path | None = typer.Option(None, "--out", help="Where to write the trace (default: a temp dir)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),

@@ -8,9 +8,23 @@ from typing import Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, RAY_HELP, URI_HELP, app, emit_json, out, say
+from kvreplay.cli.base import (
+    DB_HELP,
+    JSON_HELP,
+    MAX_JOBS,
+    RAY_HELP,
+    TIMEOUT_S,
+    URI_HELP,
+    app,
+    emit_json,
+    out,
+    say,
+    within,
+)
 from kvreplay.cli.render import STATUS_STYLE, row
+from kvreplay.text import printable
 
 
 @app.command()
@@ -23,8 +37,10 @@ def matrix(
     mode: str = typer.Option("strict", help="strict or remap (remap for releases older than the trace: "
                              "API translations change nested calls)."),
     device: str = typer.Option("auto", help="auto, cpu (Triton kernels run in Triton's interpreter) or cuda[:N]."),
-    jobs: int = typer.Option(0, "--jobs", "-j", help="Builds replayed at once (0: one per CPU core)."),
-    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds per trace before a worker is a timeout."),
+    jobs: int = typer.Option(0, "--jobs", "-j", callback=within(0, MAX_JOBS, f"0 (one per CPU core) to {MAX_JOBS}"),
+                             help="Builds replayed at once (0: one per CPU core)."),
+    timeout: float = typer.Option(1800.0, "--timeout", callback=TIMEOUT_S,
+                                  help="Seconds per trace before a worker is a timeout."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Replay even what the store already holds for an "
                                   "exact build (a release, a builtin of this version)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
@@ -70,12 +86,13 @@ def matrix(
     for trace in res.traces:
         keys = " ".join(f"{k}={v}" for k, v in res.partitions.get(trace, {}).items())
         t = Table("build", "status", "kernels", *invariants, *(["divergences"] if kinds else []), "capacity",
-                  title=Path(trace).name + (f"  ({keys})" if keys else ""), title_justify="left")
+                  title=printable(Path(trace).name + (f"  ({keys})" if keys else "")), title_justify="left")
         for b in res.builds:
             c = res.cell(trace, b)
             if c is None:
                 continue
-            inv = [_rules_of(c.rules, i) for i in invariants]
+            # A cell of several lines, one per rule: Text, so row() keeps its line breaks.
+            inv = [Text(_rules_of(c.rules, i)) for i in invariants]
             div = [", ".join(f"{k} {n}" for k, n in sorted(c.divergences.items()))] if kinds else []
             assert_at = f"#{c.capacity_assert_call}" if c.capacity_assert_call is not None else ""
             row(t, b, c.status, c.kernels, *inv, *div, assert_at, style=STATUS_STYLE.get(c.status))
@@ -93,7 +110,7 @@ def _rules_of(rules: dict[str, int], invariant: str) -> str:
     """Every rule of ``invariant`` the run broke, by its first call: two builds that
     break the same invariant by different rules must not look the same."""
     mine = sorted((call, key.split("/", 1)[1]) for key, call in rules.items() if key.split("/", 1)[0] == invariant)
-    return "\n".join(f"#{call} {rule}" for call, rule in mine)
+    return "\n".join(f"#{call} {printable(rule)}" for call, rule in mine)
 
 
 def write_matrix_report(res: Any, path: Path, db: str | None) -> None:

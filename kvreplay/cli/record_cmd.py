@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
 import typer
 
-from kvreplay.cli.base import JSON_HELP, app, emit_json, say
+from kvreplay.cli.base import JSON_HELP, MANY, REQUESTS, SCALE, SEED, app, emit_json, say, within
 from kvreplay.errors import KvreplayError
+from kvreplay.recorder.switch_values import FLIGHT_MAX, PART_S_MAX, PART_S_MIN
+from kvreplay.text import printable
+
+KEEP_MB_MIN, KEEP_MB_MAX = 0.001, 1e9  # a KiB at least: less would round to 0 bytes, "keep all"
+TOKENS_MAX = 1 << 24  # a request's lengths (workload/requests.py bounds a trace's the same)
+DRIVE_S = within(0.001, 86400, "0.001 to 86400 seconds")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -20,14 +27,18 @@ def record(
         "Default: sglang's token, paged and SWA allocators."),
     print_env: bool = typer.Option(False, "--print-env",
                                    help="Print the environment variables to set instead of running anything."),
-    flight: int = typer.Option(0, "--flight", help="Flight-recorder mode: keep only each allocator's last N calls "
+    flight: int = typer.Option(0, "--flight",
+                               callback=within(0, FLIGHT_MAX, f"0 (off) or the calls to keep, at most {FLIGHT_MAX}"),
+                               help="Flight-recorder mode: keep only each allocator's last N calls "
                                "in memory and write kvreplay-flight-PID-N.parquet when a call raises or the process "
                                "gets SIGUSR2 (kill -USR2 PID)."),
     counters_every: int = typer.Option(1, "--counters-every", metavar="N",
+                                       callback=within(0, MANY, f">= 0 (0: never read the counters), at most {MANY}"),
                                        help="Read the pool's counters (available sizes) after every Nth "
                                        "state-changing call instead of every one, for less overhead; replay "
                                        "compares them where they were read. 0: never."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", metavar="N",
+                                         callback=within(0, MANY, f">= 0 (0: no checkpoints), at most {MANY}"),
                                          help="Write a checkpoint every N calls (0: none): replay --jobs splits "
                                          "the trace there. Costs the invariant checker's time per call."),
     watch: bool = typer.Option(False, "--watch", help="Check the pool's invariants on the calls as they are "
@@ -37,20 +48,31 @@ def record(
                                "violation makes the exit code 1."),
     stop_on_violation: bool = typer.Option(False, "--stop-on-violation", help="With --watch: send the server "
                                            "SIGTERM at the first violation (CI of a server build)."),
-    metrics_port: int = typer.Option(0, "--metrics-port", metavar="PORT", help="Serve the recorders' counters "
+    metrics_port: int = typer.Option(0, "--metrics-port", metavar="PORT",
+                                     callback=within(0, 65535, "a port number (1-65535; 0: none)"),
+                                     help="Serve the recorders' counters "
                                      "(calls, rows, bytes, calls dropped and unchecked, violations by rule, writer "
                                      "lag) at http://127.0.0.1:PORT/metrics in Prometheus's text format."),
-    minimize_s: float = typer.Option(60.0, "--minimize-s", metavar="SECONDS", help="With --watch: time to spend "
+    minimize_s: float = typer.Option(60.0, "--minimize-s", metavar="SECONDS",
+                                     callback=within(0, 86400, "0..86400 seconds"), help="With --watch: time to spend "
                                      "minimizing each finding after the server stops (0: no reproducers)."),
-    part_s: float = typer.Option(600.0, "--part-s", metavar="SECONDS", help="Start a new part of each trace "
+    part_s: float = typer.Option(600.0, "--part-s", metavar="SECONDS", callback=within(
+                                 PART_S_MIN, PART_S_MAX, f">= 0 (0: no cut by time; else {PART_S_MIN:g} to "
+                                 f"{PART_S_MAX:g} seconds)", or_zero=True), help="Start a new part of each trace "
                                  "every SECONDS: a trace is a directory of parts (part-NNNNNN.parquet), each of "
                                  "which replays alone from the pool's snapshot at its start, and the directory "
                                  "replays as one trace. --part-s 0 --part-rows 0: one file per trace."),
-    part_rows: int = typer.Option(1_000_000, "--part-rows", metavar="N", help="Also start a new part after N rows "
+    part_rows: int = typer.Option(1_000_000, "--part-rows", metavar="N",
+                                  callback=within(0, MANY, f">= 0 (0: no cut by rows), at most {MANY}"),
+                                  help="Also start a new part after N rows "
                                   "(about 100 bytes each on disk)."),
-    keep_mb: float = typer.Option(1024.0, "--keep-mb", metavar="MB", help="Keep at most MB megabytes of closed "
+    keep_mb: float = typer.Option(1024.0, "--keep-mb", metavar="MB", callback=within(
+                                  KEEP_MB_MIN, KEEP_MB_MAX, f">= 0 (0: keep all; else {KEEP_MB_MIN:g} to "
+                                  f"{KEEP_MB_MAX:g} MB)", or_zero=True), help="Keep at most MB megabytes of closed "
                                   "parts per trace: the oldest are deleted (0: keep all)."),
-    keep_parts: int = typer.Option(0, "--keep-parts", metavar="N", help="Keep at most the last N closed parts per "
+    keep_parts: int = typer.Option(0, "--keep-parts", metavar="N",
+                                   callback=within(0, MANY, f">= 0 (0: no bound by count), at most {MANY}"),
+                                   help="Keep at most the last N closed parts per "
                                    "trace (0: no bound by count)."),
     cpu_compat: bool = typer.Option(False, "--cpu-compat", help="Patch the server so paths its engine only "
                                     "runs on a GPU run on this CPU (sglang: speculative decoding's draft tree in "
@@ -81,21 +103,20 @@ def record(
     """
     from kvreplay.recorder.live import record_command, record_env
     from kvreplay.recorder.rotation import Rotation
+    from kvreplay.recorder.switch_values import check_compat, read_switches
 
-    if checkpoint_every < 0:
-        raise KvreplayError("--checkpoint-every N needs N >= 0 (0: no checkpoints)")
-    if counters_every < 0:
-        raise KvreplayError("--counters-every N needs N >= 0 (0: never read the counters)")
+    # (each number's range is its option's callback: refused before anything here runs)
     if stop_on_violation and not watch:
         raise KvreplayError("--stop-on-violation needs --watch (it stops at what the watch finds)")
-    if not 0 <= metrics_port <= 65535:
-        raise KvreplayError(f"--metrics-port must be a port number (1-65535; 0: none), not {metrics_port}")
-    if not 0 <= minimize_s <= 86400 or minimize_s != minimize_s:
-        raise KvreplayError(f"--minimize-s must be 0..86400 seconds, not {minimize_s}")
-    if not (0 <= part_s <= 1e9) or part_rows < 0 or keep_parts < 0 or not (0 <= keep_mb <= 1e9):
-        raise KvreplayError("--part-s, --part-rows, --keep-mb and --keep-parts must be >= 0 (0: no bound) "
-                            "and finite")
-    rotation = Rotation(part_rows, part_s, keep_parts, int(keep_mb * (1 << 20)))
+    rotation = Rotation(part_rows, part_s, keep_parts, math.ceil(keep_mb * (1 << 20)))
+    # What every recorded process will read (these flags, and the user's own KVREPLAY_*
+    # it inherits: a rank, the recorder, the writer): a value one of them would refuse
+    # is refused here, before the command starts, not turned into a recording left off.
+    env = record_env(out_dir, classes, flight=flight, counters_every=counters_every,
+                     checkpoint_every=checkpoint_every, watch="check" if watch else "", rotation=rotation,
+                     cpu_compat=cpu_compat)
+    read_switches(env)
+    check_compat(env)
     if print_env:
         from kvreplay.recorder.compat import COMPAT_ENV, patches
         from kvreplay.recorder.switches import (
@@ -109,9 +130,6 @@ def record(
         )
 
         # (a server launched this way is watched by its writers; kvreplay record is not there to print)
-        env = record_env(out_dir, classes, flight=flight, counters_every=counters_every,
-                         checkpoint_every=checkpoint_every, watch="check" if watch else "", rotation=rotation,
-                         cpu_compat=cpu_compat)
         # the layer's switch and what its patches need (a variable the user set is left to them)
         compat = [COMPAT_ENV, *sorted({k for p in patches() for k in p.env})] if cpu_compat else []
         keys = [DIR_ENV, "PYTHONPATH", *compat]
@@ -124,17 +142,17 @@ def record(
             for k in keys:
                 say(f"export {k}={shlex.quote(env[k])}")
         return
-    if flight < 0:
-        raise KvreplayError("--flight N needs N > 0 (the number of calls to keep)")
     def found(f: dict) -> None:
         if as_json:
             return
+        # A finding is read back from a file: each is one line, whatever its fields hold.
         if f.get("kind") == "watch-stopped":
-            say(f"kvreplay watch: {f.get('trace')}: no longer checking: {f.get('reason')}", "yellow", to_err=True)
+            say(printable(f"kvreplay watch: {f.get('trace')}: no longer checking: {f.get('reason')}"), "yellow",
+                to_err=True)
             return
         req = f" (request {f['request']})" if f.get("request") else ""
-        say(f"kvreplay watch: {f.get('kind')} {f.get('rule')} at call #{f.get('call')} {f.get('method')}{req} "
-            f"in {f.get('trace')}: {f.get('message')}", "red", to_err=True)
+        say(printable(f"kvreplay watch: {f.get('kind')} {f.get('rule')} at call #{f.get('call')} {f.get('method')}"
+                      f"{req} in {f.get('trace')}: {f.get('message')}"), "red", to_err=True)
 
     res = record_command(command or [], out_dir, classes, flight=flight, counters_every=counters_every,
                          checkpoint_every=checkpoint_every, watch="check" if watch else "",
@@ -145,7 +163,8 @@ def record(
         from kvreplay.minimize import reproduce_findings
 
         res.reproducers = reproduce_findings(res.findings, res.out, minimize_s,
-                                             progress=None if as_json else lambda m: say(m, to_err=True))
+                                             progress=None if as_json else lambda m: say(m, to_err=True),
+                                             traces=res.traces)
     if as_json:
         emit_json(res.to_dict())
     else:
@@ -155,6 +174,9 @@ def record(
             say(f"  {p}", to_err=True)
         for p in res.unfinished:
             say(f"  unfinished: {p}", to_err=True)
+        if res.forged:
+            say(f"ignored {res.forged} line(s) of {res.out / 'kvreplay-watch.jsonl'} that no writer of this run "
+                "wrote", "yellow", to_err=True)
         if res.stopped_on:
             say(f"stopped the command at {res.stopped_on.get('rule')} (call #{res.stopped_on.get('call')})",
                 to_err=True)
@@ -173,29 +195,44 @@ def drive(
     workload: Path = typer.Option(None, "--workload", "-w",
                                   help="Request trace: Mooncake JSONL (hash_ids become shared prompt prefixes) or "
                                   "Azure CSV (lengths only). Default: a seeded stream with shared prefixes."),
-    requests: int = typer.Option(100, "--requests", "-n", help="How many of the trace's requests to send."),
+    requests: int = typer.Option(100, "--requests", "-n", callback=REQUESTS,
+                                 help="How many of the trace's requests to send."),
     api: str = typer.Option("sglang", "--api", help="sglang (native /generate with input_ids) or openai "
                             "(/v1/completions with a token-id prompt: vLLM, sglang)."),
     model: str = typer.Option("", "--model", help="Model name for --api openai (default: the server's first)."),
-    concurrency: int = typer.Option(8, "--concurrency", "-c", help="Most requests in flight at once."),
-    time_scale: float = typer.Option(0.0, "--time-scale",
+    concurrency: int = typer.Option(8, "--concurrency", "-c", callback=within(1, 1024, "1..1024 requests"),
+                                    help="Most requests in flight at once (1..1024)."),
+    time_scale: float = typer.Option(0.0, "--time-scale", callback=within(0, 1e6, "a number >= 0 (0: no pauses), "
+                                                                          "at most 1e6"),
                                      help="Keep the trace's arrival times, multiplied by this (0.1: ten times "
                                      "faster); 0 sends as fast as --concurrency allows."),
-    length_scale: float = typer.Option(1.0, "--length-scale",
+    length_scale: float = typer.Option(1.0, "--length-scale", callback=SCALE,
                                        help="Multiply prompt lengths (Mooncake prompts average 15k tokens: "
                                        "0.03 makes them CPU-sized, prefix sharing kept)."),
-    output_scale: float = typer.Option(1.0, "--output-scale", help="Multiply output lengths."),
-    max_output: int = typer.Option(0, "--max-output", help="Cap each request's output tokens (0: as the trace says)."),
-    block_tokens: int = typer.Option(16, "--block-tokens",
+    output_scale: float = typer.Option(1.0, "--output-scale", callback=SCALE, help="Multiply output lengths."),
+    max_output: int = typer.Option(0, "--max-output", callback=within(0, TOKENS_MAX, f"0 (as the trace says) to "
+                                                                     f"{TOKENS_MAX} tokens"),
+                                   help="Cap each request's output tokens (0: as the trace says)."),
+    block_tokens: int = typer.Option(16, "--block-tokens", callback=within(1, TOKENS_MAX, f"1 to {TOKENS_MAX} tokens"),
                                      help="Tokens per shared prompt block after scaling (the server's page size)."),
-    vocab: int = typer.Option(2048, "--vocab", help="Token ids are drawn below this (the model's vocabulary size)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the generated stream (no --workload)."),
-    wait: float = typer.Option(0.0, "--wait", metavar="SECONDS",
+    vocab: int = typer.Option(2048, "--vocab", callback=within(4, MANY, f"a vocabulary size from 4 to {MANY}"),
+                              help="Token ids are drawn below this (the model's vocabulary size)."),
+    seed: int = typer.Option(0, "--seed", callback=SEED, help="Seed of the generated stream (no --workload)."),
+    wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", callback=within(0, 86400, "0..86400 seconds"),
                                help="Wait up to this long for the server to answer (one still starting: "
                                "sglang on CPU takes minutes); 0: it must answer now."),
-    timeout: float = typer.Option(600.0, "--timeout", metavar="SECONDS",
+    timeout: float = typer.Option(600.0, "--timeout", metavar="SECONDS", callback=DRIVE_S,
                                   help="Most a request may take, its whole answer included; past it the request "
                                   "counts as failed."),
+    stall: float = typer.Option(None, "--stall", metavar="SECONDS", show_default=False, callback=DRIVE_S,
+                                help="Stop when the server has answered nothing at all (no success, no error) for "
+                                "this long while requests are in flight: those and the requests not yet sent "
+                                "count as failed (exit 1). Time between arrivals with nothing in flight does not "
+                                "count. Default: the larger of 60 s and --timeout."),
+    deadline: float = typer.Option(86400.0, "--deadline", metavar="SECONDS",
+                                   callback=within(0.001, 30 * 86400, "0.001 to 2592000 seconds (30 days)"),
+                                   help="Most the whole run may take, from the first request (the --wait comes "
+                                   "before): past it, what is in flight or not yet sent counts as failed (exit 1)."),
     disagg_decode: bool = typer.Option(False, "--disagg-decode",
                                        help="The server is a disaggregated decode server (sglang: "
                                        "--disaggregation-mode decode --disaggregation-transfer-backend fake): each "
@@ -210,7 +247,8 @@ def drive(
     their leading tokens, so the radix cache sees the trace's prefix reuse.
     Prints progress on stderr and a summary: requests, tokens, prefix-cache
     hits, errors, elapsed. Exit 0 when every request succeeded, 1 when some
-    failed, 2 when the server cannot be reached or the trace is bad.
+    failed (or a server that stopped answering stopped drive: --stall,
+    --deadline), 2 when the server cannot be reached or the trace is bad.
 
     Example: kvreplay drive http://127.0.0.1:30000 --wait 600 -w workloads/
     mooncake/synthetic_trace.jsonl -n 300 --length-scale 0.03 -c 16
@@ -228,7 +266,7 @@ def drive(
                          output_scale=output_scale)
     cfg = DriveConfig(url=url, api=api, model=model, concurrency=concurrency, time_scale=time_scale, vocab=vocab,
                       block_tokens=block_tokens, max_output=max_output, seed=seed, wait_s=wait, timeout_s=timeout,
-                      disagg_decode=disagg_decode)
+                      disagg_decode=disagg_decode, stall_s=stall, deadline_s=deadline)
     next_say = [0.0]
 
     def waiting(seconds: float) -> None:
@@ -246,8 +284,11 @@ def drive(
         hit = f", {share:.0f}% of them prefix-cache hits" if res.prompt_tokens else ""
         say(f"{res.ok}/{res.requests} requests served in {res.elapsed_s:.1f} s: {res.prompt_tokens} prompt tokens"
             f"{hit}, {res.output_tokens} output tokens")
-        if res.errors:
-            kinds = ", ".join(f"{k} x{n}" for k, n in sorted(res.error_kinds.items()))
-            say(f"{res.errors} failed: {kinds}", "red", to_err=True)
+    kinds = ", ".join(f"{k} x{n}" for k, n in sorted(res.error_kinds.items()))
+    if res.stopped:  # one line, --json or not: the run ended before its requests did
+        say(f"kvreplay: drive stopped early: {res.stopped} ({res.errors} of {res.requests} failed)", "red",
+            to_err=True)
+    elif res.errors and not as_json:
+        say(f"{res.errors} failed: {kinds}", "red", to_err=True)
     if res.errors:
         raise typer.Exit(1)

@@ -10,27 +10,40 @@ from rich.text import Text
 from kvreplay.cli.base import out, say
 from kvreplay.family.registry import unit_of
 from kvreplay.replay.report import describe, firsts_by_rule
+from kvreplay.text import printable
 
 STATUS_STYLE = {"clean": "green", "violation": "red", "divergence": "yellow"}
 
 
 def row(t: Table, *cells: Any, style: str | None = None) -> None:
-    """Add a row of plain-text cells (data never becomes markup). On a narrow terminal a
-    cell wraps onto more lines; it is never cut short with an ellipsis (a cut name is
-    another name: "builtin:swa@stale-…" could be any variant)."""
+    """Add a row of plain-text cells (data never becomes markup), each one line with its
+    control characters escaped (kvreplay.text); a cell given as a Text is the caller's
+    own layout (lines of escaped values) and is kept. On a narrow terminal a cell wraps
+    onto more lines; it is never cut short with an ellipsis (a cut name is another
+    name: "builtin:swa@stale-…" could be any variant)."""
     for col in t.columns:
         col.overflow = "fold"
-    t.add_row(*(Text(str(c), overflow="fold") for c in cells), style=style)
+    # Escaped before the table measures its cells, so columns fit what is shown.
+    t.add_row(*(_cell(c) for c in cells), style=style)
+
+
+def _cell(c: Any) -> Text:
+    if isinstance(c, Text):
+        c.overflow = "fold"
+        return c
+    return Text(printable(c), overflow="fold")
 
 
 def render_report(r: Any) -> None:
     kernels = f", kernels: {r.kernels}" if getattr(r, "kernels", "none") != "none" else ""
-    head = Text.assemble((r.trace, "bold"), " on ", (r.build, "bold"), f" ({r.mode}, {r.device}{kernels}): ",
-                         (r.status, STATUS_STYLE.get(r.status, "magenta")),
+    # What a report holds came from a trace, a build or a store: each line is one line.
+    p = printable
+    head = Text.assemble((p(r.trace), "bold"), " on ", (p(r.build), "bold"), p(f" ({r.mode}, {r.device}{kernels}): "),
+                         (p(r.status), STATUS_STYLE.get(r.status, "magenta")),
                          f"  {r.calls_replayed} calls in {r.wall_s:.2f} s ({r.calls_per_s:,.0f} calls/s)")
     out.print(head, soft_wrap=True)
     if r.message:
-        say(f"  {r.message}")
+        say("  " + p(r.message))
     if r.violation_counts:
         firsts = firsts_by_rule(r.violations)
         t = Table("invariant/rule", "count", "first at call")
@@ -39,12 +52,12 @@ def render_report(r: Any) -> None:
         out.print(t)
     if r.first_violation:
         say("first violation:")
-        say("  " + describe(r.first_violation, long=True), "red")
+        say("  " + p(describe(r.first_violation, long=True)), "red")
         if unit_of(r.first_violation.sub_pool) == "slots":  # sglang's capacity assertion: slot pools only
             _capacity_line(r.capacity_assert_call, r.capacity_assert_after_calls)
     if r.divergence_counts:
-        say("divergences: " + ", ".join(f"{k} {n}" for k, n in r.divergence_counts.items()))
-        say("  first: " + describe(r.first_divergence, long=True), "yellow")
+        say(p("divergences: " + ", ".join(f"{k} {n}" for k, n in r.divergence_counts.items())))
+        say("  first: " + p(describe(r.first_divergence, long=True)), "yellow")
     if r.translated:
         say("replayed through API translations (the build lacks these methods): "
             + ", ".join(f"{m} x{n}" for m, n in r.translated.items()))
@@ -68,19 +81,21 @@ def _capacity_line(call: int | None, after: int | None) -> None:
 
 
 def render_stored(d: dict[str, Any], *, show_all: bool = False) -> None:
-    say(f"run {d['run_id']}: {d['trace']} on {d['build']} ({d['mode']}, {d['device']}, kernels: "
-        f"{d.get('kernels', 'none')}) -> {d['status']}, "
-        f"{d['calls_replayed']} calls, {d['violation_total']} violations, {d['divergence_total']} divergences")
+    # A stored run is data: each of its lines is shown as one line.
+    p = printable
+    say(p(f"run {d['run_id']}: {d['trace']} on {d['build']} ({d['mode']}, {d['device']}, kernels: "
+          f"{d.get('kernels', 'none')}) -> {d['status']}, "
+          f"{d['calls_replayed']} calls, {d['violation_total']} violations, {d['divergence_total']} divergences"))
     if d.get("message"):
-        say(f"  {d['message']}")
+        say("  " + p(d["message"]))
     if d["violation_total"] or d["capacity_assert_call"] is not None:
         _capacity_line(d["capacity_assert_call"], d["capacity_assert_after_calls"])
     shown = list(d["violations"]) if show_all else list(firsts_by_rule(d["violations"]).values())
     for v in shown:
-        say("  " + describe(v, long=True), "red")
+        say("  " + p(describe(v, long=True)), "red")
     if d["violations"]:
-        say("counts: " + ", ".join(f"{k} {n}" for k, n in d["violation_counts"].items()))
+        say(p("counts: " + ", ".join(f"{k} {n}" for k, n in d["violation_counts"].items())))
         if not show_all and d["violation_total"] > len(shown):
             say(f"(first of each rule shown; kvreplay show {d['run_id']} --all for the {len(d['violations'])} kept)")
     for x in d["divergences"] if show_all else d["divergences"][:5]:
-        say("  " + describe(x, long=True), "yellow")
+        say("  " + p(describe(x, long=True)), "yellow")

@@ -10,15 +10,20 @@ from rich.table import Table
 from kvreplay.cli.base import (
     BUILD_HELP,
     DB_HELP,
+    JOBS,
     JOBS_HELP,
     JSON_HELP,
+    MANY,
     RAY_HELP,
+    RUN_ID,
+    TIMEOUT_S,
     URI_HELP,
     app,
     emit_json,
     out,
     progress,
     say,
+    within,
 )
 from kvreplay.cli.render import STATUS_STYLE, render_report, render_stored, row
 from kvreplay.cli.report_cmds import REPORT_HELP
@@ -39,10 +44,12 @@ def replay(
     build: str = typer.Option(..., "--build", "-b", help=BUILD_HELP),
     mode: str = typer.Option("strict", help="strict: any difference counts; remap: translate indices, "
                              "only None/length/exception differences count."),
-    timeout: float = typer.Option(1800.0, "--timeout", help="git: builds: give up on the worker after this many "
+    timeout: float = typer.Option(1800.0, "--timeout", callback=TIMEOUT_S,
+                                  help="git: builds: give up on the worker after this many "
                                   "seconds (status timeout)."),
     device: str = typer.Option("auto", help="auto (cuda when available), cpu or cuda[:N]."),
-    full_check_every: int = typer.Option(1000, help="Run the O(pool) checks every N calls (on a vLLM trace, N "
+    full_check_every: int = typer.Option(1000, callback=within(0, MANY, f"0 (only at the end) or N, at most {MANY}"),
+                                         help="Run the O(pool) checks every N calls (on a vLLM trace, N "
                                          "calls that made a block-pool call; 0: only at the end)."),
     stop_first: bool = typer.Option(False, "--stop-first/--go-on", help="Stop at the first violation or divergence."),
     after_gap: bool = typer.Option(False, "--after-gap", help="For a trace where the recorder lost calls: replay "
@@ -56,7 +63,7 @@ def replay(
     fixed: bool = typer.Option(False, "--fixed", help="With --git-bisect, to find a fix (git bisect start "
                                "--term-old broken --term-new fixed): the failure exits 0 (old), its absence "
                                "exits 1 (new); needs --failure."),
-    jobs: int = typer.Option(1, "--jobs", "-j", help=JOBS_HELP),
+    jobs: int = typer.Option(1, "--jobs", "-j", callback=JOBS, help=JOBS_HELP),
     ray: str | None = typer.Option(None, "--ray", help=RAY_HELP, metavar="[ADDRESS]"),
     report_path: Path | None = typer.Option(None, "--report", help=REPORT_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
@@ -123,7 +130,8 @@ def diff(
     base: str = typer.Option(..., "--base", help="Reference build."),
     candidate: str = typer.Option(..., "--candidate", help="Build under test."),
     mode: str = typer.Option("strict", help="strict or remap (see replay)."),
-    context: int = typer.Option(5, help="Calls to show before the first divergence."),
+    context: int = typer.Option(5, callback=within(0, 10_000, "a number of calls from 0 to 10000"),
+                                help="Calls to show before the first divergence."),
     device: str = typer.Option("cpu", help="Torch device."),
     report_path: Path | None = typer.Option(None, "--report", help=REPORT_HELP + " Both builds on one axis."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
@@ -169,7 +177,8 @@ def runs(
     build: str | None = typer.Option(None, help="Only runs on this build spec."),
     status: str | None = typer.Option(None, help="clean, violation, divergence, unloadable, unsupported, "
                                       "crashed or timeout."),
-    limit: int = typer.Option(50, help="Most runs to list (newest first)."),
+    limit: int = typer.Option(50, callback=within(1, 1_000_000, "a number of runs from 1 to 1000000"),
+                              help="Most runs to list (newest first)."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -200,7 +209,7 @@ def runs(
 
 @app.command()
 def show(
-    run_id: int = typer.Argument(..., help="Run id (see kvreplay runs)."),
+    run_id: int = typer.Argument(..., callback=RUN_ID, help="Run id (see kvreplay runs)."),
     show_all: bool = typer.Option(False, "--all", help="Every kept violation, not the first of each rule."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from kvreplay.cli.base import DB_HELP, JSON_HELP, app, emit_json, say
+from kvreplay.cli.base import DB_HELP, JSON_HELP, RUN_ID, app, emit_json, say, within
 from kvreplay.errors import BadInput
 
 REPORT_HELP = "Also write an HTML report (one self-contained file that opens offline) to this path."
@@ -16,9 +16,10 @@ REPORT_HELP = "Also write an HTML report (one self-contained file that opens off
 
 @app.command()
 def report(
-    run_id: int = typer.Argument(..., help="Run id (see kvreplay runs)."),
+    run_id: int = typer.Argument(..., callback=RUN_ID, help="Run id (see kvreplay runs)."),
     out_path: Path = typer.Option(..., "--out", "-o", help="Where to write the HTML file."),
-    against: int | None = typer.Option(None, "--against", help="Another run id: both runs on one axis."),
+    against: int | None = typer.Option(None, "--against", callback=RUN_ID,
+                                       help="Another run id: both runs on one axis."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -53,7 +54,8 @@ def report(
 @app.command()
 def serve(
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
-    port: int = typer.Option(8765, "--port", help="Port to listen on (0: any free port, printed once it listens)."),
+    port: int = typer.Option(8765, "--port", callback=within(0, 65535, "a port number (1-65535; 0: any free port)"),
+                             help="Port to listen on (0: any free port, printed once it listens)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. The dashboard has no "
                              "authentication: keep it on 127.0.0.1 unless the network is yours."),
 ) -> None:

@@ -8,7 +8,18 @@ from typing import Any
 
 import typer
 
-from kvreplay.cli.base import DB_HELP, JOBS_HELP, JSON_HELP, RAY_HELP, URI_HELP, app, emit_json, say
+from kvreplay.cli.base import (
+    DB_HELP,
+    JOBS,
+    JOBS_HELP,
+    JSON_HELP,
+    RAY_HELP,
+    TIMEOUT_S,
+    URI_HELP,
+    app,
+    emit_json,
+    say,
+)
 from kvreplay.errors import KvreplayError
 
 
@@ -30,10 +41,12 @@ def bisect_cmd(
                                        "failure the failing end shows)."),
     mode: str = typer.Option("strict", help="Replay mode for every step (strict or remap)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
-    timeout: float = typer.Option(1800.0, "--timeout", help="A git: step running longer is a timeout (skipped)."),
+    timeout: float = typer.Option(1800.0, "--timeout", callback=TIMEOUT_S,
+                                  help="A git: step running longer is a timeout (skipped)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Replay every step even when the store has it."),
     db: str | None = typer.Option(None, "--db", help=DB_HELP),
-    jobs: int = typer.Option(1, "--jobs", "-j", help="Each step: " + JOBS_HELP[0].lower() + JOBS_HELP[1:]),
+    jobs: int = typer.Option(1, "--jobs", "-j", callback=JOBS,
+                             help="Each step: " + JOBS_HELP[0].lower() + JOBS_HELP[1:]),
     ray: str | None = typer.Option(None, "--ray", help="Each step's replay on Ray. " + RAY_HELP, metavar="[ADDRESS]"),
     report_path: Path | None = typer.Option(None, "--report", help="Also write an HTML page of the step log "
                                             "here: the builds in search order, good, bad or skipped."),
@@ -122,7 +135,8 @@ def minimize(
     reference: str = typer.Option("auto", "--reference", help="A build every candidate must stay clean on, so the "
                                   "result shows the bug and not a misuse of the API (auto: a builtin variant's "
                                   "base pool; none: no such check)."),
-    timeout: float | None = typer.Option(None, "--timeout", help="Stop after this many seconds and write the "
+    timeout: float | None = typer.Option(None, "--timeout", callback=TIMEOUT_S,
+                                         help="Stop after this many seconds and write the "
                                          "smallest trace found so far."),
     device: str = typer.Option("cpu", help="Torch device for the candidate replays."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),

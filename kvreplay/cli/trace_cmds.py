@@ -7,13 +7,31 @@ import shlex
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from kvreplay.cli import base
-from kvreplay.cli.base import JSON_HELP, URI_HELP, app, emit_json, out, progress, say
+from kvreplay.cli.base import (
+    JSON_HELP,
+    MANY,
+    REQUESTS,
+    SCALE,
+    SEED,
+    SPEEDUP,
+    URI_HELP,
+    app,
+    emit_json,
+    out,
+    progress,
+    say,
+    within,
+)
 from kvreplay.cli.render import row
 from kvreplay.family.registry import unit_of
+from kvreplay.limits import MAX_POOL_SLOTS
+from kvreplay.text import printable
+
+# A size or count of the pool synth builds: at least 1, and what a trace may declare.
+TOKENS = within(1, MAX_POOL_SLOTS, f"a whole number from 1 to {MAX_POOL_SLOTS} (KVREPLAY_MAX_POOL_SLOTS)")
 
 
 @app.command()
@@ -22,27 +40,32 @@ def synth(
                                    "(vLLM's KV-cache manager) | hybrid-mamba (sglang's state pool of a "
                                    "state-space hybrid model)"),
     out_path: str = typer.Option(..., "-o", "--out", help="Trace file to write (Parquet): a path or a URI."),
-    requests: int = typer.Option(200, "--requests", "-n", help="Number of requests to run."),
-    seed: int = typer.Option(0, help="Seed for the request generator and accept lengths."),
+    requests: int = typer.Option(200, "--requests", "-n", callback=REQUESTS, help="Number of requests to run."),
+    seed: int = typer.Option(0, callback=SEED, help="Seed for the request generator and accept lengths."),
     workload: Path | None = typer.Option(
         None, help="Mooncake JSONL or Azure CSV request trace; default: seeded generator."
     ),
     build: str | None = typer.Option(None, help="Pool build to drive (default: the scenario's builtin pool)."),
-    page_size: int = typer.Option(4, help="Tokens per page."),
-    full_size: int = typer.Option(2048, help="Full-attention pool size in tokens (the paged pool's size)."),
-    swa_size: int = typer.Option(512, help="SWA pool size in tokens."),
-    window: int = typer.Option(32, help="Sliding-window size in tokens."),
-    k: int = typer.Option(3, help="MTP draft tokens per step (disagg-mtp; 0: no speculation, one "
-                   "alloc_decode per step)."),
-    block_tokens: int = typer.Option(16, help="Tokens per prefix-cache block (multiple of the page size)."),
-    max_running: int = typer.Option(64, help="Most requests decoding at once."),
-    length_scale: float = typer.Option(1.0, help="Scale a workload file's token lengths (e.g. 0.02)."),
-    output_scale: float = typer.Option(None, help="Scale its output lengths alone (default: --length-scale)."),
+    page_size: int = typer.Option(4, callback=TOKENS, help="Tokens per page."),
+    full_size: int = typer.Option(2048, callback=TOKENS, help="Full-attention pool size in tokens (the paged pool's "
+                                  "size)."),
+    swa_size: int = typer.Option(512, callback=TOKENS, help="SWA pool size in tokens."),
+    window: int = typer.Option(32, callback=TOKENS, help="Sliding-window size in tokens."),
+    k: int = typer.Option(3, callback=within(0, 1024, "0 (no speculation) or more draft tokens per step, at most "
+                                             "1024"),
+                   help="MTP draft tokens per step (disagg-mtp; 0: no speculation, one alloc_decode per step)."),
+    block_tokens: int = typer.Option(16, callback=TOKENS, help="Tokens per prefix-cache block (multiple of the page "
+                                     "size)."),
+    max_running: int = typer.Option(64, callback=TOKENS, help="Most requests decoding at once."),
+    length_scale: float = typer.Option(1.0, callback=SCALE, help="Scale a workload file's token lengths (e.g. 0.02)."),
+    output_scale: float = typer.Option(None, callback=SCALE, help="Scale its output lengths alone (default: "
+                                       "--length-scale)."),
     sglang_scheduler: bool = typer.Option(
         False, "--sglang-scheduler", help="Free groups, SWA eviction and the end of the trace as sglang 0.5.23's "
         "scheduler does them (a free group per batch, SWA evicted every 128 tokens, the cache kept at the end): "
         "traces that look like a live server's (kvreplay profile compares them)."),
-    speedup: float = typer.Option(1.0, help="Divide a workload's arrival times by this."),
+    speedup: float = typer.Option(1.0, callback=SPEEDUP, help="Divide a workload's arrival times by this "
+                                  "(1e9: every request at once)."),
     prefix_caching: bool = typer.Option(
         True, "--prefix-caching/--no-prefix-caching", help="vllm-prefix: the manager's prefix cache (enable_caching); "
         "off, every freed block goes back unhashed and only the free queue's order decides reuse."),
@@ -53,22 +76,27 @@ def synth(
         "block boundaries, beside full attention: prefill chunks end where a state can be cached). Sliding, hybrid "
         "and mamba need --build vllm."),
     max_model_len: int = typer.Option(
-        None, help="vllm-prefix: the longest sequence the manager serves, in tokens (default: --full-size). A "
+        None, callback=TOKENS,
+        help="vllm-prefix: the longest sequence the manager serves, in tokens (default: --full-size). A "
         "sliding window's pool can be smaller: vLLM sizes it for the window plus one step's tokens."),
     batch_tokens: int = typer.Option(
-        2048, help="vllm-prefix: tokens the scheduler runs per step (vLLM's max_num_batched_tokens): the chunk "
+        2048, callback=TOKENS,
+        help="vllm-prefix: tokens the scheduler runs per step (vLLM's max_num_batched_tokens): the chunk "
         "size of a long prompt, and the manager's in-flight token bound."),
     speculative: bool = typer.Option(
         False, "--speculative", help="radix-swa: speculative decoding as sglang 0.5.23 serves it (EAGLE, top-1 "
         "drafts, --k draft steps): each step keeps every row allocated to twice its draft tokens past what it "
         "committed, whole pages, in one batched alloc_extend, and accepts 1 to --k + 1 tokens."),
     draft_accept: float = typer.Option(
-        0.25, help="radix-swa --speculative: the chance the target accepts each draft token, in order (0.25: what "
+        0.25, callback=within(0, 1, "a probability, 0 to 1"),
+        help="radix-swa --speculative: the chance the target accepts each draft token, in order (0.25: what "
         "the live tiny random model accepted; a trained draft model accepts far more)."),
     state_slots: int = typer.Option(
-        64, help="hybrid-mamba: slots in the state pool (sglang's --max-mamba-cache-size): each request holds three "
+        64, callback=TOKENS,
+        help="hybrid-mamba: slots in the state pool (sglang's --max-mamba-cache-size): each request holds three "
         "(its state and a tracking pair), the prefix cache the rest."),
-    aborts: float = typer.Option(0.05, help="hybrid-mamba: the share of requests aborted while they decode."),
+    aborts: float = typer.Option(0.05, callback=within(0, 1, "a share of requests, 0 to 1"),
+                                 help="hybrid-mamba: the share of requests aborted while they decode."),
     no_extra_buffer: bool = typer.Option(
         False, "--no-extra-buffer", help="hybrid-mamba: the pool sglang builds where the extra buffer is not "
         "allowed (any CPU): no tracking pair; the cache copies a prompt's state when it is prefilled and keeps "
@@ -79,7 +107,8 @@ def synth(
         "more."),
     device: str = typer.Option("cpu", help="Torch device for the pool."),
     checkpoint_every: int = typer.Option(
-        0, help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
+        0, callback=within(0, MANY, f"0 (no checkpoints) or positive, at most {MANY}"),
+        help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Drive a pool the way a decode server's scheduler does; record the trace.
@@ -145,12 +174,15 @@ def inspect(
         emit_json(s.to_dict())
         return
     m = s.meta
-    say(f"{s.path}  schema v{m['schema_version']}", "bold")
-    say(f"pool      {m['pool_class']} ({m['family']})  {json.dumps(m['ctor_args'], sort_keys=True)}")
-    say(f"recorded  host {m['host'] or '?'}  pid {m['pid']}  rank {m['rank'] or '-'}  at {m['start_time']}")
-    say(f"versions  {', '.join(f'{k} {v}' for k, v in m['source_version'].items())}")
+    # Each field from the footer is escaped whole, newlines too: say() would keep a
+    # newline, and a host name must not start a line of its own.
+    p = printable
+    say(f"{p(s.path)}  schema v{m['schema_version']}", "bold")
+    say(f"pool      {p(m['pool_class'])} ({p(m['family'])})  {json.dumps(m['ctor_args'], sort_keys=True)}")
+    say(f"recorded  host {p(m['host'] or '?')}  pid {m['pid']}  rank {p(m['rank'] or '-')}  at {p(m['start_time'])}")
+    say(f"versions  {', '.join(f'{p(k)} {p(v)}' for k, v in m['source_version'].items())}")
     if m.get("extra", {}).get("command"):
-        say(f"made by   {m['extra']['command']}")
+        say(f"made by   {p(m['extra']['command'])}")
     say(f"calls     {s.calls} calls, {s.nested_rows} nested sub-allocator rows; {s.exceptions} raised, "
         f"{s.none_results} out-of-memory (None)")
     if s.folded_reads or s.folded_groups or s.folded_bounds:
@@ -167,7 +199,7 @@ def inspect(
         row(t, name, n)
     out.print(t)
     for note in s.notes:
-        say(f"note: {note}")
+        say(f"note: {printable(note)}")
 
 
 @app.command("builds")
@@ -211,9 +243,12 @@ def profile(
     trace: str = typer.Argument(..., help="Trace file (a live recording, or synth's)." + URI_HELP),
     against: str = typer.Option(None, "--against", help="A second trace to set beside it, with the ratio "
                                 "second/first (e.g. synth on the same requests beside a live recording)."),
-    requests: int = typer.Option(None, "--requests", help="Requests the first trace served (default: counted "
+    requests: int = typer.Option(None, "--requests", callback=within(1, MANY, f"a number of requests, 1 to {MANY}"),
+                                 help="Requests the first trace served (default: counted "
                                  "from its alloc_extend calls; a token pool's trace cannot tell)."),
-    against_requests: int = typer.Option(None, "--against-requests", help="The same for --against."),
+    against_requests: int = typer.Option(None, "--against-requests",
+                                         callback=within(1, MANY, f"a number of requests, 1 to {MANY}"),
+                                         help="The same for --against."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """The shape of a trace's traffic: calls per request by method, tokens per
@@ -232,8 +267,8 @@ def profile(
         if as_json:
             emit_json(a.to_dict())
             return
-        t = Table(title=f"{escape(trace)}: {a.family} pool, {a.calls} calls ({a.counter_reads} counter reads), "
-                        f"{a.requests or '?'} requests")
+        t = Table(title=printable(f"{trace}: {a.family} pool, {a.calls} calls ({a.counter_reads} counter reads), "
+                                  f"{a.requests or '?'} requests"))
         for col in ("figure", "value"):
             t.add_column(col)
         for m, v in a.per_request().items():
@@ -253,7 +288,7 @@ def profile(
     if as_json:
         emit_json(cmp.to_dict())
         return
-    t = Table(title=f"{escape(against)} against {escape(trace)}")
+    t = Table(title=printable(f"{against} against {trace}"))
     for col in ("figure", "first", "second", "second/first"):
         t.add_column(col)
     for figure, x, y, r in cmp.rows:

@@ -8,7 +8,9 @@ files, changed files, unreadable files, files over the size limit."""
 
 from __future__ import annotations
 
-import shutil
+import hashlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,8 @@ from kvreplay.corpus.manifest import MANIFEST, NAME, check_entry, load_manifest,
 from kvreplay.errors import BadInput
 from kvreplay.family.registry import family
 from kvreplay.replay.dispatch import replay
-from kvreplay.trace.hashing import content_hash
+from kvreplay.safe_files import check_destination, open_regular, write_atomic
+from kvreplay.trace.hashing import CHUNK, content_hash
 from kvreplay.trace.reader import TraceReader
 
 DEFAULT_MAX_MB = 5.0
@@ -30,6 +33,12 @@ def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", build
     corpus, trace = Path(corpus), Path(trace)
     if not NAME.fullmatch(name):
         raise BadInput(f"bad corpus name {name[:40]!r}: use 1-128 letters, digits, . _ @ + or -")
+    if corpus.exists() and not corpus.is_dir():
+        raise BadInput(f"--corpus {corpus}: not a directory")
+    dest = corpus / f"{name}.parquet"
+    # Refused before the replays, not after: nothing is written through a link or over a FIFO.
+    check_destination(dest, "corpus trace")
+    check_destination(corpus / MANIFEST, "corpus manifest")
     reader = TraceReader(trace)  # unreadable input fails here, before anything is copied
     if trace.is_dir():  # a recording's trace is a directory of parts; the corpus holds files
         if len(reader.parts) > 1:
@@ -44,7 +53,6 @@ def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", build
         raise BadInput(f"{name} is already in {corpus / MANIFEST} (--force replaces it)")
     builds = builds or [family(reader.meta.family).default_build]
     expect = [expectation_of(replay(trace, b, device="cpu")) for b in builds]
-    dest = corpus / f"{name}.parquet"
     extra = reader.meta.extra or {}
     command = extra.get("command")  # the trace's own footer says it: a string, or not used
     entry = {"name": name, "file": dest.name,
@@ -54,11 +62,53 @@ def add_trace(trace: str | Path, name: str, corpus: str | Path = "traces", build
                         f"{reader.num_rows} rows, recorded on {reader.meta.host or '?'} at {reader.meta.start_time}",
              "expect": expect, "sha256": content_hash(Path(trace))}
     check_entry(entry, corpus)  # before anything is written
-    corpus.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(trace, dest)
-    manifest["traces"] = [e for e in manifest["traces"] if e["name"] != name] + [entry]
-    write_document(corpus, manifest)
+    made = not corpus.exists()
+    try:
+        corpus.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"--corpus {corpus}: cannot create it ({exc.strerror or exc})") from None
+    existed = os.path.lexists(dest)
+    try:
+        _copy(trace, dest, entry["sha256"])
+        manifest["traces"] = [e for e in manifest["traces"] if e["name"] != name] + [entry]
+        write_document(corpus, manifest)
+    except BaseException:
+        if not existed:  # a trace no entry names would fail corpus check
+            dest.unlink(missing_ok=True)
+        if made:
+            _remove_empty(corpus)
+        raise
     return entry
+
+
+def _remove_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()  # only when empty: whatever else is there stays
+    except OSError:
+        pass
+
+
+def _copy(trace: Path, dest: Path, sha256: str) -> None:
+    """Copy the trace that was checked and replayed, and only it: read from a regular
+    file, its bytes hashed on the way, the copy refused when they are not the bytes of
+    the hash in its entry (the file changed meanwhile). Written beside ``dest`` and
+    renamed into place (safe_files.write_atomic)."""
+    fd, st = open_regular(trace, "trace")
+    digest = hashlib.sha256()
+
+    def chunks() -> Iterator[bytes]:
+        left = st.st_size  # what was measured against --max-mb; more is another file
+        while left > 0 and (chunk := os.read(fd, min(CHUNK, left))):
+            digest.update(chunk)
+            left -= len(chunk)
+            yield chunk
+        if digest.hexdigest() != sha256:
+            raise BadInput(f"{trace} changed while it was being added; add it again")
+
+    try:
+        write_atomic(dest, chunks())
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -74,7 +124,7 @@ class CheckResult:
 
 def check_corpus(corpus: str | Path = "traces", max_mb: float = DEFAULT_MAX_MB) -> CheckResult:
     corpus = Path(corpus)
-    if not (corpus / MANIFEST).exists():
+    if not os.path.lexists(corpus / MANIFEST):
         raise BadInput(f"{corpus}: no {MANIFEST}")
     entries = load_manifest(corpus)
     res = CheckResult(str(corpus), len(entries))

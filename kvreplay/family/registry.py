@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from kvreplay.errors import BadInput
 from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
+from kvreplay.limits import shown
 
 # The family packages kvreplay ships, one line each.
 PACKAGES: tuple[str, ...] = (
@@ -23,6 +26,7 @@ PACKAGES: tuple[str, ...] = (
     "kvreplay.families.mamba",
 )
 FAMILIES_ENV = "KVREPLAY_FAMILIES"  # more family packages, outside kvreplay (a user's configuration)
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 _families: dict[str, Family] = {}
 _engines: dict[str, Engine] = {}
@@ -41,11 +45,17 @@ def _load() -> None:
         return
     _loaded = True
     extra = [m.strip() for m in os.environ.get(FAMILIES_ENV, "").split(",") if m.strip()]
+    for name in extra:
+        if not _MODULE.fullmatch(name):
+            raise BadInput(f"{FAMILIES_ENV}: {shown(name)} is not a module name (want comma-separated "
+                           "packages, each exporting FAMILIES)")
     for name in [*PACKAGES, *extra]:
         try:
             pkg = importlib.import_module(name)
         except ImportError as exc:
-            raise ImportError(f"{FAMILIES_ENV} names {name!r}, which does not import: {exc}") from None
+            raise BadInput(f"{FAMILIES_ENV} names {name!r}, which does not import: {exc}") from None
+        if not isinstance(getattr(pkg, "FAMILIES", None), (list, tuple)):
+            raise BadInput(f"{FAMILIES_ENV} names {name!r}, which is no family package (it exports no FAMILIES)")
         if getattr(pkg, "ENGINE", None) is not None:
             register_engine(pkg.ENGINE)
         for fam in pkg.FAMILIES:

@@ -39,17 +39,9 @@ from types import ModuleType
 from typing import Any
 
 from kvreplay.builds.engines import record_classes, recordable
-from kvreplay.recorder.rotation import Rotation
-from kvreplay.recorder.switches import (
-    CHECKPOINT_ENV,
-    CLASSES_ENV,
-    COUNTERS_ENV,
-    DIR_ENV,
-    FLIGHT_ENV,
-    FOLD_ENV,
-    PARTS_ENV,
-    RANK_ENV,
-)
+from kvreplay.errors import BadInput
+from kvreplay.recorder.switch_values import Switches, read_switches
+from kvreplay.recorder.switches import DIR_ENV
 
 log = logging.getLogger("kvreplay.autorecord")
 
@@ -59,21 +51,27 @@ _state = threading.local()
 _counter = itertools.count()
 _targets: dict[str, list[str]] = {}  # module -> class names still to patch
 _out: Path | None = None
+_switches: Switches | None = None  # read once, at start-up (install_from_env)
 _failed = False
 _defaults = False  # targets are the default layouts: a module without one of them is expected
 
 
 def install_from_env() -> None:
-    """Start auto-recording if ``KVREPLAY_RECORD_DIR`` is set; a no-op otherwise."""
-    out = os.environ.get(DIR_ENV)
-    if not out:
+    """Start auto-recording if ``KVREPLAY_RECORD_DIR`` is set; a no-op otherwise. A
+    switch whose value the recorder does not take turns recording off in this
+    process, said in one line on stderr: the server starts as if not recorded."""
+    if not os.environ.get(DIR_ENV):
         return
-    global _defaults
-    classes = [c.strip() for c in os.environ.get(CLASSES_ENV, "").split(",") if c.strip()]
-    _defaults = not classes
-    classes = classes or list(DEFAULT_CLASSES)
+    global _defaults, _switches, _failed
     try:
-        install(Path(out), classes)
+        _switches = read_switches()
+    except BadInput as exc:
+        _failed = True
+        _off(exc)
+        return
+    _defaults = not _switches.classes
+    try:
+        install(Path(_switches.out), _switches.classes or list(DEFAULT_CLASSES))
     except Exception:
         _fail()
 
@@ -97,8 +95,16 @@ def install(out: Path, classes: Sequence[str]) -> None:
 def _fail() -> None:
     global _failed
     if not _failed:
-        log.exception("kvreplay autorecord failed; recording disabled in process %d", os.getpid())
+        exc = sys.exc_info()[1]
+        if isinstance(exc, BadInput):  # a setting, not a bug: its one line says which
+            _off(exc)
+        else:
+            log.exception("kvreplay autorecord failed; recording disabled in process %d", os.getpid())
     _failed = True
+
+
+def _off(why: BadInput) -> None:
+    print(f"kvreplay: not recording in process {os.getpid()}: {why}", file=sys.stderr, flush=True)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -184,21 +190,19 @@ def _start_recording(pool: Any) -> None:
 
     try:
         assert _out is not None
+        sw = _switches or read_switches()  # install() called directly: the environment's, as they are now
         _out.mkdir(parents=True, exist_ok=True)
-        rank = _rank()
+        rank = _rank(sw.rank)
         extra = {"autorecord": {"argv": sys.argv[:8]}}
         pool = recordable(pool)
-        flight = int(os.environ.get(FLIGHT_ENV, "0") or 0)
-        every = int(os.environ.get(COUNTERS_ENV, "1") or 1)
-        fold = os.environ.get(FOLD_ENV, "1").strip() != "0"
+        flight, every, fold = sw.flight, sw.counters_every, sw.fold
         if flight > 0:
             from kvreplay.recorder.flight import flight_recorder
 
             flight_recorder(pool, _out, calls=flight, rank=rank, extra=extra, counters_every=every, fold_reads=fold)
             return
         name = f"kvreplay-{os.getpid()}{'-' + rank if rank else ''}-{next(_counter)}.parquet"
-        checkpoints = int(os.environ.get(CHECKPOINT_ENV, "0") or 0)
-        parts = Rotation.from_env(os.environ.get(PARTS_ENV, ""))
+        checkpoints, parts = sw.checkpoint_every, sw.rotation
         record(pool, _out / name, rank=rank, extra=extra, counters_every=every, checkpoint_every=checkpoints,
                snapshot=False, fold_reads=fold, rotate_rows=parts.rows, rotate_s=parts.seconds,
                keep_parts=parts.keep_parts, keep_bytes=parts.keep_bytes)  # from its constructor: nothing before
@@ -207,11 +211,12 @@ def _start_recording(pool: Any) -> None:
         _fail()
 
 
-def _rank() -> str:
-    """TP/DP rank where known: KVREPLAY_RANK, else the ``tp_rank``/``dp_rank`` of the
-    scheduler object or function that is building the allocator, else torch's RANK."""
-    if os.environ.get(RANK_ENV):
-        return os.environ[RANK_ENV]
+def _rank(given: str) -> str:
+    """TP/DP rank where known: KVREPLAY_RANK (``given``, a plain name), else the
+    ``tp_rank``/``dp_rank`` of the scheduler object or function that is building the
+    allocator, else torch's RANK."""
+    if given:
+        return given
     frame = sys._getframe(2)
     for _ in range(40):
         if frame is None:
@@ -225,7 +230,8 @@ def _rank() -> str:
         if parts:
             return "".join(parts)
         frame = frame.f_back
-    return f"rank{os.environ['RANK']}" if os.environ.get("RANK", "").isdigit() else ""
+    torch_rank = os.environ.get("RANK", "")
+    return f"rank{torch_rank}" if torch_rank.isascii() and torch_rank.isdigit() and len(torch_rank) < 8 else ""
 
 
 _sigterm_chained = False

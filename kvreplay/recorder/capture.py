@@ -10,7 +10,6 @@ exists because the interpreter work per call is most of the recorder's overhead.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from array import array
@@ -65,10 +64,16 @@ def native_available() -> bool:
 
 
 def default_backend() -> str:
-    want = os.environ.get("KVREPLAY_RECORDER", "").strip().lower()
-    if want in ("python", "native"):
-        return want
-    return "native" if _capture is not None else "python"
+    """KVREPLAY_RECORDER's engine (BadInput for another word, or for native where it is
+    not built), else native where it is built."""
+    from kvreplay.errors import BadInput
+    from kvreplay.limits import recorder_backend
+
+    want = recorder_backend()
+    if want == "native" and _capture is None:
+        raise BadInput("KVREPLAY_RECORDER=native: the native recorder is not built here "
+                       "(reinstall kvreplay with a C compiler, or use python)")
+    return want or ("native" if _capture is not None else "python")
 
 
 class Engine:

@@ -107,6 +107,8 @@ class FlightRecorder(Recording):
     def _dump_safely(self, reason: str) -> None:
         try:
             self.dump(reason=reason)
+        except OSError as exc:  # a full disk, an out directory gone: one line, the program's own error matters
+            log.error("kvreplay flight recorder: dump failed: %s", " ".join(str(exc).split()))
         except Exception:  # the program's own failure matters more than the dump
             log.exception("kvreplay flight recorder: dump failed")
 

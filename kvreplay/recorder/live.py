@@ -39,6 +39,7 @@ from kvreplay.recorder.switches import (
     SITE_DIR,
     WATCH_ENV,
 )
+from kvreplay.trace.format import PART_GLOB
 
 TRACE_GLOB = "kvreplay-*.parquet"  # a file, or with rotation a directory of parts
 # What kvreplay record of a server writes unless told otherwise: a part every ten
@@ -79,6 +80,10 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
     if cpu_compat:
         env = compat_env(env)
     env[DIR_ENV] = str(Path(out).resolve())
+    # The switches record's flags own are the flags' alone: a value inherited from the shell
+    # (or from an outer recording) would record what the command line did not ask for.
+    for owned in (WATCH_ENV, FLIGHT_ENV, COUNTERS_ENV, CHECKPOINT_ENV, CLASSES_ENV, PARTS_ENV):
+        env.pop(owned, None)
     if watch:
         env[WATCH_ENV] = watch
     if key:
@@ -200,7 +205,8 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     if any(f.get("kind") == "violation" for f in result.findings) and (code == 0 or result.stopped_on):
         code = 1  # the server did its job, its pool did not: a CI of a server build fails
     result.exit_code = code
-    result.traces = sorted(set(out.glob(TRACE_GLOB)) - before)
+    # a directory of parts with none finished (its writer was killed, or never had room) is no trace
+    result.traces = sorted(p for p in set(out.glob(TRACE_GLOB)) - before if not p.is_dir() or any(p.glob(PART_GLOB)))
     result.unfinished = _unfinished(out)
     return result
 

@@ -30,13 +30,14 @@ from typing import Any
 import torch
 
 from kvreplay.family.registry import ctor_args_of_pool, family, family_of_pool
+from kvreplay.limits import writer_kind
 from kvreplay.pool_api import COUNTER_METHODS, COUNTER_READS
 from kvreplay.recorder.capture import Engine, default_backend
 from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ
 from kvreplay.recorder.py_buffers import Names
 from kvreplay.recorder.raw_batch import RawBatch
 from kvreplay.recorder.rotation import PartClock, PartStart, Rotation
-from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, rows_of, span_of
+from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, WriterFailed, rows_of, span_of
 from kvreplay.recorder.writer_child import unpin
 from kvreplay.recorder.writer_process import ProcessTraceWriter
 from kvreplay.trace import snapshot as pool_snapshot
@@ -117,7 +118,7 @@ class Recording:
         # Only the slot families' pools snapshot; another family's parts are chained.
         self._part_snapshots = family(self.meta.family).snapshots
         # No path: the batches stay with a subclass (the flight recorder keeps them in memory).
-        self._writer = None if path is None else self._open(writer or os.environ.get("KVREPLAY_WRITER", "process"),
+        self._writer = None if path is None else self._open(writer or writer_kind() or "process",
                                                             path, rows_per_group)
         self._names = Names()
         self._lock = threading.Lock()  # batches reach the writer in call order, from either thread
@@ -451,5 +452,7 @@ def close_all() -> None:
     for rec in list(_open):
         try:
             rec.close()
+        except WriterFailed as exc:  # a full disk, a killed writer: said in one line, the program goes on
+            log.error("kvreplay: could not finish trace %s: %s", getattr(rec._writer, "path", "in memory"), exc)
         except Exception:
             log.exception("kvreplay: could not finish trace %s", getattr(rec._writer, "path", "in memory"))

@@ -37,19 +37,9 @@ class Rotation:
         return self.rows > 0 or self.seconds > 0
 
     def to_env(self) -> str:
+        """KVREPLAY_PARTS's value; the recorded processes read it back with
+        switch_values.parts, which refuses anything else."""
         return f"{self.rows},{self.seconds:g},{self.keep_parts},{self.keep_bytes}"
-
-    @classmethod
-    def from_env(cls, text: str) -> Rotation:
-        """The rotation ``kvreplay record`` hands its recorded processes; an unreadable
-        value is no rotation (the recorded program must start whatever it is given)."""
-        try:
-            rows, seconds, parts, size = text.split(",")
-            out = cls(int(rows), float(seconds), int(parts), int(size))
-        except ValueError:
-            return cls()
-        ok = min(out.rows, out.keep_parts, out.keep_bytes) >= 0 and 0 <= out.seconds < float("inf")
-        return out if ok else cls()
 
 
 @dataclass(frozen=True)

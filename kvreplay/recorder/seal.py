@@ -25,6 +25,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from kvreplay.errors import BadInput
+from kvreplay.safe_files import read_regular, write_atomic
+
 MAX_DOC_BYTES = 64 << 10  # a finding line is cut at 4 KB, a writer's counters are about 1 KB
 MAX_DEPTH = 8  # a writer's documents nest three levels deep
 MAC_KEY = "seal"
@@ -98,21 +101,11 @@ def _too_deep(data: bytes) -> bool:
 
 def read_small(path: Path, limit: int = MAX_DOC_BYTES) -> bytes | None:
     """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes, else
-    None; never follows a link, never blocks on a FIFO."""
+    None (safe_files.read_regular: never follows a link, never blocks on a FIFO)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+        return read_regular(path, limit, "writer's file", follow=False)
+    except BadInput:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        data = os.read(fd, limit + 1)
-        return data if len(data) <= limit else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def open_append(path: Path) -> int | None:
@@ -133,19 +126,10 @@ def open_append(path: Path) -> int | None:
 
 
 def replace_file(path: Path, data: bytes) -> bool:
-    """Write ``data`` to ``path`` through a temporary file beside it that is never a
-    link or a FIFO (made anew, exclusively), then rename it into place."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    """Write ``data`` to ``path`` whole (safe_files.write_atomic: a new file beside it,
+    never through a link, renamed into place); whether it was written."""
     try:
-        fd = os.open(tmp, flags, 0o644)
-    except OSError:
-        return False
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # a link put in its place is replaced, never followed
+        write_atomic(path, data, sync=False)  # rewritten every second: losing one costs nothing
         return True
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    except BadInput:
         return False

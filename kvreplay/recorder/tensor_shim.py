@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,7 +84,13 @@ def uninstall(native: Any) -> None:
 def install(native: Any) -> bool:
     """Give ``native`` (the ``_capture`` module) the shim if it reads every sample as
     Python does; True when it does."""
-    if os.environ.get("KVREPLAY_TENSOR_SHIM", "1").strip() == "0":
+    from kvreplay.errors import BadInput
+    from kvreplay.limits import tensor_shim
+
+    try:
+        if not tensor_shim():
+            return False
+    except BadInput:  # read at import, so not raised here: the command refuses it (limits.check_environment)
         return False
     try:
         lib = _library()

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +38,8 @@ from kvreplay.trace.format import (
 from kvreplay.trace.reader import folded_per_row
 
 STOP = object()  # the queue item that ends a writer thread
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def rows_of(item: RawBatch | GapRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -97,13 +99,17 @@ class ParquetSink:
         # Every part names its recording and its place in it: a reader refuses a directory
         # that mixes two recordings' parts or lacks one between two it holds.
         self.recording = uuid.uuid4().hex
+        self._made_dir = False
         if self.rotating:
-            if self.path.exists() and not self.path.is_dir():
-                raise FileExistsError(f"{self.path} is a file; a rotated trace is a directory of parts")
+            if self.path.is_symlink() or (self.path.exists() and not self.path.is_dir()):
+                # a link would take the parts out of the directory the recording writes to
+                raise FileExistsError(f"{self.path} is a file or a link; a rotated trace is a directory of parts")
+            self._made_dir = not self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._writer: pq.ParquetWriter | None = None
+        self._file: BinaryIO | None = None  # the open part's file, which pyarrow does not close
         self._pending: list[pa.Table] = []
         self._rows = 0
         self._gap: GapRecord | None = None  # lost calls not yet marked in the file
@@ -113,9 +119,15 @@ class ParquetSink:
             first = {"index": 0, "first_call": 1, "standalone": True, "recording": self.recording}
             self._part_meta = replace(meta, extra={**meta.extra, "part": first})
         self._standalone = True  # the open part needs no part before it
-        self._open_part()
+        try:
+            self._open_part()
+        except Exception:  # no room for even the file's first bytes: the first flush tries again
+            self._writer = None
 
     def _open_part(self) -> None:
+        """Open the next part under its temporary name: a new file, never one already
+        there (a link or a FIFO planted under that name is replaced, not written
+        through). A part that cannot be opened leaves no file."""
         if self.rotating:
             self.target = self.path / part_name(self.parts)
         else:
@@ -124,8 +136,30 @@ class ParquetSink:
         self._part_rows_written = 0
         self._part_holds: GapRecord | None = None  # what losing this part would lose, as a gap
         self._part_calls = 0
-        self._writer = pq.ParquetWriter(str(self.tmp), SCHEMA.with_metadata(self._part_meta.to_parquet_metadata()),
-                                        **PARQUET_OPTIONS)
+        try:
+            self.tmp.unlink(missing_ok=True)  # a killed writer's (pids repeat), or a link: gone, not followed
+            fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+            self._file = os.fdopen(fd, "wb")
+            self._writer = pq.ParquetWriter(self._file, SCHEMA.with_metadata(self._part_meta.to_parquet_metadata()),
+                                            **PARQUET_OPTIONS)
+            self._file.flush()  # a disk with no room for the magic bytes fails here, not at the end
+        except BaseException:
+            try:
+                self._close_writer()
+            except Exception:
+                pass  # the failure that got here is the one to report
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def _close_writer(self) -> None:
+        """Close the open part's writer (writing its footer) and then its file."""
+        writer, file, self._writer, self._file = self._writer, self._file, None, None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if file is not None:
+                file.close()  # flushes what is buffered: a full disk shows here too
 
     def _restart_part(self, exc: BaseException) -> None:
         """The open part cannot be finished: delete it and open it again, its calls a gap."""
@@ -136,11 +170,9 @@ class ParquetSink:
             self._gap = lost if self._gap is None else lost.merged(self._gap)
             self.rows_written -= self._part_rows_written
         try:
-            if self._writer is not None:
-                self._writer.close()
+            self._close_writer()
         except Exception:
             pass  # closed by the failure already
-        self._writer = None
         self.tmp.unlink(missing_ok=True)
         try:
             self._open_part()
@@ -149,7 +181,7 @@ class ParquetSink:
 
     def _close_part(self) -> None:
         assert self._writer is not None
-        self._writer.close()
+        self._close_writer()
         os.replace(self.tmp, self.target)
         self.parts += 1
         if self.rotating:
@@ -173,7 +205,7 @@ class ParquetSink:
                 return
         elif self._writer is not None:  # nothing of it reached the disk: open it again with the new start
             try:
-                self._writer.close()
+                self._close_writer()
             except Exception:
                 pass
             self.tmp.unlink(missing_ok=True)
@@ -235,8 +267,9 @@ class ParquetSink:
         try:
             if self._writer is None:  # the last restart could not open the part
                 self._open_part()
-            assert self._writer is not None
+            assert self._writer is not None and self._file is not None
             self._writer.write_table(table, row_group_size=table.num_rows)
+            self._file.flush()  # a full disk fails this write, whose rows become the gap
         except Exception as exc:  # e.g. the disk is full: these rows are lost, later ones may not be
             self._gap = gap
             self._lose(_table_rows(table), exc)
@@ -262,7 +295,10 @@ class ParquetSink:
         if self._gap is not None or self._writer is None:
             raise OSError(f"could not write {self.tmp}: {self._gap.reason if self._gap else 'no writer'}")
         if self.rotating and self.parts and not self._part_rows_written:
-            self._writer.close()  # the part opened after the last rotation got nothing: drop it
+            try:
+                self._close_writer()  # the part opened after the last rotation got nothing: drop it
+            except Exception:
+                pass  # its footer did not fit: nothing of it is kept either way
             self.tmp.unlink(missing_ok=True)
             return self.path
         self._close_part()
@@ -273,16 +309,27 @@ class ParquetSink:
 
     def abort(self) -> None:
         """Give up: close what can be closed and leave no file under the final name
-        (nor the unfinished one: without its footer it cannot be read)."""
+        (nor the unfinished one: without its footer it cannot be read), nor the
+        directory of parts it made when no part of it is left."""
         try:
-            if self._writer is not None:
-                self._writer.close()
+            self._close_writer()
         except Exception:
             pass
         self.tmp.unlink(missing_ok=True)
+        if self._made_dir:
+            try:
+                self.path.rmdir()  # only when empty: the parts written stay
+            except OSError:
+                pass
 
 
 DEFAULT_MAX_QUEUED_ROWS = 1 << 18  # about 64 default batches (~50 MB) waiting for the writer
+
+
+class WriterFailed(RuntimeError):
+    """The trace could not be finished (a disk that stayed full, a writer that was
+    killed). Expected of a recording that runs for days, so the recorded program
+    reports it in one line, never with a traceback."""
 
 
 class QueuedWriter:
@@ -383,4 +430,4 @@ class TraceWriter(QueuedWriter):
             except BaseException as exc:
                 self.error = exc
         self._sink.abort()
-        raise RuntimeError(f"trace writer failed: {self.error}") from self.error
+        raise WriterFailed(f"trace writer failed: {self.error}") from self.error

@@ -171,7 +171,8 @@ def main(argv: list[str], watch: Callable[[Any], Any] | None = None) -> int:
     try:
         write_trace(argv[0], sys.stdin.buffer, watch)
     except BaseException as exc:
-        print(f"{FAILED}{type(exc).__name__}: {exc}", file=sys.stderr)
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line: the recording process reads the last
+        print(f"{FAILED}{why}", file=sys.stderr)
         return 1
     print(DONE, file=sys.stderr)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 from kvreplay.recorder.rotation import Rotation
 from kvreplay.recorder.switches import DIR_ENV, SITE_DIR, WATCH_ENV
-from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, settled
+from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, STOP, QueuedWriter, WriterFailed, settled
 from kvreplay.recorder.writer_child import DONE, FAILED, LEN, unpin
 from kvreplay.trace.format import TraceMeta
 
@@ -51,6 +52,7 @@ class ProcessTraceWriter(QueuedWriter):
 
     def _run(self) -> None:
         unpin()  # this thread only: off the core an engine pinned its compute to
+        _no_sigpipe()
         pipe = self._proc.stdin
         assert pipe is not None
         while True:
@@ -79,6 +81,12 @@ class ProcessTraceWriter(QueuedWriter):
                     return
             except BaseException as exc:  # the child died; close() reports why
                 self.error = exc
+                try:
+                    # here, where SIGPIPE is blocked: the bytes still buffered would otherwise
+                    # be flushed to the dead pipe at exit, from a thread where it kills
+                    pipe.close()
+                except (OSError, ValueError):
+                    pass
                 if item is STOP:
                     return
 
@@ -90,14 +98,25 @@ class ProcessTraceWriter(QueuedWriter):
         err = self._proc.stderr.read()  # EOF: the writer has exited
         lines = err.decode(errors="replace").strip().splitlines()
         if not lines or lines[-1] != DONE:
-            why = lines[-1].removeprefix(FAILED) if lines else "it exited without a word (killed?)"
-            raise RuntimeError(f"trace writer failed: {why}")
+            said = [line.removeprefix(FAILED) for line in lines if line.startswith(FAILED)]
+            why = said[-1] if said else "its process exited without a word (killed?)"
+            raise WriterFailed(f"trace writer failed: {why}")
         if self.error is not None:
-            raise RuntimeError(f"trace writer failed: {self.error}") from self.error
+            raise WriterFailed(f"trace writer failed: {self.error}") from self.error
         return self.path
 
 
 PIPE_BYTES = 1 << 20
+
+
+def _no_sigpipe() -> None:
+    """Block SIGPIPE in the calling thread (the sender) only. A program that restored its
+    default action (many servers do) was killed by it when its writer died; blocked, the
+    write to the dead writer's pipe fails with EPIPE instead, which the sender expects."""
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
+    except (AttributeError, ValueError, OSError):
+        pass  # no SIGPIPE, or no per-thread masks (not POSIX): nothing to block
 
 
 def _widen(pipe: Any) -> None:

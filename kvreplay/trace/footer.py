@@ -10,7 +10,7 @@ bytes here cannot abort; a damaged footer is a ValueError like any other."""
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _MAGIC = b"PAR1"
@@ -24,6 +24,8 @@ _STOP, _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _M
 class RowGroupCounts:
     num_rows: int
     values: dict[str, int]  # column path (dotted) -> values the chunk lists
+    # column path -> bytes its pages hold uncompressed (what reading the chunk allocates)
+    sizes: dict[str, int] = field(default_factory=dict)
 
 
 class _Compact:
@@ -128,7 +130,7 @@ def footer_bytes(path: Path) -> bytes:
 
 
 def row_group_counts(path: Path) -> list[RowGroupCounts]:
-    """Each row group's rows and, per column chunk, the values it lists."""
+    """Each row group's rows and, per column chunk, the values it lists and its bytes."""
     meta = _Compact(footer_bytes(path)).fields(0)
     groups = meta.get(4, [])
     if not isinstance(groups, list):
@@ -138,6 +140,7 @@ def row_group_counts(path: Path) -> list[RowGroupCounts]:
         if not isinstance(g, dict) or not isinstance(g.get(1), list) or not isinstance(g.get(3), int):
             raise ValueError("footer holds a row group without columns or rows")
         values: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for chunk in g[1]:
             cmeta = chunk.get(3) if isinstance(chunk, dict) else None
             if not isinstance(cmeta, dict) or not isinstance(cmeta.get(3), list) or not isinstance(cmeta.get(5), int):
@@ -147,5 +150,7 @@ def row_group_counts(path: Path) -> list[RowGroupCounts]:
             except (AttributeError, UnicodeDecodeError):
                 raise ValueError("footer names a column in bytes that are not UTF-8") from None
             values[name] = values.get(name, 0) + cmeta[5]
-        out.append(RowGroupCounts(g[3], values))
+            if isinstance(cmeta.get(6), int):  # total_uncompressed_size
+                sizes[name] = sizes.get(name, 0) + cmeta[6]
+        out.append(RowGroupCounts(g[3], values, sizes))
     return out

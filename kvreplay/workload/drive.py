@@ -12,11 +12,18 @@ OpenAI-compatible ``/v1/completions`` with a token-id prompt (vLLM, sglang). Out
 lengths are held to the trace's (``ignore_eos``), so the decode phase is the stream's.
 
 Arrivals keep the stream's timing scaled by ``time_scale`` (0: as fast as the
-concurrency bound lets them go); at most ``concurrency`` requests are in flight."""
+concurrency bound lets them go); at most ``concurrency`` requests are in flight.
+
+The server is input like any other: every body read from it is bounded in bytes and
+in time (the probe's, each answer's, all answers' in flight together), a redirect is
+never followed, and a server that stops answering stops the run (``stall_s``), which
+also has an overall deadline (``deadline_s``)."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import random
 import threading
 import time
@@ -26,6 +33,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvreplay.errors import BadInput
 from kvreplay.family.record import load
@@ -35,6 +43,18 @@ from kvreplay.workload.requests import Request
 FIRST_TOKEN = 3  # below: ids models keep for padding, BOS and EOS
 # A server's answer to one request: its token counts, a few KB. Read no more than this.
 MAX_ANSWER_BYTES = 16 << 20
+# JSON parsed grows: 16 MB of "{}," is 5 M dicts, 450 MB. An answer may hold at most
+# this many values (a generate answer's output ids are one each) and containers.
+MAX_ANSWER_VALUES = 1 << 20
+MAX_ANSWER_CONTAINERS = 1 << 16
+# Answers being read or parsed at once, in all (a thousand requests in flight cannot
+# each hold 16 MB): past it, the request that would exceed it fails.
+MAX_ANSWERS_IN_FLIGHT_BYTES = 128 << 20
+# The probe's answer: /health is empty, /v1/models a short list of models.
+MAX_PROBE_BYTES = 1 << 20
+MAX_HEALTH_BYTES = 64 << 10
+PROBE_TIMEOUT_S = 10.0
+MAX_CONCURRENCY = 1024
 
 
 class BadAnswer(Exception):
@@ -95,6 +115,11 @@ class DriveConfig:
     timeout_s: float = 600.0
     seed: int = 0
     wait_s: float = 0.0  # how long a server may take to start answering (0: it must answer now)
+    # No answer at all (success or error) for this long while requests are in flight:
+    # drive stops. None: the larger of 60 s and the request timeout.
+    stall_s: float | None = None
+    # The most the sending may take, from the first request on (the --wait is before).
+    deadline_s: float = 86400.0
     # The server is a disaggregated decode server: each request says a prefill server
     # (that does not exist) has its prompt, and the server's fake transfer backend agrees.
     disagg_decode: bool = False
@@ -112,6 +137,7 @@ class DriveResult:
     cached_tokens: int = 0  # prompt tokens the server reported as prefix-cache hits
     elapsed_s: float = 0.0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    stopped: str = ""  # why drive stopped before every request was answered ("": it did not)
     finished_at: list[float] = field(default_factory=list)  # time.time() of each success, in order
 
     def to_dict(self) -> dict[str, object]:
@@ -136,27 +162,74 @@ def prompt_ids(req: Request, block_tokens: int, vocab: int) -> list[int]:
     return ids[: req.input_len]
 
 
-def post_json(url: str, body: dict[str, object], timeout: float) -> dict[str, object]:
-    """POST ``body``; the JSON object answered, all of it within ``timeout`` seconds in
-    total (a server that answers a byte at a time does not get a fresh timeout per
-    byte), and at most MAX_ANSWER_BYTES of it."""
-    deadline = time.monotonic() + timeout
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    # The socket waits as long as the request may take: a server that computes for
-    # minutes before its first byte (a CPU server, the Triton interpreter) is not a
-    # failure; the deadline below bounds one that answers slowly.
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the user's own server
-        chunks, got = [], 0
-        while chunk := resp.read1(65536):
-            got += len(chunk)
-            if got > MAX_ANSWER_BYTES:
-                raise BadAnswer(f"an answer over {MAX_ANSWER_BYTES >> 20} MB")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no whole answer within {timeout:g} s")
-            chunks.append(chunk)
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is the server's answer (an HTTP error), never followed: drive talks
+    to the server it was given, and only over HTTP."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+
+
+class _Budget:
+    """Bytes of answers held at once by all the requests in flight."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held, self._lock = limit, 0, threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            if self.held + n > self.limit:
+                raise BadAnswer(f"answers in flight over {_size(self.limit)} in all")
+            self.held += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+
+_IN_FLIGHT = _Budget(MAX_ANSWERS_IN_FLIGHT_BYTES)
+
+
+def read_bounded(resp: Any, limit: int, deadline: float, budget: _Budget | None = None) -> bytes:
+    """A response's body: at most ``limit`` bytes (BadAnswer past it, having read at
+    most a chunk more), all of it by ``deadline`` (time.monotonic(); TimeoutError
+    past it). Each byte read is taken from ``budget``: the caller gives back the
+    body's length when done with it (on an exception nothing stays taken)."""
+    chunks: list[bytes] = []
+    got = 0
     try:
-        answer = json.loads(b"".join(chunks))
+        while chunk := resp.read1(65536):
+            if got + len(chunk) > limit:
+                raise BadAnswer(f"an answer over {_size(limit)}")
+            if budget is not None:
+                budget.take(len(chunk))
+            got += len(chunk)
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError("no whole answer in time")
+    except BaseException:
+        if budget is not None:
+            budget.give(got)
+        raise
+    return b"".join(chunks)
+
+
+def parse_answer(raw: bytes) -> dict[str, object]:
+    """The JSON object a server answered, refused (BadAnswer) before it is parsed when
+    parsing it would take far more memory than its bytes."""
+    if raw.count(b",") + raw.count(b":") >= MAX_ANSWER_VALUES:
+        raise BadAnswer(f"an answer of over {MAX_ANSWER_VALUES:,} values")
+    if raw.count(b"{") + raw.count(b"[") > MAX_ANSWER_CONTAINERS:
+        raise BadAnswer(f"an answer of over {MAX_ANSWER_CONTAINERS:,} objects and lists")
+    try:
+        answer = json.loads(raw)
     except (ValueError, RecursionError):
         raise BadAnswer("an answer that is not JSON") from None
     if not isinstance(answer, dict):
@@ -164,9 +237,33 @@ def post_json(url: str, body: dict[str, object], timeout: float) -> dict[str, ob
     return answer
 
 
-def _get(url: str, timeout: float) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310
-        return resp.read()
+def post_json(url: str, body: dict[str, object], timeout: float) -> dict[str, object]:
+    """POST ``body``; the JSON object answered, all of it within ``timeout`` seconds in
+    total (a server that answers a byte at a time does not get a fresh timeout per
+    byte), at most MAX_ANSWER_BYTES of it, and all answers being read at once at most
+    MAX_ANSWERS_IN_FLIGHT_BYTES."""
+    deadline = time.monotonic() + timeout
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    # The socket waits as long as the request may take: a server that computes for
+    # minutes before its first byte (a CPU server, the Triton interpreter) is not a
+    # failure; the deadline below bounds one that answers slowly.
+    with _OPENER.open(req, timeout=timeout) as resp:  # the user's own server
+        try:
+            raw = read_bounded(resp, MAX_ANSWER_BYTES, deadline, _IN_FLIGHT)
+        except TimeoutError:
+            raise TimeoutError(f"no whole answer within {timeout:g} s") from None
+    try:  # still held while it is parsed: the parse is what grows
+        return parse_answer(raw)
+    finally:
+        _IN_FLIGHT.give(len(raw))
+
+
+def _get(url: str, limit: int) -> bytes:
+    """GET ``url``: its body, at most ``limit`` bytes, whole within PROBE_TIMEOUT_S."""
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    with _OPENER.open(url, timeout=PROBE_TIMEOUT_S) as resp:
+        return read_bounded(resp, limit, deadline)
 
 
 def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = None) -> str:
@@ -188,11 +285,15 @@ def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = Non
     if not 0 < cfg.timeout_s <= 86400:
         raise BadInput(f"--timeout must be a number of seconds in (0, 86400], got {cfg.timeout_s}")
     probe = api.probe
+    # Only a model list is read for what it says; any other probe's body is its status.
+    limit = MAX_PROBE_BYTES if api.names_model else MAX_HEALTH_BYTES
     t0 = time.monotonic()
     while True:
         try:
-            body = _get(cfg.url.rstrip("/") + probe, 10)
+            body = _get(cfg.url.rstrip("/") + probe, limit)
             break
+        except BadAnswer as exc:
+            raise BadInput(f"server {cfg.url} answered {probe} with {exc}: is it a {cfg.api} server?") from None
         except urllib.error.HTTPError as exc:
             # A server that is up but not ready (503 while it loads) is waited for too.
             if exc.code == 503 and time.monotonic() - t0 < cfg.wait_s:
@@ -206,13 +307,16 @@ def check_server(cfg: DriveConfig, waiting: Callable[[float], None] | None = Non
                 reason = getattr(exc, "reason", exc)
                 after = f" after waiting {waited:.0f} s" if cfg.wait_s else " (--wait S waits for a server to start)"
                 raise BadInput(f"server {cfg.url} unreachable{after}: {reason}") from None
+        except http.client.HTTPException as exc:  # not HTTP (a status line of garbage, endless headers)
+            raise BadInput(f"server {cfg.url} answered {probe} with no HTTP answer "
+                           f"({type(exc).__name__}): is it a {cfg.api} server?") from None
         if waiting is not None:
             waiting(time.monotonic() - t0)
         time.sleep(1.0)
     if api.names_model and not cfg.model:
         try:
             return str(json.loads(body)["data"][0]["id"])
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):
             raise BadInput(f"server {cfg.url}: /v1/models lists no model; give --model") from None
     return cfg.model
 
@@ -243,60 +347,129 @@ def _error_kind(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _answered(exc: BaseException | None) -> bool:
+    """Whether the server said anything (a success, an HTTP error, a wrong answer), as
+    opposed to nothing (no connection, a timeout, a dropped connection)."""
+    return exc is None or isinstance(exc, urllib.error.HTTPError) or not isinstance(exc, OSError)
+
+
+def _limits(cfg: DriveConfig) -> tuple[float, float]:
+    """(stall, deadline) in seconds, checked."""
+    stall = max(60.0, cfg.timeout_s) if cfg.stall_s is None else cfg.stall_s
+    if not 0 < stall <= 86400:
+        raise BadInput(f"--stall must be a number of seconds in (0, 86400], got {cfg.stall_s}")
+    if not 0 < cfg.deadline_s <= 30 * 86400:
+        raise BadInput(f"--deadline must be a number of seconds in (0, 2592000] (30 days), got {cfg.deadline_s}")
+    return stall, cfg.deadline_s
+
+
 def drive(cfg: DriveConfig, requests: Sequence[Request],
           progress: Callable[[DriveResult, int], None] | None = None,
           waiting: Callable[[float], None] | None = None) -> DriveResult:
     """Send ``requests`` to the server at their (scaled) arrival times; returns the tally.
     ``progress(result, total)`` is called after each request finishes; ``waiting`` while
-    the server is awaited (``check_server``)."""
-    if cfg.concurrency < 1:
-        raise BadInput(f"--concurrency must be at least 1, got {cfg.concurrency}")
+    the server is awaited (``check_server``).
+
+    Drive stops early, counting every request in flight or not yet sent as failed and
+    saying why in ``result.stopped``, when the server has answered nothing for
+    ``cfg.stall_s`` seconds of requests in flight (the time between arrivals with none
+    in flight does not count), or when ``cfg.deadline_s`` has passed since the first
+    request."""
+    if not 1 <= cfg.concurrency <= MAX_CONCURRENCY:
+        raise BadInput(f"--concurrency must be 1..{MAX_CONCURRENCY}, got {cfg.concurrency}")
     if not 0 <= cfg.time_scale <= 1e6:
         raise BadInput(f"--time-scale must be a number >= 0 (0: no pauses), got {cfg.time_scale}")
+    stall, deadline_s = _limits(cfg)
     model = check_server(cfg, waiting)
     res = DriveResult(cfg.url, cfg.api, requests=len(requests))
-    lock = threading.Lock()
     errors: Counter[str] = Counter()
-    slots = threading.BoundedSemaphore(cfg.concurrency)
+    # One lock for the tally and the clocks; the main thread waits on it for a free
+    # slot, an arrival time or a limit, and each request that ends wakes it.
+    changed = threading.Condition()
     t0 = time.monotonic()
+    deadline = t0 + deadline_s
     first_ms = requests[0].arrival_ms if requests else 0.0
+    state = {"in_flight": 0, "sent": 0, "quiet_from": t0, "idle_since": t0}
 
     def one(req: Request) -> None:
+        failure: BaseException | None = None
         try:
             p, o, c = _send(cfg, model, req)
         except Exception as exc:  # noqa: BLE001 - every failure is counted, none stops the stream
-            with lock:
+            failure = exc
+        with changed:
+            now = time.monotonic()
+            state["in_flight"] -= 1
+            if state["in_flight"] == 0:
+                state["idle_since"] = now
+            if _answered(failure):
+                state["quiet_from"] = now
+            changed.notify_all()
+            if res.stopped:  # already counted as failed when drive stopped
+                return
+            if failure is not None:
                 res.errors += 1
-                errors[_error_kind(exc)] += 1
-        else:
-            with lock:
+                errors[_error_kind(failure)] += 1
+            else:
                 res.ok += 1
                 res.prompt_tokens += p
                 res.output_tokens += o
                 res.cached_tokens += c
                 res.finished_at.append(time.time())
-        finally:
-            slots.release()
             if progress is not None:
-                with lock:
-                    progress(res, len(requests))
+                progress(res, len(requests))
+
+    def limit_passed(now: float) -> tuple[str, str]:
+        """(error kind, why) drive must stop now; ("", ""): it need not. Holds ``changed``."""
+        if now >= deadline:
+            return f"deadline passed ({deadline_s:g} s)", f"the deadline passed (--deadline {deadline_s:g})"
+        if state["in_flight"] and now - state["quiet_from"] >= stall:
+            return (f"stalled: no answer in {stall:g} s",
+                    f"the server answered nothing in {stall:g} s (--stall {stall:g})")
+        return "", ""
+
+    def stop(kind: str, why: str) -> None:
+        """Count what is in flight or unsent as failed. Holds ``changed``."""
+        failed = state["in_flight"] + len(requests) - state["sent"]
+        res.errors += failed
+        errors[kind] += failed
+        res.stopped = (f"{why}; {state['in_flight']} request(s) in flight and {len(requests) - state['sent']} "
+                       f"not sent count as failed")
+        if progress is not None:
+            progress(res, len(requests))
+
+    def wait_until(ready: Callable[[float], bool], due: float = math.inf) -> bool:
+        """Wait (holding ``changed``) until ``ready(now)``, which may come true by itself
+        at ``due``; False: a limit passed first."""
+        while True:
+            now = time.monotonic()
+            kind, why = limit_passed(now)
+            if kind:
+                stop(kind, why)
+                return False
+            if ready(now):
+                return True
+            # Limits are looked at four times a second; an arrival is kept to the moment.
+            changed.wait(timeout=max(0.0, min(0.25, due - now)))
 
     # Daemon threads, not an executor's: on Ctrl-C or SIGTERM the interpreter must not wait
-    # for requests in flight (up to --timeout each) before it exits.
-    threads = []
-    for req in requests:
-        if cfg.time_scale > 0:
-            due = t0 + (req.arrival_ms - first_ms) / 1000.0 * cfg.time_scale
-            pause = due - time.monotonic()
-            if pause > 0:
-                time.sleep(pause)
-        slots.acquire()
-        t = threading.Thread(target=one, args=(req,), name="kvreplay-drive", daemon=True)
-        t.start()
-        threads.append(t)
-        threads = [t for t in threads if t.is_alive()]
-    for t in threads:
-        t.join()
-    res.elapsed_s = round(time.monotonic() - t0, 3)
-    res.error_kinds = dict(errors)
+    # for requests in flight (up to --timeout each) before it exits, nor when drive stops.
+    with changed:
+        for req in requests:
+            if cfg.time_scale > 0:
+                due = t0 + (req.arrival_ms - first_ms) / 1000.0 * cfg.time_scale
+                if not wait_until(lambda now, due=due: now >= due, due):
+                    break
+            if not wait_until(lambda now: state["in_flight"] < cfg.concurrency):
+                break
+            now = time.monotonic()
+            if state["in_flight"] == 0:  # the stall clock stands while nothing is in flight
+                state["quiet_from"] += now - state["idle_since"]
+            state["in_flight"] += 1
+            state["sent"] += 1
+            threading.Thread(target=one, args=(req,), name="kvreplay-drive", daemon=True).start()
+        else:
+            wait_until(lambda now: state["in_flight"] == 0)
+        res.elapsed_s = round(time.monotonic() - t0, 3)
+        res.error_kinds = dict(errors)
     return res

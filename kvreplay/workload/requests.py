@@ -8,6 +8,7 @@ import datetime as _dt
 import json
 import math
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,23 @@ def _time(value: Any) -> float:
     return t
 
 
+# Azure's stamps carry 7 fractional digits; datetime takes 6 (and Python 3.10 no more).
+_LONG_FRACTION = re.compile(r"(\.\d{6})\d+")
+
+
+def _azure_time(value: Any) -> _dt.datetime:
+    """An Azure TIMESTAMP: ISO 8601, with or without a zone (Z or +HH:MM)."""
+    if not isinstance(value, str) or len(value) > 64:
+        raise ValueError(f"TIMESTAMP must be an ISO 8601 date and time, not {str(value)[:30]!r}")
+    text = _LONG_FRACTION.sub(r"\1", value.strip(), count=1)
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    try:
+        return _dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"TIMESTAMP must be an ISO 8601 date and time, not {value.strip()[:30]!r}") from None
+
+
 def _block_ids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_BLOCKS_PER_REQUEST:
         raise ValueError(f"hash_ids must be a list of at most {MAX_BLOCKS_PER_REQUEST:,} ids")
@@ -161,8 +179,13 @@ def _azure(p: Path, count: int, block_tokens: int, scale: float, out_scale: floa
                 row = next(reader, None)
                 if row is None:
                     break
-                ts = _dt.datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
+                ts = _azure_time(row["TIMESTAMP"])
                 t0 = t0 or ts
+                # A stamp with a zone and one without cannot be ordered: no arrival time.
+                if (ts.tzinfo is None) != (t0.tzinfo is None):
+                    which = "a zone and the first has none" if ts.tzinfo else "no zone and the first has one"
+                    raise ValueError(f"timestamps mix zones: {row['TIMESTAMP'].strip()[:40]!r} has {which}")
+                arrival_ms = (ts - t0).total_seconds() * 1000.0
                 inp = _scaled(_tokens(row["ContextTokens"], "ContextTokens"), scale)
                 outp = _scaled(_tokens(row["GeneratedTokens"], "GeneratedTokens"), out_scale)
             except _BAD_VALUES as exc:
@@ -170,7 +193,7 @@ def _azure(p: Path, count: int, block_tokens: int, scale: float, out_scale: floa
             rid = len(out)
             # No prefix information: every block is unique to its request.
             blocks = tuple(-(rid * 100_000 + i) - 1 for i in range(math.ceil(inp / block_tokens)))
-            out.append(Request(rid, (ts - t0).total_seconds() * 1000.0, inp, outp, blocks))
+            out.append(Request(rid, arrival_ms, inp, outp, blocks))
     return out
 
 
