@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hostile_checks import bad as _bad
 
 CORPUS = Path(__file__).resolve().parents[1] / "traces"
 PAGE0 = CORPUS / "sglang-0.5.23-swa-page0.parquet"
@@ -36,11 +37,6 @@ def _write(rows: list[dict], schema: pa.Schema, path: Path, metadata: dict | Non
     return path
 
 
-def _bad(res, *words: str) -> None:
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, res.stderr
-    for w in words:
-        assert w in res.stderr, (w, res.stderr)
 
 
 # 1 -- code execution through the emitted test ----------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hostile_checks import bad as _bad
 
 from kvreplay.errors import TraceFormatError
 from kvreplay.families.sglang.swa import SWAPool
@@ -32,11 +32,6 @@ PAGE0 = CORPUS / "sglang-0.5.23-swa-page0.parquet"
 CFG = SynthConfig(scenario="disagg-mtp", out="unused.parquet", requests=60, full_size=512, swa_size=256)
 
 
-def _bad(res, *words: str) -> None:
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, res.stderr
-    for w in words:
-        assert w in res.stderr, (w, res.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -316,10 +311,3 @@ def test_scanning_a_corpus_asks_each_directory_once(tmp_path, monkeypatch):
     (found,) = location.corpus_traces(tmp_path / "corpus")
     assert found.name == "rec" and len(asked) == 1
 
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port

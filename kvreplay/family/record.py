@@ -87,6 +87,9 @@ class Family:
     slots: bool = True  # calls name token slots (minimize shrinks them), else ids of the family's own
     snapshots: bool = True  # a live pool's state can be taken: each recorded part starts from one
     check_ctor: Callable[[dict[str, Any]], None] | None = None  # more checks of a trace's constructor arguments
+    # what each argument of its calls may hold, from a trace's constructor arguments
+    # (trace/bounds.py): argument name -> Bound, checked before a row replays
+    value_bounds: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     checks: str = ""  # MODULE:FUNC (view, shadows, flag) -> the family's checks beyond the shared checker's
     wire: str = ""  # MODULE:FUNC (engine object) -> the wire a recording records in front of it, or None
     scenarios: tuple[Scenario, ...] = ()

@@ -29,6 +29,11 @@ from kvreplay.trace.format import (
     Opaque,
 )
 
+# A recorded tensor's dimensions: pools' index tensors have one or two. The product of a
+# shape's dimensions is a Python int, so a 10^6-dimension shape is minutes of arithmetic
+# from a few KB of trace, and its message megabytes.
+MAX_TENSOR_DIMS = 64
+
 
 class _Values:
     """One struct column of values (``args`` elements or ``result``), decoded column-wise
@@ -70,6 +75,9 @@ class _Values:
                     values[j] = t
             dtypes = fields["dtype"]
             for j in tensors[~plain].tolist():
+                if shape_off[j + 1] - shape_off[j] > MAX_TENSOR_DIMS:  # before the product of them all
+                    raise ValueError(f"a tensor of {int(shape_off[j + 1] - shape_off[j]):,} dimensions (at most "
+                                     f"{MAX_TENSOR_DIMS})")
                 dims = shape[shape_off[j]:shape_off[j + 1]].tolist()
                 t = views[j]
                 if math.prod(dims) != len(t) or any(d < 0 for d in dims):

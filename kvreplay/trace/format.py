@@ -43,6 +43,11 @@ MAX_STRING_BYTES = _limit("KVREPLAY_MAX_STRING_BYTES", 1 << 16)
 # Index values one row group may list (data and shape lists of every argument and result):
 # 2^26 is 512 MB decoded; real row groups (16,384 calls) list a few million.
 MAX_GROUP_VALUES = _limit("KVREPLAY_MAX_GROUP_VALUES", 1 << 26)
+# ...and one row group of a family whose calls name ids, not token slots (vLLM's blocks
+# and hashes, the mamba family's requests and state slots): a replay makes each a Python
+# int (~40 bytes, not a tensor's 8), so 2^22 is ~200 MB decoded; their real row groups
+# (16,384 calls) list a few hundred thousand.
+MAX_GROUP_IDS = _limit("KVREPLAY_MAX_GROUP_IDS", 1 << 22)
 # Element types a recorded tensor may name (a segment list joins one per segment with ","):
 # the reader refuses any other, the decoder maps these, and nothing else, to torch's.
 TENSOR_DTYPES = ("torch.int64", "torch.int32", "torch.int16", "torch.int8", "torch.uint8", "torch.bool")

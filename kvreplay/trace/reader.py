@@ -21,10 +21,14 @@ import pyarrow.parquet as pq
 
 from kvreplay.errors import TraceFormatError
 from kvreplay.family.registry import all_methods, family
+from kvreplay.limits import limit
 from kvreplay.pool_api import COUNTER_READS
+from kvreplay.trace.bounds import COLUMNS as VALUE_COLUMNS
+from kvreplay.trace.bounds import check_values
 from kvreplay.trace.footer import row_group_counts
 from kvreplay.trace.format import (
     ADDED_COLUMNS,
+    BASE_TARGETS,
     CHECKPOINT_METHOD,
     FOLD_MAX,
     GAP_METHOD,
@@ -34,6 +38,7 @@ from kvreplay.trace.format import (
     GROUP_NESTED_MAX,
     GROUP_OPENED,
     MAX_FOLDED_READS,
+    MAX_GROUP_IDS,
     MAX_GROUP_VALUES,
     MAX_STRING_BYTES,
     MAX_TRACE_FOLDED_READS,
@@ -80,11 +85,29 @@ def _regular_file(path: Path) -> None:
 # used, and smaller batches start paying the per-batch set-up.
 REPLAY_BATCH_ROWS = 2048
 
+# A folded group's targets: at most GROUP_NESTED_MAX pool names (64 bytes at most, as a row's).
+_TARGET_LIST_BYTES = GROUP_NESTED_MAX * 65
+# The columns of names, and the most bytes a value of each holds: the footer says what
+# reading them allocates, so a file whose few rows hold 200 MB of names is refused unread.
+_NAME_BYTES = {"target": 64, "method": 64, "folded_group_targets": _TARGET_LIST_BYTES,
+               "folded_group_bounds_targets": _TARGET_LIST_BYTES}
+
+
+# The string columns: a recorded string is at most MAX_STRING_BYTES, and a row group of
+# them (16,384 calls: request ids, a rare exception's message) holds a few MB.
+_TEXT_COLUMNS = ("args.list.element.s", "result.s", "exc_type", "exc_msg")
+MAX_GROUP_TEXT_BYTES = limit("KVREPLAY_MAX_GROUP_TEXT_BYTES", 64 << 20)
+
+
 def _check_sizes(part: Path, f: pq.ParquetFile, meta: TraceMeta) -> None:
     """Refuse, from the footer alone, a row group that lists more values than any call of
     this pool could: none lists more slots than the pool has, and no group more than
-    MAX_GROUP_VALUES. Decoding such a group would allocate gigabytes from a small file."""
-    slots = sum(family(meta.family).sizes_of(meta.ctor_args).values()) + int(meta.ctor_args.get("page_size", 1)) + 2
+    MAX_GROUP_VALUES (MAX_GROUP_IDS where the values are ids). Decoding such a group would
+    allocate gigabytes from a small file."""
+    fam = family(meta.family)
+    slots = sum(fam.sizes_of(meta.ctor_args).values()) + int(meta.ctor_args.get("page_size", 1)) + 2
+    most, env = (MAX_GROUP_VALUES, "KVREPLAY_MAX_GROUP_VALUES") if fam.slots else \
+        (MAX_GROUP_IDS, "KVREPLAY_MAX_GROUP_IDS")
     try:
         groups = row_group_counts(part)
     except (OSError, ValueError) as exc:
@@ -96,11 +119,22 @@ def _check_sizes(part: Path, f: pq.ParquetFile, meta: TraceMeta) -> None:
         counts = rg.values
         values = sum(n for name, n in counts.items() if name.endswith(("data.list.element", "shape.list.element")))
         entries = counts.get("args.list.element.name", 0) + rg.num_rows
-        bound = min(MAX_GROUP_VALUES, entries * slots)
+        bound = min(most, entries * slots)
         if values > bound:
             raise TraceFormatError(
                 f"{part}: row group {g} lists {values:,} values for {rg.num_rows:,} calls, more than a pool of "
-                f"{slots - 2:,} slots can (at most {bound:,}; KVREPLAY_MAX_GROUP_VALUES raises the limit)")
+                f"{slots - 2:,} {fam.unit} can (at most {bound:,}; {env} raises the limit)")
+        for name, per in _NAME_BYTES.items():
+            # (a value's length prefix and levels, and the pages' headers, beside its bytes)
+            if rg.sizes.get(name, 0) > counts.get(name, 0) * (per + 16) + (1 << 20):
+                raise TraceFormatError(f"{part}: row group {g} holds {rg.sizes[name]:,} bytes of {name} for "
+                                       f"{rg.num_rows:,} calls, more than names of pools can")
+        for name in _TEXT_COLUMNS:  # request ids, exception messages: read whole before each is checked
+            if rg.sizes.get(name, 0) > min(counts.get(name, 0) * (MAX_STRING_BYTES + 16) + (1 << 20),
+                                           MAX_GROUP_TEXT_BYTES):
+                raise TraceFormatError(f"{part}: row group {g} holds {rg.sizes[name]:,} bytes of {name} for "
+                                       f"{rg.num_rows:,} calls, more than recorded strings can (at most "
+                                       f"{MAX_GROUP_TEXT_BYTES:,}; KVREPLAY_MAX_GROUP_TEXT_BYTES raises the limit)")
 
 
 def _check_strings(path: Path, target: pa.Array, method: pa.Array, *texts: pa.Array) -> None:
@@ -230,7 +264,11 @@ class TraceReader:
         last_seq = -1
         first = True
         # the methods of this trace's family: another family's rows are damage, not calls a build lacks
-        names = frozenset(family(self.meta.family).methods) | {GAP_METHOD, CHECKPOINT_METHOD}
+        fam = family(self.meta.family)
+        names = frozenset(fam.methods) | {GAP_METHOD, CHECKPOINT_METHOD}
+        # ...and the pools it has: another family's sub-allocator in a row, or in a folded
+        # group's nested calls, is damage too (a build would be handed calls it has no pool for)
+        subs = frozenset(t for t, _ in fam.sub_allocators)
         # (the columns a version 1 trace lacks come last: the reader adds them there)
         for batch in self.iter_batches(columns=["seq", "depth", "target", "method", "args.list.element.dtype",
                                                 "result.dtype", "args.list.element.s", "result.s", "exc_type",
@@ -249,8 +287,9 @@ class TraceReader:
             _check_strings(self.path, target, method, arg_dtypes, result_dtypes, arg_fields.field("s"),
                            result.field("s"), exc_type, exc_msg)
             folds += _check_folds(self.path, folded, pattern, depth)
-            folds += _check_groups(self.path, folded, group_at, group_targets, depth, names)
-            folds += _check_bounds(self.path, bounds, bounds_targets, depth, method, names)
+            _check_target_lists(self.path, group_targets, bounds_targets)
+            folds += _check_groups(self.path, folded, group_at, group_targets, depth, names, subs)
+            folds += _check_bounds(self.path, bounds, bounds_targets, depth, method, names, subs)
             if folds > MAX_TRACE_FOLDED_READS:
                 raise TraceFormatError(f"{self.path}: the rows fold more than {MAX_TRACE_FOLDED_READS:,} calls "
                                        "in all (KVREPLAY_MAX_TRACE_FOLDED_READS raises the limit)")
@@ -273,14 +312,19 @@ class TraceReader:
                 whose = f"a method of another engine's pools, not of a {self.meta.family} pool" \
                     if name in all_methods() else "not a method of the allocator API"
                 raise TraceFormatError(f"{self.path}: rows name {name[:64]!r}, {whose}")
-            odd = set(pc.unique(target).to_pylist()) - row_targets()
+            odd = set(pc.unique(target).to_pylist()) - BASE_TARGETS - subs
             if odd:
-                raise TraceFormatError(f"{self.path}: rows target {sorted(map(repr, odd))[0]}, not a pool "
-                                       f"(one of {', '.join(sorted(row_targets()))})")
+                name = sorted(odd)[0]
+                whose = f"a pool of another family, not of a {self.meta.family} pool" if name in row_targets() \
+                    else "not a pool"
+                raise TraceFormatError(f"{self.path}: rows target {name[:64]!r}, {whose} (one of "
+                                       f"{', '.join(sorted(BASE_TARGETS | subs))})")
             top = pc.equal(depth, 0)
             calls += int(pc.sum(pc.and_(top, pc.not_equal(target, GAP_TARGET))).as_py() or 0)
         if calls == 0:
             raise TraceFormatError(f"{self.path}: the trace holds no call to replay")
+        if fam.value_bounds is not None:  # before a row is decoded: requests, slots, counts in range
+            check_values(self.path, self.iter_batches(columns=VALUE_COLUMNS), fam.value_bounds(self.meta.ctor_args))
         return calls + folds
 
     @property
@@ -596,7 +640,7 @@ def folded_per_row(reads: pa.Array | pa.ChunkedArray, group_at: pa.Array | pa.Ch
 
 
 def _check_groups(path: Path, folded: pa.Array, group_at: pa.Array, targets: pa.Array, depth: pa.Array,
-                  names: frozenset[str]) -> int:
+                  names: frozenset[str], subs: frozenset[str]) -> int:
     """Top-level calls the rows' folded free groups hold (2 each), once each is sane: on
     top-level rows of a family that has free groups, after at most the row's folded reads,
     nested calls to known sub-allocators only."""
@@ -615,12 +659,12 @@ def _check_groups(path: Path, folded: pa.Array, group_at: pa.Array, targets: pa.
     n = folded.fill_null(0).to_numpy(zero_copy_only=False)
     if (at[some] > n[some]).any():
         raise TraceFormatError(f"{path}: a row's folded free group comes after more reads than the row folds")
-    _check_group_targets(path, pc.take(targets, pa.array(some)))
+    _check_group_targets(path, pc.take(targets, pa.array(some)), subs)
     return 2 * len(some)
 
 
 def _check_bounds(path: Path, bounds: pa.Array, targets: pa.Array, depth: pa.Array, method: pa.Array,
-                  names: frozenset[str]) -> int:
+                  names: frozenset[str], subs: frozenset[str]) -> int:
     """Top-level calls the rows' folded group bounds hold (one per bound), once each is
     sane: on top-level rows of a family that has free groups, calls other than a group's
     begin or end, nested calls to known sub-allocators only."""
@@ -636,17 +680,30 @@ def _check_bounds(path: Path, bounds: pa.Array, targets: pa.Array, depth: pa.Arr
         raise TraceFormatError(f"{path}: a nested row folds a free group's bounds (only top-level calls can)")
     if set(pc.take(method, pa.array(some)).to_pylist()) & set(GROUP_FOLD_METHODS):
         raise TraceFormatError(f"{path}: a free group's begin or end folds another group's bounds")
-    _check_group_targets(path, pc.take(targets, pa.array(some)))
+    _check_group_targets(path, pc.take(targets, pa.array(some)), subs)
     return int(((b & GROUP_OPENED) + ((b & GROUP_CLOSED) >> 1)).sum())
 
 
-def _check_group_targets(path: Path, targets: pa.Array) -> None:
-    subs = row_targets() - {GAP_TARGET, "root"}
+
+
+def _check_target_lists(path: Path, *columns: pa.Array) -> None:
+    """Refuse a folded group's target list longer than any names before it is copied or
+    split: a 19 KB file can hold one of 200 MB (40 million names)."""
+    for col in columns:
+        longest = pc.max(pc.binary_length(col)).as_py() if len(col) and col.null_count < len(col) else 0
+        if longest and longest > _TARGET_LIST_BYTES:
+            raise TraceFormatError(f"{path}: a row's folded free group names sub-allocators in {longest:,} bytes "
+                                   f"(at most {GROUP_NESTED_MAX} names of a pool)")
+
+
+def _check_group_targets(path: Path, targets: pa.Array, subs: frozenset[str]) -> None:
+    """A folded group's nested calls go to the trace's own family's sub-allocators only."""
     for t in set(targets.to_pylist()):
         parts = t.split(",") if t else []
         if t is None or len(parts) > GROUP_NESTED_MAX or not set(parts) <= subs:
+            which = f"up to {GROUP_NESTED_MAX} of {', '.join(sorted(subs))}" if subs else "none (the pool has none)"
             raise TraceFormatError(f"{path}: a row's folded free group names sub-allocators {str(t)[:80]!r}, not "
-                                   f"up to {GROUP_NESTED_MAX} of {', '.join(sorted(subs))}")
+                                   f"{which}")
 
 
 def _fold_pattern(path: Path, count: int, packed: int | None) -> list[int]:

@@ -9,6 +9,13 @@ from kvreplay.errors import BadInput
 
 
 def check(cfg: Any) -> None:
+    from kvreplay.families.mamba import MAX_REQUEST_ROWS, MAX_STATE_SLOTS
+
+    # the trace's own bounds (a replay refuses a bigger pool): said before a scheduler runs
+    for flag, value, most, env in (("--state-slots", cfg.state_slots, MAX_STATE_SLOTS, "KVREPLAY_MAX_STATE_SLOTS"),
+                                   ("--max-running", cfg.max_running, MAX_REQUEST_ROWS, "KVREPLAY_MAX_REQUEST_ROWS")):
+        if value > most:
+            raise BadInput(f"{flag} {value:,} is more than {most:,} ({env} raises the limit)")
     if cfg.full_size < cfg.batch_tokens:
         raise BadInput("--full-size (the KV tokens) must hold at least one chunk of --batch-tokens")
     if cfg.state_slots < (2 if cfg.no_extra_buffer else 4):

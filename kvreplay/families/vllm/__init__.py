@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.families.vllm.vocabulary import VLLM_HOUSEKEEPING, VLLM_METHODS, VLLM_VOID_METHODS
+from kvreplay.families.vllm.vocabulary import (
+    MAMBA_MODES,
+    VLLM_HOUSEKEEPING,
+    VLLM_METHODS,
+    VLLM_VOID_METHODS,
+    vllm_groups,
+)
 from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.limits import MAX_POOL_SLOTS, limit
+from kvreplay.trace.bounds import Bound
 
 MANAGER_CLASS = "vllm.v1.core.kv_cache_manager:KVCacheManager"
 
@@ -34,12 +41,24 @@ ENGINE = Engine(
 # A block pool's blocks: each is a Python object in the pool (vLLM's and the builtin one
 # alike, ~200 bytes), so 2^21 blocks is ~400 MB; real servers have tens of thousands.
 MAX_BLOCKS = limit("KVREPLAY_MAX_BLOCKS", 1 << 21)
+# A block hash's bytes: vLLM's are 32 (sha256) or 8-16 (xxhash); a request's hashes are
+# decoded into bytes objects of this length, so a length of 2^40 is refused, not tried.
+MAX_HASH_BYTES = limit("KVREPLAY_MAX_HASH_BYTES", 128)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def _check_ctor(args: dict[str, Any]) -> None:
     from kvreplay.trace.format import check_attention
 
     check_attention(args.get("attention"))
+    # Values no vLLM manager (nor the builtin one) is built with are damage, not a build
+    # that cannot take the trace: refused here, so 125 stays for what a build lacks.
+    for name in ("num_blocks", "max_model_len", "max_in_flight_tokens"):
+        if args[name] < 1:  # block 0 of a pool is its null block; a model holds a token at least
+            raise ValueError(f"constructor argument {name} must be at least 1, not {args[name]}")
+    if args["block_size"] % args["hash_block_size"]:
+        raise ValueError(f"constructor argument hash_block_size ({args['hash_block_size']}) must divide block_size "
+                         f"({args['block_size']}): a block is hashed in whole pieces")
     if args["num_blocks"] > MAX_BLOCKS:
         raise ValueError(f"constructor argument num_blocks is {args['num_blocks']:,}, more than {MAX_BLOCKS:,} "
                          "(KVREPLAY_MAX_BLOCKS raises the limit)")
@@ -56,6 +75,42 @@ def _check_ctor(args: dict[str, Any]) -> None:
     if args.get("use_eagle") is not None and type(args["use_eagle"]) is not bool:
         raise ValueError(f"constructor argument use_eagle must be true or false, not "
                          f"{str(args.get('use_eagle'))[:40]!r}")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _value_bounds(ctor: dict[str, Any]) -> dict[str, Bound]:
+    """What the wire's arguments may hold on a manager of these sizes (block_wire.py):
+    token counts no larger than any size a trace declares, block ids of this pool, block
+    lists no longer than a full pool or every group's table of a longest request, a
+    request's hashes no more than its longest prompt has."""
+    blocks, groups = int(ctor["num_blocks"]), len(str(ctor["attention"]).split(","))
+    # a group's table of a request at max_model_len, a Mamba group's speculative blocks and
+    # a lookahead block beside; any list of ids also fits in the pool itself
+    spec = max((g.width for g in vllm_groups(str(ctor["attention"])) or () if g.kind in MAMBA_MODES), default=0)
+    table = _cdiv(int(ctor["max_model_len"]), int(ctor["block_size"])) + spec + 1
+    listed = max(blocks, groups * table) + groups + 1  # the wire's (groups, sizes..., ids...)
+    hashes = (_cdiv(int(ctor["max_model_len"]), int(ctor["hash_block_size"])) + 1) * _cdiv(MAX_HASH_BYTES, 8)
+    tokens = Bound(0, MAX_POOL_SLOTS, what="a count of tokens")
+    out = {name: tokens for name in (
+        "request_num_tokens", "request_num_prompt_tokens", "request_num_computed_tokens",
+        "request_num_in_flight_tokens", "request_shared_prefix_boundary", "num_new_tokens",
+        "num_new_computed_tokens", "num_lookahead_tokens", "num_external_computed_tokens", "num_encoder_tokens",
+        "num_computed_tokens", "total_computed_tokens", "processed_computed_tokens")}
+    out.update(
+        request_num_preemptions=Bound(0, MAX_POOL_SLOTS, what="a count of preemptions"),
+        request_hashes_from=Bound(0, MAX_POOL_SLOTS, what="hashes sent before"),
+        request_hash_len=Bound(0, MAX_HASH_BYTES, what="a block hash's bytes", env="KVREPLAY_MAX_HASH_BYTES"),
+        request_hashes=Bound(*_INT64, longest=hashes, what="block hash words"),
+        num_blocks=Bound(0, blocks, what="blocks to hand out"),
+        reserved_blocks=Bound(0, blocks, what="blocks to keep free"),
+        block_ids=Bound(0, blocks - 1, longest=listed, what="a block id"),
+        new_computed_blocks=Bound(-1, max(blocks - 1, listed), longest=listed, what="a block list"),
+        skip_zeroing_group_ids=Bound(0, groups - 1, longest=groups, what="a KV-cache group"),
+    )
+    return out
 
 
 _SCENARIOS = "kvreplay.families.vllm.scenarios:"
@@ -95,6 +150,7 @@ VLLM = Family(
     snapshots=False,  # the manager cannot be snapshotted: its parts are chained
     wire="kvreplay.families.vllm.wire:wire_for",
     check_ctor=_check_ctor,
+    value_bounds=_value_bounds,
     housekeeping=VLLM_HOUSEKEEPING,
     void_methods=VLLM_VOID_METHODS,
     invariants=(("block-pool", "7 block pool (vLLM): reference counts equal the block tables that list a block, "
