@@ -34,6 +34,7 @@ class _Generate(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_wait_sends_once_a_late_server_answers(capsys):
     port = free_port()
     servers: list[ThreadingHTTPServer] = []

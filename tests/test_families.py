@@ -66,6 +66,7 @@ def _json(res):
     return json.loads(res.stdout)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_toy_family_from_the_tests_goes_through_every_command(toy, tmp_path, cli):
     db = f"sqlite:///{tmp_path / 'k.db'}"
     builds = _json(cli("builds", "--json"))
@@ -113,6 +114,7 @@ def test_a_toy_family_from_the_tests_goes_through_every_command(toy, tmp_path, c
     assert "not-lowest-first" in page and "toy" in page
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_recorded_program_of_the_toy_family_replays(toy, tmp_path, cli):
     prog = ("from toyfam.pool import StackPool\n"
             "p = StackPool(32)\n"

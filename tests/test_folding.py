@@ -57,7 +57,7 @@ def _recorded(path, engine: str, fold: bool) -> None:
     rec.close()
 
 
-@pytest.mark.slow_cases("python")  # (the native engine's case stays in the fast tier)
+@pytest.mark.slow  # both engines' cases: the fast tier holds the README's three minutes
 @pytest.mark.parametrize("engine", ENGINES)
 def test_folded_and_unfolded_recordings_replay_alike_call_for_call(tmp_path, engine):
     plain, folded = tmp_path / "plain.parquet", tmp_path / "folded.parquet"
@@ -117,6 +117,7 @@ def test_a_folded_read_that_would_answer_otherwise_is_a_divergence(tmp_path):
 
 
 @pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.slow_cases("1")
 def test_an_older_trace_reads_as_one_without_the_folds_it_predates(tmp_path, version):
     path = tmp_path / "t.parquet"
     _recorded(path, ENGINES[-1], fold=False)

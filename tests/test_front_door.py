@@ -178,6 +178,7 @@ def test_the_readme_tour_runs_on_a_vllm_trace(tmp_path):
     assert "ref-count-not-owners" in step["minimize"]
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_tiers_are_markers_on_the_tests_and_a_case_named_slow_must_exist(tmp_path):
     """No list of test names decides a tier (a renamed test kept its tier by its marker);
     ``slow_cases`` naming a case its test does not have stops the collection."""

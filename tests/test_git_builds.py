@@ -55,6 +55,7 @@ def test_two_revisions_replay_in_their_own_processes(repo, trace):
     assert any(v is not None for v in good.timeline["hi"]["full"])
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_broken_revision_is_unloadable_with_exit_125_and_is_stored(repo, trace, tmp_path, cli):
     db = tmp_path / "k.db"
     res = cli("replay", str(trace), "--build", f"git:{repo}@broken:mypool:Pool", "--db", str(db), "--json")

@@ -40,6 +40,7 @@ def _write(rows: list[dict], schema: pa.Schema, path: Path, metadata: dict | Non
 
 
 # 1 -- code execution through the emitted test ----------------------------------------
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_hostile_trace_name_cannot_run_code_through_the_emitted_test(tmp_path, cli):
     name = 'x"""; __import__("os").system("touch PWNED"); """.parquet'
     trace = tmp_path / name
@@ -470,6 +471,7 @@ def test_a_call_listing_more_slots_than_the_pool_has_is_refused_before_it_is_dec
     assert not (tmp_path / "k.db").exists()
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_snapshot_that_inflates_past_its_declared_shape_is_refused(tmp_path, cli):
     import base64
     import zlib
@@ -683,7 +685,7 @@ def _vllm_variant(tmp_path: Path, name: str, ctor: dict | None = None, edit=None
     return _write(rows, schema, tmp_path / name, md)
 
 
-@pytest.mark.slow_cases("134217728")
+@pytest.mark.slow_cases("134217728", "4194304")
 @pytest.mark.parametrize("blocks", [1 << 22, 1 << 27])
 def test_a_vllm_pool_too_big_to_build_is_refused_before_it_is_built(tmp_path, cli, blocks):
     trace = _vllm_variant(tmp_path, "big.parquet", ctor={"num_blocks": blocks})
@@ -715,6 +717,7 @@ def test_a_huge_request_id_or_method_name_is_refused_not_copied(tmp_path, cli):
     assert not (tmp_path / "k.db").exists()
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_an_id_list_whose_shape_disagrees_with_its_values_is_damage(tmp_path, cli):
     def lie(rows):
         _first_with(rows, "ints")["shape"] = [10 ** 8]
@@ -751,6 +754,7 @@ def test_a_build_spec_that_names_nothing_is_one_line_before_any_case_runs(tmp_pa
     assert len(res.stderr) < 400 and not db.exists()
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_snapshot_bigger_than_its_pool_is_refused_before_it_is_inflated(tmp_path, cli):
     """A zlib bomb of the right shape: 2^26 zeros (512 MB) in a few hundred KB, for a pool
     of a few hundred slots. Refused from its declared size, not after inflating it."""
@@ -771,6 +775,7 @@ def test_a_snapshot_bigger_than_its_pool_is_refused_before_it_is_inflated(tmp_pa
     assert peak_kb < 600_000 and time.monotonic() - t0 < 60 and not (tmp_path / "k.db").exists()
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_profile_refuses_damage_and_traces_that_do_not_compare(tmp_path, cli):
     src = CORPUS / "decode-1000.parquet"
     rows, schema = _rows(src)
@@ -825,7 +830,7 @@ def test_a_manifest_that_is_not_a_file_is_bad_input_not_a_folder_of_traces(tmp_p
 
 
 @pytest.mark.slow_cases("sliding_window:", "sliding_window:-5", "sliding_window:0", "sliding_window", "full,,full",
-                        "full;rm -rf")
+                        "full;rm -rf", "sliding_window:abc")
 @pytest.mark.parametrize("attention", ["sliding_window:abc", "sliding_window:-5", "sliding_window:", "sliding_window",
                                        "sliding_window:0", "full,,full", "full;rm -rf"])
 def test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds(tmp_path, cli, attention):
@@ -834,7 +839,8 @@ def test_a_damaged_attention_spec_is_the_traces_fault_not_the_builds(tmp_path, c
     assert not (tmp_path / "k.db").exists()
 
 
-@pytest.mark.slow_cases("0-get_new_blocks-trace3-builtin:swa", "50-free_group_begin-trace1-builtin:vllm")
+@pytest.mark.slow_cases("0-get_new_blocks-trace3-builtin:swa", "50-free_group_begin-trace1-builtin:vllm",
+                        "0-alloc_extend-trace0-builtin:vllm")
 @pytest.mark.parametrize("row, method, trace, build", [
     (0, "alloc_extend", VLLM_LIVE, "builtin:vllm"), (50, "free_group_begin", VLLM_LIVE, "builtin:vllm"),
     (3, "allocate_slots", PAGE0, "builtin:swa"), (0, "get_new_blocks", PAGE0, "builtin:swa")])

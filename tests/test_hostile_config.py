@@ -140,6 +140,7 @@ def test_record_hands_on_only_the_switches_its_flags_set(cli, monkeypatch, tmp_p
     assert res.returncode == 0 and json.loads(res.stdout).get(name) != value, res.stderr
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_recorded_process_turns_recording_off_loudly_on_a_bad_switch(tmp_path):
     """A server launched with --print-env's variables by hand: a bad switch is one line on
     stderr naming it, the program runs on, and nothing is written, inside --out or outside."""

@@ -223,6 +223,7 @@ def test_the_deadline_ends_a_run_that_still_makes_progress(capsys):
     assert took < 5, took
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_time_between_arrivals_is_not_a_stall(tmp_path, capsys):
     trace = tmp_path / "w.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 20, "output_length": 2}) + "\n"

@@ -67,6 +67,7 @@ time.sleep(1.0)
 """
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_forged_finding_neither_imports_code_nor_fails_the_recording(tmp_path):
     flag = tmp_path / "IMPORTED"
     mods = tmp_path / "mods"
@@ -170,6 +171,7 @@ def test_metric_labels_show_escape_sequences_instead_of_running_them(tmp_path):
     assert "\\\\x1b]8;;http://x" in text
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_scraper_that_hangs_up_early_prints_nothing(tmp_path):
     key = new_key()
     for i in range(200):
@@ -195,6 +197,7 @@ def test_a_scraper_that_hangs_up_early_prints_nothing(tmp_path):
     assert res.stderr == "", res.stderr
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_parallel_scrapes_of_big_counter_files_stay_small(tmp_path):
     key = new_key()
     for i in range(50):

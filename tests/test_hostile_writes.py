@@ -376,6 +376,7 @@ def test_record_on_a_disk_full_from_the_start_leaves_no_tmp_and_no_traceback(tmp
     assert list(full_disk.iterdir()) == []  # no .tmp part, no empty directory of parts
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_killed_writer_costs_no_traceback_and_no_stall(tmp_path):
     res, took = _record(tmp_path / "out", """
         import signal

@@ -82,6 +82,7 @@ def test_a_replay_and_its_stored_run_print_what_the_doc_says(cli, stored):
     assert listed["violation_counts"] == stored["violation_counts"]
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_the_other_commands_print_what_the_doc_says(cli, stored, tmp_path):
     out = tmp_path / "x"
     out.mkdir()

@@ -221,6 +221,7 @@ def test_record_leaves_the_programs_environment_as_it_was(tmp_path):
     assert res.returncode == 0 and res.stdout.splitlines()[0] == "unset", res.stdout + res.stderr
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_what_the_command_leaves_running_is_ended_with_the_recording(tmp_path):
     """Children that outlive the command (a server's workers left behind) do not outlive
     kvreplay record: it ends its command's process group once the command has ended."""
@@ -238,6 +239,7 @@ def test_what_the_command_leaves_running_is_ended_with_the_recording(tmp_path):
     assert len(json.loads(res.stdout[res.stdout.index("{"):])["traces"]) == 1
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_command_that_dies_at_once_still_has_its_trace_reported(tmp_path):
     """os._exit soon after its calls (the recorder has handed them over): no atexit, the
     writer finishes the file after the command is gone, and record waits for it before

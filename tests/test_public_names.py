@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import kvreplay
 
 # In a fresh process: import every module of the package first, then each public name.
@@ -29,6 +31,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_every_public_name_is_the_apis_object_whatever_was_imported_first():
     res = subprocess.run([sys.executable, "-c", PROG], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

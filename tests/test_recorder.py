@@ -134,7 +134,7 @@ def test_both_capture_engines_write_identical_rows(tmp_path, backend):
     assert tables[0].equals(tables[1])
 
 
-@pytest.mark.slow_cases("python")
+@pytest.mark.slow_cases("python", "native")
 def test_interpreter_exit_flushes_an_open_recording(tmp_path):
     path = tmp_path / "t.parquet"
     script = textwrap.dedent(
@@ -189,7 +189,7 @@ def test_sigkill_loses_no_call_older_than_a_second(tmp_path, backend, then):
     assert not report.violations and not report.divergences
 
 
-@pytest.mark.slow_cases("python")
+@pytest.mark.slow_cases("python", "native")
 def test_sigkill_keeps_a_small_last_batch(tmp_path):
     """The idle flusher's last batch is a few calls, a frame of a few hundred bytes:
     it must reach the writer process, not wait in the sender's pipe buffer for a next

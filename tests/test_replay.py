@@ -60,6 +60,7 @@ def test_a_method_the_build_lacks_is_replayed_through_its_translation(decode_tra
     assert {"free_swa_segment", "free_segments", "free_full_segments"} <= set(swa.translated)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_an_older_swa_surface_replays_the_prefix_cache_through_translations(tmp_path_factory):
     from kvreplay.workload.synth import SynthConfig, synthesize
 
@@ -166,6 +167,7 @@ def test_expectations_catch_a_checker_that_lost_its_teeth(disagg_trace):
     assert check_report(r, Expectation("x", "clean")) != []
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_remap_translates_swa_slots_for_an_swa_build_with_another_policy():
     # radix-swa re-points mappings with set_full_to_swa_mapping(full, swa): remap must
     # translate the recorded SWA slots too (learned from the nested SWA allocations)

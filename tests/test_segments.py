@@ -114,6 +114,7 @@ def test_cli_jobs(swa_trace, cli):
     assert bad.returncode == 2 and "--jobs" in bad.stderr
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_rotated_parts_start_from_snapshots_and_still_split_at_checkpoints(tmp_path):
     """A rotating recording with checkpoints: every later part starts from the pool's
     snapshot (its metadata's starting state), and the parts still replay in parallel

@@ -158,6 +158,7 @@ def test_corrupt_or_truncated_trace_is_bad_input_and_stores_nothing(tmp_path, db
     assert code == 2 and "no run 7" in err
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_diff_shows_where_two_builds_part(trace, capsys):
     code, out, _ = run_cli(capsys, "diff", str(trace), "--base", "builtin:swa", "--candidate", "builtin:swa", "--json")
     assert code == 0 and json.loads(out)["differing_calls"] == 0

@@ -191,6 +191,7 @@ def crowded_trace(tmp_path_factory):
     return _model(tmp_path_factory.mktemp("vllm") / "crowded.parquet", 120, 8192, 32)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_pinning_a_prefix_hit_before_the_room_check_is_named_at_that_allocate_slots(crowded_trace):
     """vLLM #11565: the leaked hit is found at the allocate_slots that returned None, in
     strict and in remap mode; the correct manager replays the same trace clean in both."""
@@ -292,6 +293,7 @@ def test_a_sliding_window_manager_is_vllms_own_and_the_builtin_one_says_so(tmp_p
     assert res.returncode == 2 and "attention" in res.stderr and not out.exists(), res.stderr
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_the_corpus_skips_a_sliding_window_trace_on_the_builtin_manager(tmp_path, cli):
     """The corpus's sliding-window trace (vllm-0.33-null-block-ref-count) is for vLLM's
     releases; on builtin:vllm, which models full attention only, ci skips it, saying why."""

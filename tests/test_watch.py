@@ -100,6 +100,7 @@ def _numbered(trace: str):
     return [(tc.number, tc.call) for tc in TraceReader(trace).top_calls() if tc.number]
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_watched_correct_pool_prints_nothing_and_exits_as_its_program(tmp_path):
     proc = _record(tmp_path, "clean", 150, 0, "--watch")
     out, err = proc.communicate(timeout=300)
@@ -111,6 +112,7 @@ def test_a_watched_correct_pool_prints_nothing_and_exits_as_its_program(tmp_path
     assert doc["violations"] == {} and doc["unchecked"] == 0 and doc["checked"] == doc["calls"] > 1000
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_the_watch_carries_its_state_across_parts(tmp_path):
     """Rotated every 1,000 rows (a part ends with a batch: 4,096 rows or 0.1 s): the
     watch checks the recording as one, so it names the same calls an offline replay of
@@ -155,6 +157,7 @@ def test_a_clean_pool_watched_across_retired_parts_stays_clean(tmp_path):
     assert replay(trace, "builtin:swa", device="cpu").status == "clean"
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_stop_on_violation_ends_the_program_at_the_first_violation(tmp_path):
     proc = _record(tmp_path, "buggy", 300, 600, "--watch", "--stop-on-violation", "--minimize-s", "0", "--json")
     out, err = proc.communicate(timeout=120)  # 600 s of polling would outlast this: the watch stopped it
@@ -230,6 +233,7 @@ def _one_page():
     return t(0), t(0), t(16), t(16), t(-1), 16
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_class_that_inherits_its_constructor_is_recorded_by_its_own_name(tmp_path):
     """``--class`` naming a bug variant (its constructor is its base's) records it."""
     prog = tmp_path / "prog.py"
