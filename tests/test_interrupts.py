@@ -116,14 +116,12 @@ def test_sigterm_to_replay_jobs_ends_its_workers(tmp_path, trace, slow):
                extra_path=str(repo))
 
 
-@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_sigterm_to_matrix_ends_its_worker_builds(tmp_path, trace, slow):
     repo, revs = slow
     builds = f"git:{repo}@{revs[0]}:slowpool:Pool,git:{repo}@{revs[1]}:slowpool:Pool"
     _interrupt(tmp_path, signal.SIGTERM, "matrix", str(trace), "--builds", builds, worker=b"kvreplay.replay.worker")
 
 
-@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_sigint_to_bisect_ends_its_worker_and_removes_its_scratch(tmp_path, trace, slow):
     repo, revs = slow
     _interrupt(tmp_path, signal.SIGINT, "bisect", str(trace), "--repo", str(repo), "--good", revs[0],
