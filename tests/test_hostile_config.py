@@ -69,7 +69,8 @@ def test_help_still_answers_in_process_with_a_bad_variable(cli, monkeypatch):
 
 
 @pytest.mark.parametrize("value, words", [
-    ("nonexistent_family_pkg", ["does not import"]), ("os.path", ["no family package"]),
+    pytest.param("nonexistent_family_pkg", ["does not import"], marks=pytest.mark.slow),
+    pytest.param("os.path", ["no family package"], marks=pytest.mark.slow),
     ("../x", ["not a module name"]),
 ])
 def test_kvreplay_families_naming_no_family_package_is_bad_input_not_an_internal_error(value, words):

@@ -173,6 +173,7 @@ def test_a_gib_health_answer_is_refused_after_a_bounded_read(capsys):
         assert took < 5, (kind, took)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_health_answer_that_drips_for_ever_ends_in_the_probe_time(capsys, monkeypatch):
     from kvreplay.workload import drive
 
@@ -212,6 +213,7 @@ def test_a_server_that_stops_answering_stops_drive_at_the_stall_limit(capsys):
     assert 1.5 <= took < 5, took
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_the_deadline_ends_a_run_that_still_makes_progress(capsys):
     with _server("slow") as url:
         t0 = time.monotonic()

@@ -301,6 +301,7 @@ def test_twenty_thousand_parts_are_refused_before_any_is_opened(tmp_path, cli):
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_scanning_a_corpus_asks_each_directory_once(tmp_path, monkeypatch):
     from kvreplay.trace import location
 

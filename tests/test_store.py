@@ -174,6 +174,7 @@ def test_diff_shows_where_two_builds_part(trace, capsys):
     assert code == 1 and "first at call" in out and "alloc_extend_swa_tail" in out
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_demo_runs_the_main_job_end_to_end(tmp_path, capsys):
     db = str(tmp_path / "r.db")
     code, out, err = run_cli(capsys, "demo", "-n", "300", "--db", db, "--out", str(tmp_path / "d"), "--json")
