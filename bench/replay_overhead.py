@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from kvreplay.builds.resolve import load_build
-from kvreplay.family.registry import family as family_record
+from kvreplay.contract.registry import family as family_record
 from kvreplay.replay.replayers import make_replayer
 from kvreplay.trace.format import CHECKPOINT_METHOD
 from kvreplay.trace.reader import TraceReader

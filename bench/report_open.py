@@ -30,9 +30,9 @@ def main() -> None:
     a = ap.parse_args()
     from servers import browser
 
+    from kvreplay.jobs.stored_replay import replay_and_store
     from kvreplay.report.reports import BUDGET_BYTES, stored_run_report, write_report
     from kvreplay.store.db import open_store
-    from kvreplay.stored_replay import replay_and_store
     from kvreplay.workload.synth import SynthConfig, synthesize
 
     tmp = Path(tempfile.mkdtemp(prefix="kvreplay-bench-report-"))

@@ -17,7 +17,10 @@ import sys
 import types
 from typing import Any
 
+from kvreplay.moved import install as _forward_moved_modules
 from kvreplay.version import __version__
+
+_forward_moved_modules()  # old import paths keep working, with a warning (moved.py)
 
 # public name -> (module, attribute)
 _API = {
@@ -28,8 +31,8 @@ _API = {
     "replay": ("kvreplay.replay.dispatch", "replay"),
     "Replayer": ("kvreplay.replay.replayer", "Replayer"),
     "diff": ("kvreplay.replay.diff", "diff_builds"),
-    "minimize": ("kvreplay.minimize", "minimize"),
-    "bisect": ("kvreplay.bisect", "bisect"),
+    "minimize": ("kvreplay.jobs.minimize", "minimize"),
+    "bisect": ("kvreplay.jobs.bisect", "bisect"),
     "CheckedPool": ("kvreplay.checked_pool", "CheckedPool"),
     "synthesize": ("kvreplay.workload.synth", "synthesize"),
 }

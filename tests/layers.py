@@ -21,17 +21,17 @@ ROOT = Path(__file__).resolve().parents[1] / "kvreplay"
 LAYERS: list[list[str]] = [
     ["cli"],
     ["corpus"],
-    ["bisect", "minimize", "demo", "matrix", "dashboard"],
-    ["stored_replay", "reproducer", "report", "watch"],
+    ["jobs.bisect", "jobs.minimize", "jobs.demo", "jobs.matrix", "jobs.dashboard"],
+    ["jobs.stored_replay", "jobs.reproducer", "report", "jobs.watch", "jobs"],
     ["families.sglang", "families.vllm", "families.mamba", "families"],  # each family's own code, named by its record
     ["workload"],
     ["recorder", "replay", "checked_pool"],
     ["check", "store"],
     ["builds"],
     ["trace", "fanout"],
-    ["family"],  # what a family is: the record, and the registry of records
+    ["contract"],  # what a family is: the record, and the registry of records
     ["limits", "safe_files"],  # bounds on input and configuration; reading and writing files as input
-    ["pool_api", "errors", "version", "scratch", "text"],
+    ["pool_api", "errors", "version", "scratch", "text", "moved"],
 ]
 
 

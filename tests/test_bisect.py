@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from git_repos import commit_all, git, new_repo
 
-from kvreplay.bisect import bisect, build_candidates, git_candidates
+from kvreplay.jobs.bisect import bisect, build_candidates, git_candidates
 from kvreplay.replay.report import Failure
 
 N_COMMITS = 30  # after the good root commit

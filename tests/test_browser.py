@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from servers import browser, browser_available, free_port, screenshot_dir
 
-from kvreplay.stored_replay import replay_and_store
+from kvreplay.jobs.stored_replay import replay_and_store
 from kvreplay.workload.synth import SynthConfig, synthesize
 
 pytestmark = pytest.mark.browser

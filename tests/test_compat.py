@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import run_in_process as run
 
-from kvreplay.family.registry import engines
+from kvreplay.contract.registry import engines
 from kvreplay.recorder import compat
 from kvreplay.recorder.compat import COMPAT_ENV, Patch
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvreplay.contract.registry import BUILTINS, family
 from kvreplay.corpus.expectations import check_report
 from kvreplay.corpus.manifest import load_manifest
-from kvreplay.family.registry import BUILTINS, family
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.hashing import content_hash as sha256_of
 from kvreplay.trace.reader import TraceReader

@@ -173,8 +173,8 @@ def test_a_violation_expectation_may_pin_the_first_divergence_too(tmp_path, cli)
 def test_every_builtin_bug_variant_is_expected_to_be_caught_somewhere():
     """Mutation score: each variant has at least one corpus trace where it must show (a
     rule it breaks, or for one that breaks none, the call where it answers otherwise)."""
+    from kvreplay.contract.registry import BUILTINS
     from kvreplay.corpus.manifest import load_manifest
-    from kvreplay.family.registry import BUILTINS
 
     caught = {x.build for e in load_manifest(CORPUS) for x in e.expect if x.status != "clean"}
     variants = {f"builtin:{n}" for n in BUILTINS if "@" in n}

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kvreplay.families.vllm.replayer import BlockReplayer
+from kvreplay.jobs.stored_replay import replay_and_store
 from kvreplay.replay import dispatch
 from kvreplay.replay.loop import ReplayLoop
 from kvreplay.replay.replayer import Replayer
 from kvreplay.replay.segments import replay_segments
-from kvreplay.stored_replay import replay_and_store
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE0 = ROOT / "traces" / "sglang-0.5.23-swa-page0.parquet"

@@ -1,4 +1,4 @@
-"""A pool family is one record (kvreplay/family/) and one folder (kvreplay/families/):
+"""A pool family is one record (kvreplay/contract/) and one folder (kvreplay/families/):
 no module outside the families' folders branches on a family's or engine's name, and a toy third family, kept in the
 tests alone (tests/toyfam/), goes through every command."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import toyfam
 
-from kvreplay.family import registry
+from kvreplay.contract import registry
 
 PKG = Path(__file__).resolve().parents[1] / "kvreplay"
 TESTS = Path(__file__).resolve().parent

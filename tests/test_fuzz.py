@@ -157,7 +157,7 @@ def _fuzz_dashboard(cases: int, seed: int, db: str) -> dict[int, int]:
     """Random GETs over every route with hostile parameters: never a 500."""
     import random
 
-    from kvreplay.dashboard import create_app
+    from kvreplay.jobs.dashboard import create_app
     from kvreplay.store.db import open_store
 
     rng = random.Random(seed)
@@ -177,7 +177,7 @@ def _fuzz_dashboard(cases: int, seed: int, db: str) -> dict[int, int]:
 
 
 def test_dashboard_routes_fast(swa_trace_80, tmp_path):
-    from kvreplay.stored_replay import replay_and_store
+    from kvreplay.jobs.stored_replay import replay_and_store
 
     db = str(tmp_path / "k.db")
     replay_and_store(swa_trace_80, "builtin:swa", db=db, device="cpu")

@@ -229,9 +229,9 @@ def _url(rng: random.Random) -> str:
 
 @pytest.mark.parametrize("cases", TIERS)
 def test_hostile_dashboard_urls(cases, tmp_path):
-    from kvreplay.dashboard import create_app
+    from kvreplay.jobs.dashboard import create_app
+    from kvreplay.jobs.stored_replay import replay_and_store
     from kvreplay.store.db import open_store
-    from kvreplay.stored_replay import replay_and_store
 
     db = str(tmp_path / "k.db")
     replay_and_store(str(SMALL_TRACE), "builtin:swa", db=db)

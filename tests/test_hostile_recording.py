@@ -98,7 +98,7 @@ def _with_class(src: Path, dst: Path, pool_class: str) -> None:
 
 
 def test_a_reproducer_is_made_only_on_the_build_the_sealed_finding_names(tmp_path):
-    from kvreplay.minimize import reproduce_findings
+    from kvreplay.jobs.minimize import reproduce_findings
 
     trace = tmp_path / "kvreplay-1.parquet"
     _with_class(PAGE0, trace, "evilmod:Pool")

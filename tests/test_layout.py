@@ -15,7 +15,9 @@ def test_every_package_top_module_and_family_folder_is_in_a_layer():
     named = {e for layer in layers.LAYERS for e in layer}
     found = {p.stem if p.is_file() else p.name for p in layers.ROOT.iterdir()
              if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
+    # the families' folders and the jobs' modules are entries of their own
     found |= {f"families.{p.name}" for p in (layers.ROOT / "families").iterdir() if (p / "__init__.py").exists()}
+    found |= {f"jobs.{p.stem}" for p in (layers.ROOT / "jobs").glob("*.py") if p.stem != "__init__"}
     assert found == named
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from kvreplay.builds.resolve import load_build
+from kvreplay.contract.registry import family
 from kvreplay.families.mamba.checker import StatePoolChecker
 from kvreplay.families.mamba.pool import HybridStatePool, StateSlots
-from kvreplay.family.registry import family
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.format import check_ctor_args
 from kvreplay.workload.synth import SynthConfig, synthesize

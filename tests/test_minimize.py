@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreplay.minimize import Subject, minimize
+from kvreplay.jobs.minimize import Subject, minimize
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.reader import TraceReader
 from kvreplay.workload.synth import SynthConfig, synthesize
@@ -82,7 +82,7 @@ def test_other_corpus_bugs_shrink_too(name, variant, tmp_path):
 def test_removing_calls_keeps_a_trace_that_makes_sense(small_trace):
     """Whatever allocations are dropped, what is left never frees or extends a slot
     nobody handed out: on the correct pool it breaks no invariant but leaks."""
-    from kvreplay.minimize import Dependencies
+    from kvreplay.jobs.minimize import Dependencies
 
     subject = Subject(small_trace, "builtin:swa")
     subject.calls = list(subject.reader.top_calls())
@@ -105,7 +105,7 @@ def test_removing_calls_keeps_a_trace_that_makes_sense(small_trace):
 
 
 def test_dropping_an_allocation_drops_the_calls_that_name_its_slots(small_trace):
-    from kvreplay.minimize import Dependencies
+    from kvreplay.jobs.minimize import Dependencies
 
     calls = list(TraceReader(small_trace).top_calls())
     deps = Dependencies(calls, 516, 4)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kvreplay.builds.resolve import resolve
+from kvreplay.contract.registry import BUILTINS
 from kvreplay.families.sglang.paged import PagedPool
 from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.families.sglang.token import TokenPool
-from kvreplay.family.registry import BUILTINS
 
 
 def t(*v: int) -> torch.Tensor:

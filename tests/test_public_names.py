@@ -1,6 +1,6 @@
 """``from kvreplay import X`` gives the API's object whatever was imported before it,
-for every public name: a module of the same name (kvreplay.replay, kvreplay.minimize,
-kvreplay.bisect) imported first does not take the name's place."""
+for every public name: a module of the same name (kvreplay.replay, kvreplay.jobs.minimize,
+kvreplay.jobs.bisect) imported first does not take the name's place."""
 
 from __future__ import annotations
 

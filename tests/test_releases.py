@@ -12,13 +12,13 @@ import zipfile
 
 import pytest
 
-from kvreplay.bisect import bisect, build_candidates
 from kvreplay.builds.cache import cache_root
 from kvreplay.builds.overlay import exact_pins, is_platform
 from kvreplay.builds.releases import _unpack_wheel, expand, expand_all, requirements_of_tree
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable, UnknownBuild
-from kvreplay.matrix import run_matrix
+from kvreplay.jobs.bisect import bisect, build_candidates
+from kvreplay.jobs.matrix import run_matrix
 from kvreplay.replay.report import Failure
 
 INDEX = ["0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14"]

@@ -14,11 +14,11 @@ import urllib.request
 
 import pytest
 
+from kvreplay.jobs.stored_replay import replay_and_store
 from kvreplay.replay.replayer import Replayer
 from kvreplay.report.gather import open_trace, recorded_occupancy
 from kvreplay.report.reports import BUDGET_BYTES, run_report
 from kvreplay.store.db import open_store
-from kvreplay.stored_replay import replay_and_store
 
 
 def page_data(html: str) -> dict:
@@ -133,7 +133,7 @@ def test_replay_and_diff_write_reports(cli, swa_trace_80, tmp_path):
 
 
 def test_dashboard_reads_and_never_writes(store_with_runs):
-    from kvreplay.dashboard import create_app
+    from kvreplay.jobs.dashboard import create_app
 
     db, clean, buggy = store_with_runs
     st = open_store(db)
@@ -228,7 +228,7 @@ def test_dashboard_answers_only_its_own_host_names_and_a_busy_port_is_bad_input(
     import subprocess
     import sys
 
-    from kvreplay.dashboard import create_app
+    from kvreplay.jobs.dashboard import create_app
 
     db = store_with_runs[0]
     st = open_store(db)
@@ -251,7 +251,7 @@ def test_dashboard_answers_only_its_own_host_names_and_a_busy_port_is_bad_input(
 
 
 def test_dashboard_answers_bad_parameters_with_400_or_404_never_500(store_with_runs):
-    from kvreplay.dashboard import create_app
+    from kvreplay.jobs.dashboard import create_app
 
     db, clean, _ = store_with_runs
     client = create_app(open_store(db)).test_client()

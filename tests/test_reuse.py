@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import update
 
-from kvreplay.bisect import Prober
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.matrix import run_matrix
+from kvreplay.jobs.bisect import Prober
+from kvreplay.jobs.matrix import run_matrix
+from kvreplay.jobs.stored_replay import replay_and_store
 from kvreplay.store.db import open_store
 from kvreplay.store.models import Run
 from kvreplay.store.runs import REUSABLE, reusable_run
-from kvreplay.stored_replay import replay_and_store
 from kvreplay.trace.hashing import content_hash
 
 SPECS = ["builtin:swa", "builtin:swa@stale-tail", "builtin:swa@page-partial-clear",

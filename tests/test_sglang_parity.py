@@ -108,7 +108,7 @@ def test_a_program_driving_real_sglang_under_kvreplay_record_leaves_a_clean_trac
 def test_minimize_on_real_sglang_gives_a_short_reproducer_of_its_page0_bug(tmp_path):
     """#38519 on the installed sglang: a few calls, a pytest file that fails on sglang
     and passes on builtin:swa."""
-    from kvreplay.minimize import minimize
+    from kvreplay.jobs.minimize import minimize
 
     res = minimize(CORPUS / "radix-swa-800.parquet", "sglang", tmp_path / "m.parquet", reference="builtin:swa",
                    emit_test=tmp_path / "test_page0.py")

@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("sglang", reason="sglang not installed")
 
-from kvreplay.bisect import bisect, build_candidates  # noqa: E402
 from kvreplay.builds.releases import expand  # noqa: E402
-from kvreplay.matrix import run_matrix  # noqa: E402
+from kvreplay.jobs.bisect import bisect, build_candidates  # noqa: E402
+from kvreplay.jobs.matrix import run_matrix  # noqa: E402
+from kvreplay.jobs.stored_replay import replay_and_store  # noqa: E402
 from kvreplay.replay.dispatch import replay  # noqa: E402
 from kvreplay.replay.report import Failure  # noqa: E402
-from kvreplay.stored_replay import replay_and_store  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 CORPUS = Path(__file__).resolve().parents[1] / "traces"

@@ -12,10 +12,10 @@ from conftest import run_in_process
 from sqlalchemy import func, select
 
 from kvreplay.errors import BadInput
+from kvreplay.jobs.stored_replay import replay_and_store
 from kvreplay.store.db import open_store, tables
 from kvreplay.store.models import Run, ViolationRow
 from kvreplay.store.runs import list_runs
-from kvreplay.stored_replay import replay_and_store
 from kvreplay.workload.synth import SynthConfig, synthesize
 
 

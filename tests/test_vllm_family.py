@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvreplay.minimize import minimize
+from kvreplay.jobs.minimize import minimize
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.profile import profile
 from kvreplay.workload.synth import SynthConfig, synthesize

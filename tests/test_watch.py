@@ -172,7 +172,7 @@ def test_stop_on_violation_needs_watch(cli, tmp_path):
 
 
 def _writer_of(trace_dir: Path) -> int:
-    (pid,) = pids("cmdline", b"kvreplay.watch", str(trace_dir).encode())
+    (pid,) = pids("cmdline", b"kvreplay.jobs.watch", str(trace_dir).encode())
     return pid
 
 
@@ -252,7 +252,7 @@ def test_the_watch_compares_a_vllm_managers_block_calls_with_their_ids(tmp_path)
     and called every free a divergence)."""
     import pyarrow as pa
 
-    from kvreplay.watch import Watcher
+    from kvreplay.jobs.watch import Watcher
     from kvreplay.workload.synth import SynthConfig, synthesize
 
     trace = tmp_path / "v.parquet"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.family.record import load
-from kvreplay.family.registry import families, record_classes
+from kvreplay.contract.record import load
+from kvreplay.contract.registry import families, record_classes
 
 
 def recordable(obj: Any) -> Any:

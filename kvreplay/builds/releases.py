@@ -32,9 +32,9 @@ from packaging.version import InvalidVersion, Version
 
 from kvreplay.builds.cache import cache_root, made_once, size_of
 from kvreplay.builds.overlay import Overlay, exact_pins, overlay_for
+from kvreplay.contract.registry import engine as engine_record
+from kvreplay.contract.registry import engines, git_engine
 from kvreplay.errors import BadInput, BuildUnloadable
-from kvreplay.family.registry import engine as engine_record
-from kvreplay.family.registry import engines, git_engine
 
 # Digits, dots and a post segment: what a release spec may hand to pip, nothing else.
 _VERSION = re.compile(r"^\d+(\.\d+){1,3}(\.post\d+)?$")

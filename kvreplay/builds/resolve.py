@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from kvreplay.builds.spec import BuildSpec
+from kvreplay.contract.record import load
+from kvreplay.contract.registry import BUILTINS, engine, families, family
 from kvreplay.errors import BadInput, BuildUnloadable, FamilyMismatch, UnknownBuild
-from kvreplay.family.record import load
-from kvreplay.family.registry import BUILTINS, engine, families, family
 from kvreplay.trace.format import POOL_DTYPES
 
 

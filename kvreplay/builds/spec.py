@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.builds.releases import check_version, engine_of
+from kvreplay.contract.registry import BUILTINS, engines
+from kvreplay.contract.registry import engine as engine_record
 from kvreplay.errors import UnknownBuild, did_you_mean
-from kvreplay.family.registry import BUILTINS, engines
-from kvreplay.family.registry import engine as engine_record
 from kvreplay.version import __version__
 
 # builtin | py | release | git, and each engine's name (the installed engine's pool)

@@ -18,8 +18,8 @@ from kvreplay.builds.git_tree import path_for, tree_at
 from kvreplay.builds.overlay import exact_pins, overlay_for
 from kvreplay.builds.releases import check_release, fetch, requirements_of_tree
 from kvreplay.builds.spec import BuildSpec
+from kvreplay.contract.registry import engine
 from kvreplay.errors import BuildUnloadable
-from kvreplay.family.registry import engine
 
 # Top-level modules the worker must treat as not installed (comma-separated): the
 # overlay's, and any the environment already names.

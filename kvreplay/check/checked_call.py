@@ -10,8 +10,8 @@ from typing import Any
 from kvreplay.builds.translations import abstract, dropped_args, translate
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import PoolView
+from kvreplay.contract.registry import all_methods
 from kvreplay.errors import BadInput
-from kvreplay.family.registry import all_methods
 
 
 def method_of(pool: Any, method: str) -> tuple[Callable[..., Any] | None, bool]:

@@ -24,8 +24,8 @@ from kvreplay.check.growth import GrowthWatch
 from kvreplay.check.pool_view import PoolView, to_np
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.check.shadow import Shadow, packed, unpacked
-from kvreplay.family.record import load
-from kvreplay.family.registry import family
+from kvreplay.contract.record import load
+from kvreplay.contract.registry import family
 from kvreplay.pool_api import ALLOCS, FREES, SWA_ONLY_FREES
 
 MAX_INDICES = 8

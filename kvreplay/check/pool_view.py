@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvreplay.family.registry import family as family_record
+from kvreplay.contract.registry import family as family_record
 from kvreplay.pool_api import COUNTER_READS, COUNTERS
 
 

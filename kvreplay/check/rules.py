@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvreplay.family.registry import LiveView, families, unit_of
+from kvreplay.contract.registry import LiveView, families, unit_of
 
 
 @dataclass(frozen=True)

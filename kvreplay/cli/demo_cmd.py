@@ -24,7 +24,7 @@ def demo(
     on builtin:swa@stale-tail (caught at the source call), and shows the
     stored run.
     """
-    from kvreplay.demo import demo as run_demo
+    from kvreplay.jobs.demo import demo as run_demo
 
     res = run_demo(db=db, out_dir=out_dir, requests=requests,
                    progress=None if as_json else (lambda m: say(m, "dim", to_err=True)))

@@ -60,7 +60,7 @@ def matrix(
     any build shows a violation or divergence, 0 when all tested builds
     are clean, 125 when none could be tested, 2 on bad input.
     """
-    from kvreplay.matrix import matrix_traces, run_matrix
+    from kvreplay.jobs.matrix import matrix_traces, run_matrix
     from kvreplay.report.reports import check_report_path
 
     if report_path is not None:

@@ -160,7 +160,7 @@ def record(
                          on_metrics=lambda url: say(f"kvreplay: counters at {url}", to_err=True),
                          rotation=rotation, cpu_compat=cpu_compat)
     if watch and minimize_s > 0 and any(f.get("kind") == "violation" for f in res.findings):
-        from kvreplay.minimize import reproduce_findings
+        from kvreplay.jobs.minimize import reproduce_findings
 
         res.reproducers = reproduce_findings(res.findings, res.out, minimize_s,
                                              progress=None if as_json else lambda m: say(m, to_err=True),

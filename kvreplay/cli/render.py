@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvreplay.cli.base import out, say
-from kvreplay.family.registry import unit_of
+from kvreplay.contract.registry import unit_of
 from kvreplay.replay.report import describe, firsts_by_rule
 from kvreplay.text import printable
 

@@ -78,8 +78,8 @@ def replay(
     T.parquet --build git:.@HEAD:pkg.mod:Pool --no-store --git-bisect`.
     """
     from kvreplay.builds.spec import BuildSpec
+    from kvreplay.jobs.stored_replay import replay_and_store
     from kvreplay.replay.report import Failure
-    from kvreplay.stored_replay import replay_and_store
 
     if report_path is not None:
         from kvreplay.report.reports import check_report_path

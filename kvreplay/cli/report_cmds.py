@@ -67,7 +67,7 @@ def serve(
 
     Example: kvreplay serve --db team.db --port 8080, then open http://127.0.0.1:8080/
     """
-    from kvreplay.dashboard import serve as run_server
+    from kvreplay.jobs.dashboard import serve as run_server
     from kvreplay.store.db import open_store, resolve_url, safe_url
 
     url = resolve_url(db, create_dirs=False)

@@ -68,8 +68,8 @@ def bisect_cmd(
     Exit 0 when the first bad (or fixed) build, or a range when skips
     hide it, is named; 1 when --good already fails; 2 on bad input.
     """
-    from kvreplay.bisect import bisect, build_candidates, git_candidates
     from kvreplay.builds.releases import expand_all
+    from kvreplay.jobs.bisect import bisect, build_candidates, git_candidates
     from kvreplay.replay.report import Failure
     from kvreplay.report.reports import bisect_report, check_report_path, write_report
 
@@ -152,7 +152,7 @@ def minimize(
     with KVREPLAY_BUILD=... Exit 0 when written, 2 on bad input (e.g. a
     clean trace).
     """
-    from kvreplay.minimize import minimize as run_minimize
+    from kvreplay.jobs.minimize import minimize as run_minimize
 
     def progress(size: int, tests: int, elapsed: float) -> None:
         if not as_json:

@@ -26,7 +26,7 @@ from kvreplay.cli.base import (
     within,
 )
 from kvreplay.cli.render import row
-from kvreplay.family.registry import unit_of
+from kvreplay.contract.registry import unit_of
 from kvreplay.limits import MAX_POOL_SLOTS
 from kvreplay.text import printable
 
@@ -205,7 +205,7 @@ def inspect(
 @app.command("builds")
 def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
     """List the builds: builtin pools, bug variants and other build kinds."""
-    from kvreplay.family.registry import BUILTINS, engines
+    from kvreplay.contract.registry import BUILTINS, engines
 
     rows = [{"build": f"builtin:{b.name}", "family": b.family, "summary": b.summary} for b in BUILTINS.values()]
     if as_json:

@@ -22,10 +22,10 @@ from kvreplay.corpus.expectations import check_report
 from kvreplay.corpus.manifest import MANIFEST, Expectation, load_manifest
 from kvreplay.errors import BadInput, BuildUnsupported, FamilyMismatch
 from kvreplay.fanout import iter_units
+from kvreplay.jobs.stored_replay import StoredReplay, replay_and_store
 from kvreplay.replay.report import describe
 from kvreplay.store.db import open_store
 from kvreplay.store.runs import record_run
-from kvreplay.stored_replay import StoredReplay, replay_and_store
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.location import corpus_traces, is_remote, local_path
 

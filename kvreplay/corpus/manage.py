@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvreplay.contract.registry import family
 from kvreplay.corpus.expectations import expectation_of
 from kvreplay.corpus.manifest import MANIFEST, NAME, check_entry, load_manifest, read_document, write_document
 from kvreplay.errors import BadInput
-from kvreplay.family.registry import family
 from kvreplay.replay.dispatch import replay
 from kvreplay.safe_files import check_destination, open_regular, write_atomic
 from kvreplay.trace.hashing import CHUNK, content_hash

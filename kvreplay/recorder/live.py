@@ -116,7 +116,7 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     the traces it wrote. Traces still being finished by a writer process when the
     command ends (a process that was killed) get ``settle_s`` seconds to appear.
 
-    ``watch`` ("check" or "metrics", see kvreplay.watch): the writers check (or only
+    ``watch`` ("check" or "metrics", see kvreplay.jobs.watch): the writers check (or only
     count) what they write; each finding is passed to ``on_finding`` within about a
     second of its call, and ``stop_on_violation`` sends the command SIGTERM at the first
     violation. ``metrics_port``: the writers' counters are served at

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.family.registry import ctor_args_of_pool, family, family_of_pool
+from kvreplay.contract.registry import ctor_args_of_pool, family, family_of_pool
 from kvreplay.limits import writer_kind
 from kvreplay.pool_api import COUNTER_METHODS, COUNTER_READS
 from kvreplay.recorder.capture import Engine, default_backend

@@ -95,7 +95,7 @@ def read_frame(src: BinaryIO) -> tuple[bytes, list[bytearray]] | None:
 def write_trace(path: str, src: BinaryIO, watch: Callable[[Any], Any] | None = None) -> None:
     """Write the frames of ``src`` to ``path``. ``watch(meta)``, when given, makes an
     observer whose ``feed`` sees every table the file takes and whose ``finish`` is
-    called at the end (kvreplay.watch)."""
+    called at the end (kvreplay.jobs.watch)."""
     import pickle
 
     from kvreplay.recorder.writer import ParquetSink

@@ -35,9 +35,9 @@ class ProcessTraceWriter(QueuedWriter):
         super().__init__(path, max_queued_rows)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Watched (kvreplay record --watch), the writer also checks what it writes: the
-        # same writer, started as kvreplay.watch, which runs it with a watcher attached.
+        # same writer, started as kvreplay.jobs.watch, which runs it with a watcher attached.
         watched = os.environ.get(WATCH_ENV) in ("check", "metrics")
-        module = "kvreplay.watch" if watched else "kvreplay.recorder.writer_child"
+        module = "kvreplay.jobs.watch" if watched else "kvreplay.recorder.writer_child"
         self._proc = subprocess.Popen(
             [sys.executable, "-m", module, "--detach", str(self.path)],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

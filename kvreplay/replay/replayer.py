@@ -22,8 +22,8 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.checked_call import checked_call, method_of
 from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
+from kvreplay.contract.registry import family
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
-from kvreplay.family.registry import family
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS
 from kvreplay.replay.compare import alike, exception_difference, remap_difference, same
 from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.family.record import load
-from kvreplay.family.registry import family
+from kvreplay.contract.record import load
+from kvreplay.contract.registry import family
 from kvreplay.replay.loop import ReplayLoop
 from kvreplay.trace.reader import TraceReader
 

@@ -280,8 +280,8 @@ def _breadcrumbs(trace: str, replayer: Any) -> Any:
 
 def _replay_one(trace: str, request: dict[str, Any], kernels: dict[str, Any] | None) -> dict[str, Any]:
     try:
-        from kvreplay.family.record import load
-        from kvreplay.family.registry import engine, git_engine
+        from kvreplay.contract.record import load
+        from kvreplay.contract.registry import engine, git_engine
         from kvreplay.replay.replayers import make_replayer
 
         build = request["spec"]

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
+from kvreplay.contract.registry import family
 from kvreplay.errors import KvreplayError
-from kvreplay.family.registry import family
 from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from kvreplay.family.registry import family, family_names, is_family, sub_allocators
+from kvreplay.contract.registry import family, family_names, is_family, sub_allocators
 from kvreplay.limits import MAX_POOL_SLOTS, limit
 
 # 2: counter reads that told nothing new are folded into the row before them

@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvreplay.contract.registry import family, same_engine
 from kvreplay.errors import BadInput, TraceFormatError
-from kvreplay.family.registry import family, same_engine
 from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.trace.reader import TraceReader
 

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvreplay.contract.registry import all_methods, family
 from kvreplay.errors import TraceFormatError
-from kvreplay.family.registry import all_methods, family
 from kvreplay.limits import limit
 from kvreplay.pool_api import COUNTER_READS
 from kvreplay.trace.bounds import COLUMNS as VALUE_COLUMNS

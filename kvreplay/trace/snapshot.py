@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvreplay.family.registry import sub_allocators
+from kvreplay.contract.registry import sub_allocators
 from kvreplay.trace.format import MAX_POOL_SLOTS
 
 FORMAT = 1

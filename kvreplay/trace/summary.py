@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvreplay.family.registry import family
+from kvreplay.contract.registry import family
 from kvreplay.pool_api import VOID_METHODS
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD, GROUP_FOLD_METHODS
 from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace, local_path

@@ -35,9 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvreplay.contract.record import load
+from kvreplay.contract.registry import engines
 from kvreplay.errors import BadInput
-from kvreplay.family.record import load
-from kvreplay.family.registry import engines
 from kvreplay.workload.requests import Request
 
 FIRST_TOKEN = 3  # below: ids models keep for padding, BOS and EOS

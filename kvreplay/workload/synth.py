@@ -22,9 +22,9 @@ from kvreplay.builds import resolve as builds
 from kvreplay.builds.resolve import resolve_device
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.builds.worker_code import prepare
+from kvreplay.contract.record import Scenario, load
+from kvreplay.contract.registry import SCENARIOS, family
 from kvreplay.errors import BadInput, BuildUnloadable, BuildUnsupported, KvreplayError, PoolFailed, one_of
-from kvreplay.family.record import Scenario, load
-from kvreplay.family.registry import SCENARIOS, family
 from kvreplay.recorder.recording import record
 from kvreplay.trace.location import output_path, publish
 from kvreplay.trace.reader import TraceReader

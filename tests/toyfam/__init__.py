@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.family.record import BuiltinBuild, Family, Scenario
+from kvreplay.contract.record import BuiltinBuild, Family, Scenario
 from kvreplay.pool_api import RECORDED_METHODS
 
 TOY = Family(

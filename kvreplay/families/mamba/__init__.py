@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.contract.record import BuiltinBuild, Family, Scenario
 from kvreplay.families.mamba.wire import METHODS, NONE, POOL_CLASS, VOID_METHODS
-from kvreplay.family.record import BuiltinBuild, Family, Scenario
 from kvreplay.limits import MAX_POOL_SLOTS, limit
 from kvreplay.trace.bounds import Bound
 

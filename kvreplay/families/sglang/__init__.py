@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
+from kvreplay.contract.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.pool_api import RECORDED_METHODS
 
 ENGINE = Engine(

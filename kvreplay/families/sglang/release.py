@@ -21,9 +21,9 @@ import inspect
 import sys
 from typing import Any
 
+from kvreplay.contract.record import Family
+from kvreplay.contract.registry import family as family_record
 from kvreplay.errors import BuildUnloadable, BuildUnsupported, UnknownBuild
-from kvreplay.family.record import Family
-from kvreplay.family.registry import family as family_record
 
 # The SWA KV-pool classes an allocator may check its kvcache against, newest first.
 _SWA_KV_NAMES = ("BaseSWAKVPool", "SWAKVPool")

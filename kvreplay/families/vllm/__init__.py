@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvreplay.contract.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.families.vllm.vocabulary import (
     MAMBA_MODES,
     VLLM_HOUSEKEEPING,
@@ -16,7 +17,6 @@ from kvreplay.families.vllm.vocabulary import (
     VLLM_VOID_METHODS,
     vllm_groups,
 )
-from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.limits import MAX_POOL_SLOTS, limit
 from kvreplay.trace.bounds import Bound
 

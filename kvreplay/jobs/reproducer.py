@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from kvreplay.check.rules import INVARIANTS
+from kvreplay.contract.registry import all_methods
 from kvreplay.errors import BadInput
-from kvreplay.family.registry import all_methods
 from kvreplay.pool_api import ALLOCS, FULL_TOKEN_ARGS
 from kvreplay.trace.format import TopCall
 from kvreplay.trace.reader import TraceReader

@@ -15,8 +15,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from kvreplay.contract.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.errors import BadInput
-from kvreplay.family.record import BuiltinBuild, Engine, Family, Scenario
 from kvreplay.limits import shown
 
 # The family packages kvreplay ships, one line each.

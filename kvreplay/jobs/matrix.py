@@ -26,11 +26,11 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import INVARIANTS
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput
 from kvreplay.fanout import iter_units
+from kvreplay.jobs.stored_replay import trace_info
 from kvreplay.replay.dispatch import run_many
 from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
 from kvreplay.store.db import check_store, open_store
 from kvreplay.store.runs import get_run, record_run, reusable_run, run_to_dict
-from kvreplay.stored_replay import trace_info
 from kvreplay.trace import location
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader

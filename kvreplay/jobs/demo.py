@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvreplay.jobs.stored_replay import StoredReplay, replay_and_store
 from kvreplay.report.reports import stored_run_report, write_report
 from kvreplay.scratch import outer_tmp
 from kvreplay.store.db import open_store, safe_url
 from kvreplay.store.runs import get_run, run_to_dict
-from kvreplay.stored_replay import StoredReplay, replay_and_store
 from kvreplay.workload.synth import SynthConfig, SynthResult, synthesize
 
 

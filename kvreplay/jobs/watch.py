@@ -44,7 +44,7 @@ REQUEST_ARGS = ("request_id", "req_id", "rid")
 def watch_build(meta: TraceMeta) -> str:
     """The build a watch replays on: the class that is being recorded, as installed
     here (the recording process's own meta names it; no trace from elsewhere does)."""
-    from kvreplay.family.registry import engine
+    from kvreplay.contract.registry import engine
 
     top = meta.pool_class.split(":")[0].split(".")[0]
     return top if engine(top) is not None else f"py:{meta.pool_class}"

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from kvreplay.builds.spec import BuildSpec
+from kvreplay.contract.registry import family
 from kvreplay.errors import BadInput, KvreplayError
-from kvreplay.family.registry import family
 from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, method_kind
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
@@ -415,7 +415,7 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     result = MinimizeResult(str(trace), build, out_uri if remote else str(out), failure, total, len(kept),
                             subject.tests, clock.elapsed, clock.up, ref, shows, sizes=sizes)
     if emit_test is not None:
-        from kvreplay.reproducer import write_reproducer
+        from kvreplay.jobs.reproducer import write_reproducer
 
         result.test_file = str(write_reproducer(out, emit_test, build=build, failure=failure, source=str(trace),
                                                 failing_call=failing_call, shows=shows.split(": ")[0]))
@@ -463,8 +463,8 @@ def reproduce_findings(findings: list[dict[str, Any]], out: Path, timeout_s: flo
     writers sealed, recorder/seal.py). A trace's footer never chooses it: a trace whose
     footer names another class gets no reproducer. ``traces``: the traces this
     recording wrote (others in ``out`` are not its own)."""
+    from kvreplay.jobs.watch import watch_build
     from kvreplay.trace.reader import TraceReader
-    from kvreplay.watch import watch_build
 
     own = None if traces is None else {Path(t).name for t in traces}
     done: list[dict[str, Any]] = []

@@ -97,7 +97,7 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
     ``hosts``: the only Host headers answered. A page elsewhere on the web can point a
     name of its own at 127.0.0.1 (DNS rebinding) and read what this serves; such
     requests carry that name, and get a 400 instead."""
-    app = Flask("kvreplay.dashboard")
+    app = Flask("kvreplay.jobs.dashboard")
 
     @app.before_request
     def _host() -> None:

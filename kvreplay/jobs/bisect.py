@@ -24,11 +24,11 @@ from typing import Any
 from kvreplay.builds.git_tree import resolve_commit
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable
+from kvreplay.jobs.stored_replay import replay_and_store
 from kvreplay.replay.report import UNTESTABLE, Failure, ReplayReport, describe, firsts_by_rule, invariant_ids
 from kvreplay.store.db import open_store
 from kvreplay.store.models import Run
 from kvreplay.store.runs import reusable_run
-from kvreplay.stored_replay import replay_and_store
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.location import local_path
 from kvreplay.trace.reader import TraceReader
