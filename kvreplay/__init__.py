@@ -29,11 +29,11 @@ _API = {
     "TraceReader": ("kvreplay.trace.reader", "TraceReader"),
     "summarize": ("kvreplay.trace.summary", "summarize"),
     "replay": ("kvreplay.replay.dispatch", "replay"),
-    "Replayer": ("kvreplay.replay.replayer", "Replayer"),
+    "Replayer": ("kvreplay.families.sglang.replayer", "Replayer"),
     "diff": ("kvreplay.replay.diff", "diff_builds"),
     "minimize": ("kvreplay.jobs.minimize", "minimize"),
     "bisect": ("kvreplay.jobs.bisect", "bisect"),
-    "CheckedPool": ("kvreplay.checked_pool", "CheckedPool"),
+    "CheckedPool": ("kvreplay.families.sglang.checked", "CheckedPool"),
     "synthesize": ("kvreplay.workload.synth", "synthesize"),
 }
 

@@ -26,6 +26,13 @@ MOVED: dict[str, str] = {
     "kvreplay.watch": "kvreplay.jobs.watch",
     "kvreplay.stored_replay": "kvreplay.jobs.stored_replay",
     "kvreplay.family": "kvreplay.contract",  # the family machinery, apart from the families
+    # sglang's own code, out of the shared modules into its family's folder
+    "kvreplay.replay.replayer": "kvreplay.families.sglang.replayer",
+    "kvreplay.replay.remap": "kvreplay.families.sglang.remap",
+    "kvreplay.check.checker": "kvreplay.families.sglang.checker",
+    "kvreplay.check.checked_call": "kvreplay.families.sglang.checked_call",
+    "kvreplay.checked_pool": "kvreplay.families.sglang.checked",
+    "kvreplay.pool_api": "kvreplay.families.sglang.vocabulary",
 }
 
 

@@ -3,7 +3,8 @@
     python scripts/tiers.py [--out DIR]
 
 Collects the tests once and prints each tier's count (the fast tier is the README's
-test command: every test not marked slow, browser, sglang or vllm); with ``--out`` it writes
+test command: every test that no marker of tests/tier_markers.py keeps out, the tiers'
+one declaration); with ``--out`` it writes
 each tier's test ids to DIR/TIER.txt. .ci/run keeps those files as artefacts beside the
 fast tier's time. The sglang, live, soak and vllm tiers' modules need their engines
 installed: collected with an interpreter that lacks them, they hold nothing here, and
@@ -15,26 +16,13 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# tier -> which tests it takes, by their markers (pyproject.toml describes each marker)
-TIERS: dict[str, Callable[[set[str]], bool]] = {
-    "fast": lambda m: not m & {"slow", "browser", "sglang", "vllm"},
-    "slow": lambda m: "slow" in m and not m & {"sglang", "vllm"},
-    "browser": lambda m: "browser" in m,
-    "ray": lambda m: "ray" in m,
-    "gpu": lambda m: "gpu" in m,
-    "sglang": lambda m: "sglang" in m and not m & {"live", "soak", "mamba"},
-    "live": lambda m: "live" in m and "mamba" not in m,
-    "soak": lambda m: "soak" in m,
-    "vllm": lambda m: "vllm" in m and "mamba" not in m,
-    # the family's tests on real engines (its engine-free ones are in the fast tier)
-    "mamba": lambda m: "mamba" in m,
-}
+sys.path.insert(0, str(ROOT / "tests"))  # as conftest.py imports it, so both read one table
+from tier_markers import TIERS  # noqa: E402
 
 
 class _Collected:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tier_markers
 import torch
 
 from kvreplay.workload.synth import SynthConfig, synthesize
@@ -33,6 +34,8 @@ def pytest_configure(config):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupted)
+    for line in tier_markers.lines():
+        config.addinivalue_line("markers", line)
 
 
 def run_in_process(capsys, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -87,11 +90,14 @@ def kill_a_second_after_its_mark(script: str, wait_for: Path | None = None) -> i
     return done
 
 
-# The tiers are markers on the tests themselves (pyproject.toml lists them): `slow` on a
-# test, or on some of its cases through pytest.param(..., marks=pytest.mark.slow) or, where
-# the cases come from a fixture's parameters, `slow_cases("id", ...)` on the test; `browser`,
-# `live`, `gpu`, `sglang`, `vllm`, `soak`, `ray` likewise. A case id that `slow_cases` names
-# and no case of its test has is an error: a renamed case cannot drop into the fast tier.
+# The tiers are markers on the tests themselves (tests/tier_markers.py declares them): `slow`
+# on a test, or on some of its cases through pytest.param(..., marks=pytest.mark.slow) or,
+# where the cases come from a fixture's parameters, `slow_cases("id", ...)` on the test;
+# `browser`, `live`, `gpu`, `sglang`, `vllm`, `mamba`, `soak`, `ray` likewise. A case id that
+# `slow_cases` names and no case of its test has is an error: a renamed case cannot drop into
+# the fast tier. So is a marker nothing declares (pytest_make_collect_report below). The
+# rest get `fast` here (pyproject's addopts select -m fast), so the tier is decided by
+# tier_markers.in_fast_tier alone.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     named: dict[object, set[str]] = {}
@@ -111,10 +117,52 @@ def pytest_collection_modifyitems(config, items):
         if whole and ids - seen[fn]:
             raise pytest.UsageError(f"{fn.__name__}: slow_cases names {sorted(ids - seen[fn])}, which are not "
                                     f"among its cases {sorted(seen[fn])}")
+    _sort_into_the_fast_tier(config, items)
     if not torch.cuda.is_available():
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device (scripts/gpu-check.sh runs these)"))
+
+
+def _declared(config) -> set[str]:
+    declared = {tier_markers.name_of(line) for line in config.getini("markers")}
+    # (declared here too where only the hooks are borrowed: tests/test_front_door.py's check)
+    return declared | {tier_markers.name_of(m) for m in tier_markers.MARKERS} | {tier_markers.FAST}
+
+
+def _sort_into_the_fast_tier(config, items) -> None:
+    declared = _declared(config)
+    for item in items:
+        names = {m.name for m in item.iter_markers()}
+        # (an undeclared marker is a collection error; where that hook is not in use it still
+        # keeps its test out)
+        if tier_markers.in_fast_tier(names) and names <= declared:
+            item.add_marker(tier_markers.FAST)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A marker nothing declares, or ``fast`` written by hand, fails the collection of its
+    test's module or class: a misspelt ``sglnag`` would put an engine's test in the fast
+    tier, pytest only warns of it, and an error raised later (in
+    pytest_collection_modifyitems) dies unread in an xdist worker."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.passed:
+        return
+    declared = _declared(collector.config)
+    wrong = []
+    for item in report.result:
+        if not isinstance(item, pytest.Item):
+            continue
+        names = {m.name for m in item.iter_markers()}
+        wrong += [f"{item.nodeid}: undeclared marker {m!r}" for m in sorted(names - declared)]
+        if tier_markers.FAST in names:
+            wrong.append(f"{item.nodeid}: {tier_markers.FAST!r} is given by tests/conftest.py, not written on a test")
+    if wrong:
+        outcome.force_result(pytest.CollectReport(
+            report.nodeid, "failed", "test markers (tests/tier_markers.py declares the tiers' markers):\n  "
+            + "\n  ".join(wrong), []))
 
 
 @pytest.fixture(scope="session")

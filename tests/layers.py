@@ -25,13 +25,13 @@ LAYERS: list[list[str]] = [
     ["jobs.stored_replay", "jobs.reproducer", "report", "jobs.watch", "jobs"],
     ["families.sglang", "families.vllm", "families.mamba", "families"],  # each family's own code, named by its record
     ["workload"],
-    ["recorder", "replay", "checked_pool"],
+    ["recorder", "replay"],
     ["check", "store"],
     ["builds"],
     ["trace", "fanout"],
     ["contract"],  # what a family is: the record, and the registry of records
     ["limits", "safe_files"],  # bounds on input and configuration; reading and writing files as input
-    ["pool_api", "errors", "version", "scratch", "text", "moved"],
+    ["errors", "version", "scratch", "text", "moved"],
 ]
 
 

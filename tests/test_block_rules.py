@@ -99,19 +99,29 @@ def test_the_correct_manager_does_not_fire_it(rule_id):
     m = CheckedManager("builtin:vllm", ctor=CTOR)
     calls(m)
     m.finish()
+    # A checker that was never fed would find nothing as well.
+    assert m.checker.calls > 0, "no call of the case reached the checker"
+    assert [f"{v.invariant}/{v.rule} at call #{v.call} {v.method}: {v.message}" for v in m.checker.log.kept] == []
 
 
 @pytest.mark.parametrize("rule_id", sorted(CASES))
 def test_without_the_rules_check_its_case_fails(rule_id, monkeypatch):
+    """The mutation check: with the rule's check removed, its case no longer trips, so the
+    case above fails."""
     flag = BlockPoolChecker._flag
+    dropped: list[int] = []
 
     def without(self, call, method, rid, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if rid != rule_id:
+        if rid == rule_id:
+            dropped.append(call)
+        else:
             flag(self, call, method, rid, *args, **kwargs)
 
     monkeypatch.setattr(BlockPoolChecker, "_flag", without)
-    build, calls = CASES[rule_id]
-    calls(CheckedManager(build, ctor=CTOR, invariant=rule_id))
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_the_rule_fires_at_the_call_that_breaks_it(rule_id)
+    # A case that tripped no check at all would pass the line above too.
+    assert dropped, f"{rule_id}: its check never fired on its case"
 
 
 def test_a_prefix_hit_shares_blocks_and_the_hit_is_whole_blocks_short_of_the_last_token():

@@ -218,7 +218,7 @@ def test_matrix_bisect_and_assertion_pages(cli, swa_trace_80, tmp_path):
 def test_a_dense_rule_is_a_strip_that_a_click_reads_back(swa_trace_80, tmp_path):
     """A rule that fires thousands of times is drawn as a strip of bins (SVG marks by
     the ten thousand take seconds); a click on it opens the first finding of the bin."""
-    from kvreplay.replay.replayer import Replayer
+    from kvreplay.families.sglang.replayer import Replayer
     from kvreplay.report.reports import run_report, write_report
 
     r = Replayer(swa_trace_80, "builtin:swa@stale-tail").run()

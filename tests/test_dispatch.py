@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from kvreplay.families.sglang.replayer import Replayer
 from kvreplay.families.vllm.replayer import BlockReplayer
 from kvreplay.jobs.stored_replay import replay_and_store
 from kvreplay.replay import dispatch
 from kvreplay.replay.loop import ReplayLoop
-from kvreplay.replay.replayer import Replayer
 from kvreplay.replay.segments import replay_segments
 
 ROOT = Path(__file__).resolve().parents[1]

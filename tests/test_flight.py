@@ -7,11 +7,11 @@ import signal
 
 import pytest
 
+from kvreplay.families.sglang.replayer import Replayer
 from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.families.sglang.variants import UnfilteredPage0SWAPool
 from kvreplay.recorder.flight import flight_recorder
 from kvreplay.replay.dispatch import replay
-from kvreplay.replay.replayer import Replayer
 from kvreplay.trace.reader import TraceReader
 from kvreplay.workload.synth import SCENARIOS, SynthConfig, run_model
 

@@ -11,7 +11,7 @@ import pytest
 from unfolded import unfolded
 
 from kvreplay.families.sglang.swa import SWAPool
-from kvreplay.pool_api import COUNTER_READS
+from kvreplay.families.sglang.vocabulary import COUNTER_READS
 from kvreplay.recorder import layout
 from kvreplay.recorder.capture import native_available
 from kvreplay.recorder.recording import record

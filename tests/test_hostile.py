@@ -218,7 +218,7 @@ def test_a_flipped_footer_byte_and_a_flipped_data_page_are_bad_input(tmp_path, c
 def test_footer_metadata_that_is_not_utf8_is_bad_input(tmp_path, cli):
     """A flipped bit in the footer's metadata once escaped as UnicodeDecodeError."""
     rows, schema = _rows(PAGE0)
-    md = {**schema.metadata, b"kvreplay.fam\xc0ly": b"swa", b"kvreplay.contract": b"\xffswa"}
+    md = {**schema.metadata, b"kvreplay.fam\xc0ly": b"swa", b"kvreplay.family": b"\xffswa"}
     table = pa.Table.from_pylist(rows, schema=schema).replace_schema_metadata(md)
     pq.write_table(table, tmp_path / "t.parquet")
     _bad(cli("replay", str(tmp_path / "t.parquet"), "-b", "builtin:swa", "--no-store"), "not a readable kvreplay trace")

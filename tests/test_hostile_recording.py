@@ -315,3 +315,26 @@ def test_scanning_a_corpus_asks_each_directory_once(tmp_path, monkeypatch):
     (found,) = location.corpus_traces(tmp_path / "corpus")
     assert found.name == "rec" and len(asked) == 1
 
+
+
+def test_parts_recorded_before_parts_named_their_place_still_read_in_order(rotated, tmp_path):
+    """A rotated trace from a kvreplay that wrote no part metadata reads as its names say
+    (a reader that wanted the metadata refused every such trace after its first part)."""
+    import pyarrow.parquet as pq
+
+    old = tmp_path / "old"
+    old.mkdir()
+    for part in sorted(rotated.glob("part-*.parquet")):
+        t = pq.read_table(part)
+        md = dict(t.schema.metadata)
+        extra = json.loads(md[b"kvreplay.extra"])
+        extra.pop("part")
+        md[b"kvreplay.extra"] = json.dumps(extra).encode()
+        pq.write_table(t.replace_schema_metadata(md), old / part.name)
+    assert len(TraceReader(old).parts) == len(list(rotated.glob("part-*.parquet")))
+    # a legacy part among parts that name their recording is still a mix
+    mixed = tmp_path / "mixed"
+    shutil.copytree(rotated, mixed)
+    shutil.copy(old / "part-000001.parquet", mixed / "part-000001.parquet")
+    with pytest.raises(TraceFormatError, match="more than one recording"):
+        TraceReader(mixed)

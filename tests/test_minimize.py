@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvreplay.contract.registry import family
 from kvreplay.jobs.minimize import Subject, minimize
 from kvreplay.replay.dispatch import replay
 from kvreplay.trace.reader import TraceReader
@@ -86,7 +87,7 @@ def test_removing_calls_keeps_a_trace_that_makes_sense(small_trace):
 
     subject = Subject(small_trace, "builtin:swa")
     subject.calls = list(subject.reader.top_calls())
-    subject.deps = deps = Dependencies(subject.calls, 512 + 4, 4)
+    subject.deps = deps = Dependencies(subject.calls, 512 + 4, 4, family("swa").vocabulary)
     allocs = [i for i, tc in enumerate(subject.calls) if tc.call.method.startswith("alloc")]
     rng = random.Random(7)
     everything = list(range(len(subject.calls)))
@@ -108,7 +109,7 @@ def test_dropping_an_allocation_drops_the_calls_that_name_its_slots(small_trace)
     from kvreplay.jobs.minimize import Dependencies
 
     calls = list(TraceReader(small_trace).top_calls())
-    deps = Dependencies(calls, 516, 4)
+    deps = Dependencies(calls, 516, 4, family("swa").vocabulary)
     first_alloc = next(i for i, tc in enumerate(calls) if tc.call.method.startswith("alloc"))
     kept = deps.without(list(range(len(calls))), [first_alloc])
     dropped = set(range(len(calls))) - set(kept)

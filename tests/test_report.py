@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
+from kvreplay.families.sglang.replayer import Replayer
 from kvreplay.jobs.stored_replay import replay_and_store
-from kvreplay.replay.replayer import Replayer
 from kvreplay.report.gather import open_trace, recorded_occupancy
 from kvreplay.report.reports import BUDGET_BYTES, run_report
 from kvreplay.store.db import open_store
@@ -63,7 +63,7 @@ def test_a_run_report_places_every_violation_and_the_first_of_each_rule(store_wi
     before = [n for n in shown if n < first.call]
     after = [n for n in shown if n > first.call]
     assert len(before) == min(3, first.call - 1) and len(after) == 3
-    from kvreplay.pool_api import COUNTER_METHODS
+    from kvreplay.families.sglang.vocabulary import COUNTER_METHODS
 
     assert not any(ctx[str(n)]["method"] in COUNTER_METHODS for n in before + after)
     # occupancy: replayed per sub-pool, in buckets

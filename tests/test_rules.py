@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvreplay.check.rules import RULES
-from kvreplay.checked_pool import CheckedPool
+from kvreplay.families.sglang.checked import CheckedPool
 
 TOKEN = ("token", {"size": 16})
 SWA1 = ("swa", {"size": 16, "size_swa": 16, "page_size": 1})
@@ -92,7 +92,7 @@ CASES = {
 def test_every_rule_in_the_table_has_a_case_and_no_case_names_another():
     from test_block_rules import CASES as BLOCK_CASES  # the vLLM family's rules
 
-    from kvreplay.family.registry import family
+    from kvreplay.contract.registry import family
 
     # the mamba family's rules: tests/test_mamba.py makes each fire
     mamba = {line.split("|")[0].strip() for line in family("mamba").rules.strip().splitlines()}
@@ -120,6 +120,10 @@ def test_the_correct_pool_does_not_fire_it(rule_id):
     _build, (family, ctor), calls = CASES[rule_id]
     pool = CheckedPool(f"builtin:{family}", family=family, ctor=ctor)
     calls(pool)
+    pool.finish()  # the end-of-trace checks too
+    # A checker that was never fed would find nothing as well.
+    assert pool.calls > 0 and pool.checker.calls == pool.calls, (pool.calls, pool.checker.calls)
+    assert [f"{v.invariant}/{v.rule} at call #{v.call} {v.method}: {v.message}" for v in pool.checker.log.kept] == []
 
 
 @pytest.mark.parametrize("rule_id", CALLERS_FAULT)
@@ -133,14 +137,19 @@ def test_a_callers_fault_fires_on_the_correct_pool_too(rule_id):
 def test_without_the_rules_check_its_case_fails(rule_id, monkeypatch):
     """The mutation check: with the rule's check removed (the checker drops that rule's
     findings), its case no longer trips, so the case above would fail."""
-    from kvreplay.check.checker import InvariantChecker
+    from kvreplay.families.sglang.checker import InvariantChecker
 
     flag = InvariantChecker._flag
+    dropped: list[int] = []
 
     def without(self, call, method, invariant, rule, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if f"{invariant}/{rule}" != rule_id:
+        if f"{invariant}/{rule}" == rule_id:
+            dropped.append(call)
+        else:
             flag(self, call, method, invariant, rule, *args, **kwargs)
 
     monkeypatch.setattr(InvariantChecker, "_flag", without)
-    build, (family, ctor), calls = CASES[rule_id]
-    calls(CheckedPool(build, family=family, ctor=ctor, invariant=rule_id))  # nothing raised: nothing found
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        test_the_rule_fires_at_the_call_that_breaks_it(rule_id)
+    # A case that tripped no check at all would pass the line above too.
+    assert dropped, f"{rule_id}: its check never fired on its case"

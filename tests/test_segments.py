@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvreplay.errors import BadInput
-from kvreplay.replay.replayer import Replayer
+from kvreplay.families.sglang.replayer import Replayer
 from kvreplay.replay.segments import plan, replay_segments
 from kvreplay.trace.format import CHECKPOINT_METHOD
 from kvreplay.trace.reader import TraceReader

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kvreplay.families.sglang.replayer import Replayer
 from kvreplay.families.sglang.swa import SWAPool
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
-from kvreplay.replay.replayer import Replayer
 from kvreplay.trace import snapshot
 from kvreplay.trace.reader import TraceReader
 

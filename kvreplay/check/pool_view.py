@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvreplay.contract.registry import family as family_record
-from kvreplay.pool_api import COUNTER_READS, COUNTERS
+from kvreplay.trace.format import COUNTER_READS, COUNTERS
 
 
 def to_np(t: Any) -> np.ndarray:
@@ -137,7 +137,7 @@ class PoolView:
         return {name: int(read()) for name, read in self._readers}
 
     def counters(self, avail: dict[str, int] | None = None) -> tuple[int | None, int | None, int | None]:
-        """The counters a trace records (pool_api.COUNTERS): available_size() and, on a
+        """The counters a trace records (trace.format.COUNTERS): available_size() and, on a
         pool of several sub-pools, each sub-pool's (``avail`` reuses sub-pool reads
         already made)."""
         p = self.pool

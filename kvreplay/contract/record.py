@@ -60,6 +60,34 @@ class Scenario:
 
 
 @dataclass(frozen=True)
+class Vocabulary:
+    """What kind of call each of a family's methods is, as the shared jobs ask it:
+    which calls hand out what later calls name (minimize keeps their results, a
+    reproducer names them), which free, which only read counters (they change nothing:
+    a report, a minimized trace and a profile leave them aside), and which arguments
+    hold the slot indices a remapping replay translates and minimize shrinks."""
+
+    allocs: frozenset[str] = frozenset()
+    frees: frozenset[str] = frozenset()
+    groups: frozenset[str] = frozenset()  # the calls that open and close a group of frees
+    reads: frozenset[str] = frozenset()  # counter reads
+    slot_args: tuple[str, ...] = ()  # arguments holding slots of the capacity's sub-pool
+    other_slot_args: tuple[str, ...] = ()  # arguments holding slots of the other sub-pools
+
+    def kind(self, method: str) -> str:
+        """alloc | free | free-group | read, or the method itself (a kind of its own)."""
+        if method in self.allocs:
+            return "alloc"
+        if method in self.frees:
+            return "free"
+        if method in self.groups:
+            return "free-group"
+        if method in self.reads:
+            return "read"
+        return method
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything the rest of kvreplay asks about one pool family."""
 
@@ -78,7 +106,7 @@ class Family:
     detect: Callable[[Any], bool]  # is this live pool one of this family (asked most specific first)
     ctor_of: Callable[[Any], dict[str, Any]]  # a live pool's constructor arguments, as a trace records them
     sizes_of: Callable[[dict[str, Any]], dict[str, int]]  # capacity per sub-pool, from constructor arguments
-    construct: str  # MODULE:FUNC (cls, ctor, device) -> a pool: how a build is made for a trace
+    construct: str  # MODULE:FUNC (family, cls, ctor, device) -> a pool: how a build is made for a trace
     specificity: int = 0  # detection order: higher is asked first
     base_classes: tuple[str, ...] = ()  # MODULE:CLASS: a class deriving from one is of this family
     class_words: tuple[str, ...] = ()  # words in an engine class's names that say this family
@@ -99,6 +127,10 @@ class Family:
     # calls of its own that always answer None (beyond the shared vocabulary's frees and
     # groups): a None from them is no refusal for want of room
     void_methods: frozenset[str] = frozenset()
+    # MODULE:CLASS: the invariant checker its replayer runs (a recording's checkpoints keep its state)
+    checker: str = ""
+    vocabulary: Vocabulary = Vocabulary()  # the kind of each of its calls
+    profile: str = ""  # MODULE:FUNC (figures, call) -> None: what a call adds to a profile (trace/profile.py)
     invariants: tuple[tuple[str, str], ...] = ()  # (name, what it says) of the invariants only it has
     rules: str = ""  # its rules: lines of ``invariant/rule | severity | what happened`` (check/rules.py)
 
@@ -125,7 +157,7 @@ class Engine:
     name: str  # the package index name
     example: str  # a release to show in messages
     summary: str
-    installed: str  # MODULE:FUNC (family, recorded_class) -> (family or None, class): the installed engine's pool
+    installed: str  # MODULE:FUNC (family, recorded_class) -> (spec, family or None, class): the installed engine's pool
     dists: tuple[str, ...] = ()  # distributions that provide it (an install to import a release's code with)
     wheel_suffixes: tuple[str, ...] | None = None  # files of the wheel a release keeps (None: all)
     sdists: bool = False  # a release may come as a source archive

@@ -209,6 +209,16 @@ def all_methods() -> Mapping[str, Any]:
     return _METHODS
 
 
+# What kind of call each method name is, from the families' vocabularies: the first
+# family that has the method says (the shipped families agree where their names meet).
+_KINDS = LiveView(lambda: {m: f.vocabulary.kind(m) for f in reversed(families()) for m in f.methods})
+
+
+def method_kind(method: str) -> str:
+    """alloc | free | free-group | read, or the method itself: the kind a failure names."""
+    return _KINDS.get(method, method)
+
+
 BUILTINS: Mapping[str, BuiltinBuild] = LiveView(lambda: {b.name: b for f in families() for b in f.builtins})
 SCENARIOS: Mapping[str, Scenario] = LiveView(lambda: {s.name: s for f in families() for s in f.scenarios})
 

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.contract.registry import family
+from kvreplay.contract.record import Vocabulary
+from kvreplay.contract.registry import family, method_kind
 from kvreplay.errors import BadInput, KvreplayError
-from kvreplay.pool_api import ALLOCS, COUNTER_METHODS, FULL_TOKEN_ARGS, method_kind
 from kvreplay.recorder.recording import record
 from kvreplay.replay.dispatch import replay
-from kvreplay.replay.replayer import start_point
+from kvreplay.replay.loop import start_point
 from kvreplay.replay.replayers import make_replayer
 from kvreplay.replay.report import Failure, describe
 from kvreplay.trace.format import TopCall
@@ -66,11 +66,11 @@ class MinimizeResult:
         return d
 
 
-def _index_tokens(tc: TopCall, page_size: int) -> np.ndarray:
+def _index_tokens(tc: TopCall, page_size: int, slot_args: tuple[str, ...]) -> np.ndarray:
     """The full-pool slots a call names in its arguments (recorded values)."""
     parts: list[np.ndarray] = []
     args = tc.call.args
-    for name in FULL_TOKEN_ARGS:
+    for name in slot_args:
         v = args.get(name)
         if isinstance(v, torch.Tensor):
             parts.append(v.reshape(-1).to(torch.int64).numpy())
@@ -87,7 +87,7 @@ def _index_tokens(tc: TopCall, page_size: int) -> np.ndarray:
 class Dependencies:
     """Who depends on whom among a trace's top-level calls (by position)."""
 
-    def __init__(self, calls: Sequence[TopCall], capacity: int, page_size: int) -> None:
+    def __init__(self, calls: Sequence[TopCall], capacity: int, page_size: int, vocabulary: Vocabulary) -> None:
         n = len(calls)
         producer = np.full(capacity + 1, -1, dtype=np.int64)  # slot -> call that last handed it out
         self.needs: list[set[int]] = [set() for _ in range(n)]
@@ -95,11 +95,11 @@ class Dependencies:
         open_groups: list[int] = []
         for i, tc in enumerate(calls):
             c = tc.call
-            tokens = _index_tokens(tc, page_size)
+            tokens = _index_tokens(tc, page_size, vocabulary.slot_args)
             if len(tokens):
                 tokens = tokens[(tokens >= 0) & (tokens < len(producer))]
                 self.needs[i] = {int(p) for p in np.unique(producer[tokens]) if p >= 0}
-            if c.method in ALLOCS and isinstance(c.result, torch.Tensor):
+            if c.method in vocabulary.allocs and isinstance(c.result, torch.Tensor):
                 r = c.result.reshape(-1).to(torch.int64).numpy()
                 producer[r[(r >= 0) & (r < len(producer))]] = i
             elif c.method == "free_group_begin":
@@ -209,6 +209,7 @@ class Subject:
         self.reader = TraceReader(trace)
         self.reader.check_calls()  # once, not per candidate: candidates replay with checked=True
         self.meta = self.reader.meta
+        self.allocs = family(self.meta.family).vocabulary.allocs
         self.slots = family(self.meta.family).slots  # else block ids (vLLM's manager)
         self.start = start_point(self.reader, after_gap=False)
         self.calls: list[TopCall] = []  # decoded up to the failure by first_failure
@@ -240,7 +241,8 @@ class Subject:
             r.checker.finish(self.calls[-1].number)
         if self.slots:
             main = r.view.subs["full"] if "full" in r.view.subs else r.view.subs["pool"]
-            self.deps = Dependencies(self.calls, main.capacity + main.page_size, main.page_size)
+            self.deps = Dependencies(self.calls, main.capacity + main.page_size, main.page_size,
+                                     family(self.meta.family).vocabulary)
         else:
             self.deps = RequestDependencies(self.calls)
         position = {tc.number: i for i, tc in enumerate(self.calls)}
@@ -277,7 +279,7 @@ class Subject:
                 continue
             tc = self.calls[i]
             result, _ = r.step(tc)
-            if _lost(tc.call.method, tc.call.result, result):
+            if _lost(tc.call.method, tc.call.result, result, self.allocs):
                 dead.add(i)
             yield tc
 
@@ -305,11 +307,11 @@ class Subject:
         return False
 
 
-def _lost(method: str, want: Any, got: Any) -> bool:
+def _lost(method: str, want: Any, got: Any, allocs: frozenset[str]) -> bool:
     """Did the build hand out nothing (or another count of slots) where the recording
     got something: slots from an allocation, or a vLLM manager's blocks, None meaning
     the request did not fit? The calls that use what it handed out are then moot."""
-    if method in ALLOCS and isinstance(want, torch.Tensor):
+    if method in allocs and isinstance(want, torch.Tensor):
         return not (isinstance(got, torch.Tensor) and got.numel() == want.numel())
     return method == "allocate_slots" and want is not None and got is None
 
@@ -397,7 +399,7 @@ def minimize(trace: str | Path, build: str, out: str | Path, *, invariant: str |
     housekeeping = family(subject.meta.family).housekeeping
     on_size(len(kept))
     for cut in (
-        [i for i in kept if subject.calls[i].call.method not in COUNTER_METHODS],
+        [i for i in kept if subject.calls[i].call.method not in family(subject.meta.family).vocabulary.reads],
         [i for i in kept if subject.calls[i].call.method not in housekeeping],
         sorted(deps.cone(at)),
     ):

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from kvreplay.check.rules import INVARIANTS
-from kvreplay.contract.registry import all_methods
+from kvreplay.contract.record import Vocabulary
+from kvreplay.contract.registry import all_methods, family
 from kvreplay.errors import BadInput
-from kvreplay.pool_api import ALLOCS, FULL_TOKEN_ARGS
 from kvreplay.trace.format import TopCall
 from kvreplay.trace.reader import TraceReader
 
@@ -28,8 +28,9 @@ MAX_LITERAL = 64  # longer literal tensors are written as ranges where they are 
 class _Slots:
     """Which earlier result (variable, position) each full-pool slot came from."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocabulary: Vocabulary) -> None:
         self.where: dict[int, tuple[str, int]] = {}
+        self.vocabulary = vocabulary  # the family's: which calls hand out slots, which arguments name them
 
     def learn(self, var: str, result: torch.Tensor) -> None:
         for pos, slot in enumerate(result.reshape(-1).tolist()):
@@ -68,7 +69,7 @@ def _literal(values: list[int]) -> str:
 
 def _value(name: str, v: Any, slots: _Slots) -> str:
     if isinstance(v, torch.Tensor):
-        if name in FULL_TOKEN_ARGS:
+        if name in slots.vocabulary.slot_args:
             return slots.expr(v)
         vals = v.reshape(-1).tolist()
         dtype = "" if v.dtype == torch.int64 else f", dtype={v.dtype}"
@@ -94,7 +95,7 @@ def _call_line(i: int, tc: TopCall, slots: _Slots, note: str = "") -> tuple[list
     if bad:
         raise BadInput(f"call #{tc.number} has an argument named {bad[0]!r}, which is not a Python name")
     args = [f"{k}={_value(k, v, slots)}" for k, v in c.args.items()]
-    var = f"r{i}" if c.method in ALLOCS and isinstance(c.result, torch.Tensor) else None
+    var = f"r{i}" if c.method in slots.vocabulary.allocs and isinstance(c.result, torch.Tensor) else None
     head = f"    {var} = pool.{c.method}(" if var else f"    pool.{c.method}("
     one_line = head + ", ".join(args) + ")"
     lines = [f"    # {_comment(note)}"] if note else []
@@ -122,7 +123,7 @@ def render(trace: str | Path, *, build: str, failure: Any, source: str = "", fai
     calls = [tc for tc in reader.top_calls() if tc.number]
     if len(calls) > 500:
         raise BadInput(f"{Path(trace).name} has {len(calls)} calls; write a test from a minimized trace")
-    slots = _Slots()
+    slots = _Slots(family(meta.family).vocabulary)
     body: list[str] = []
     for i, tc in enumerate(calls):
         note = f"on {build}: {shows}" if tc.number == failing_call and shows else ""
@@ -144,7 +145,7 @@ import os
 
 import torch
 
-from kvreplay.checked_pool import CheckedPool
+from kvreplay import CheckedPool
 
 SOURCE = {Path(source).name if source else ""!r}
 TRACE = {Path(trace).name!r}

@@ -25,8 +25,6 @@ the server runs on."""
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import itertools
 import logging
 import os
@@ -40,6 +38,7 @@ from typing import Any
 
 from kvreplay.builds.engines import record_classes, recordable
 from kvreplay.errors import BadInput
+from kvreplay.recorder.import_hook import after_import
 from kvreplay.recorder.switch_values import Switches, read_switches
 from kvreplay.recorder.switches import DIR_ENV
 
@@ -87,9 +86,9 @@ def install(out: Path, classes: Sequence[str]) -> None:
         _targets.setdefault(module, []).append(name)
     for module in list(_targets):
         if module in sys.modules:
-            _patch_module(sys.modules[module])
-    if _targets and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+            _patch_module(sys.modules[module])  # here a failure reaches the caller (install_from_env logs it)
+        else:
+            after_import(module, _patch_imported)
 
 
 def _fail() -> None:
@@ -107,37 +106,14 @@ def _off(why: BadInput) -> None:
     print(f"kvreplay: not recording in process {os.getpid()}: {why}", file=sys.stderr, flush=True)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Lets the normal finders find a target module, then patches it once executed."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _targets or _failed:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
-            if spec is not None:
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        try:
-            _patch_module(module)
-        except Exception:
-            _fail()
+def _patch_imported(module: ModuleType) -> None:
+    # Runs inside the server's own import statement: a failure turns recording off, never the import.
+    if _failed:
+        return
+    try:
+        _patch_module(module)
+    except Exception:
+        _fail()
 
 
 def _patch_module(module: ModuleType) -> None:

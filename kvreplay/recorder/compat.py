@@ -11,17 +11,16 @@ process of the server through ``COMPAT_ENV`` and sets the environment they need.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
-from kvreplay.family.record import load
-from kvreplay.family.registry import engines
+from kvreplay.contract.record import load
+from kvreplay.contract.registry import engines
+from kvreplay.recorder.import_hook import Finder as _Finder  # noqa: F401  (the tests take it off sys.meta_path)
+from kvreplay.recorder.import_hook import after_import
 
 COMPAT_ENV = "KVREPLAY_CPU_COMPAT"
 
@@ -64,10 +63,7 @@ def install_from_env() -> None:
         if p.name in names:
             _pending.setdefault(p.module, []).append(p)
     for module in list(_pending):
-        if module in sys.modules:
-            _apply(sys.modules[module])
-    if _pending and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+        after_import(module, _apply)  # not caught: a patch that raises fails its module's import
 
 
 def _apply(module: ModuleType) -> None:
@@ -75,30 +71,3 @@ def _apply(module: ModuleType) -> None:
         p.apply(module)
         print(f"kvreplay: cpu-compat patch {p.name} applied to {module.__name__} in process {os.getpid()}",
               file=sys.stderr)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _pending:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        _apply(module)

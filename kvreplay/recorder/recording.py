@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
+from kvreplay.contract.record import load
 from kvreplay.contract.registry import ctor_args_of_pool, family, family_of_pool
+from kvreplay.errors import BadInput
 from kvreplay.limits import writer_kind
-from kvreplay.pool_api import COUNTER_METHODS, COUNTER_READS
 from kvreplay.recorder.capture import Engine, default_backend
 from kvreplay.recorder.layout import FINISH_CALL, FINISH_GROUP_BEGIN, FINISH_GROUP_END, FINISH_READ
 from kvreplay.recorder.py_buffers import Names
@@ -41,13 +42,14 @@ from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, Write
 from kvreplay.recorder.writer_child import unpin
 from kvreplay.recorder.writer_process import ProcessTraceWriter
 from kvreplay.trace import snapshot as pool_snapshot
-from kvreplay.trace.format import CheckpointRecord, GapRecord, TraceMeta
+from kvreplay.trace.format import COUNTER_READS, CheckpointRecord, GapRecord, TraceMeta
 from kvreplay.version import __version__
 
 log = logging.getLogger("kvreplay.recorder")
 
-_FINISH = {"free_group_begin": FINISH_GROUP_BEGIN, "free_group_end": FINISH_GROUP_END,
-           **{m: FINISH_READ for m in COUNTER_METHODS}}
+# how the capture engine finishes each call that is more than a call: a group's brackets
+# (sglang's free groups: the capture keeps their depth) and a family's counter reads
+_GROUP_FINISH = {"free_group_begin": FINISH_GROUP_BEGIN, "free_group_end": FINISH_GROUP_END}
 
 _open: weakref.WeakSet[Recording] = weakref.WeakSet()
 
@@ -97,6 +99,12 @@ class Recording:
         fold_reads: bool = True,
     ) -> None:
         self.pool = pool
+        fam = family(family_of_pool(pool))
+        if checkpoint_every > 0 and not (fam.snapshots and fam.checker):
+            # a checkpoint is a snapshot of the pool and of its checker: a family whose pool
+            # cannot be snapshotted (vLLM's manager, the hybrid request pool) has neither
+            raise BadInput(f"{family_of_pool(pool)} traces take no checkpoints (its pools cannot be "
+                           "snapshotted): record it with --checkpoint-every 0")
         if snapshot is None:  # attach: a pool already in use starts its trace with its state
             snapshot = not is_fresh(pool)
         self.meta = TraceMeta(
@@ -133,6 +141,8 @@ class Recording:
         self._patched: list[tuple[Any, str]] = []
         fam = family(self.meta.family)
         self._methods = fam.methods
+        self._reads = fam.vocabulary.reads
+        self._finish = {**_GROUP_FINISH, **{m: FINISH_READ for m in self._reads}}
         # Checkpoints need a writer (the flight recorder keeps its own snapshots).
         self._checkpoints = _Checkpointer(self, checkpoint_every) if checkpoint_every > 0 and path else None
         self._patch(pool, "root")
@@ -164,7 +174,7 @@ class Recording:
 
     def _patch(self, obj: Any, target: str) -> None:
         for name in self._methods:
-            if target != "root" and name in COUNTER_METHODS:
+            if target != "root" and name in self._reads:
                 continue  # a sub-pool's counters are already in the parent row's counters
             fn = getattr(obj, name, None)
             if fn is None or not callable(fn):
@@ -177,7 +187,7 @@ class Recording:
             ids = self._names
             slot = COUNTER_READS.index(name) if target == "root" and name in COUNTER_READS else -1
             wrapped = self._engine.wrap(fn, ids.id(target), ids.id(name), tuple(ids.id(p) for p in params),
-                                        _FINISH.get(name, FINISH_CALL), name, slot)
+                                        self._finish.get(name, FINISH_CALL), name, slot)
             if target == "root" and self._checkpoints is not None:
                 wrapped = self._checkpoints.wrap(wrapped, name, params)
             setattr(obj, name, wrapped)
@@ -340,20 +350,21 @@ class _Checkpointer:
     call, so checkpoints are asked for, not on by default."""
 
     def __init__(self, rec: Recording, every: int) -> None:
-        from kvreplay.check.checker import InvariantChecker
         from kvreplay.check.pool_view import view_of
 
         self.rec, self.every = rec, every
-        view = view_of(rec.pool, family_of_pool(rec.pool))
+        fam = family_of_pool(rec.pool)
+        view = view_of(rec.pool, fam)
         view.sub_available()  # binds the counter reads now, before the pool's methods are recorded
-        self.checker = InvariantChecker(view, full_check_every=0, keep=0)
+        # the family's own checker, by its record: a checkpoint keeps the state a replay's would have
+        self.checker = load(family(fam).checker)(view, full_check_every=0, keep=0)
         self.depth = 0
         self.calls = 0
         self.due = False
         self.broken = False
 
     def wrap(self, fn: Callable[..., Any], name: str, params: tuple[str, ...]) -> Callable[..., Any]:
-        if name in COUNTER_METHODS:  # numbered like every top-level call, but nothing to check
+        if name in self.rec._reads:  # numbered like every top-level call, but nothing to check
             def counted(*a: Any, **k: Any) -> Any:
                 if self.depth:
                     return fn(*a, **k)

@@ -14,13 +14,16 @@ import gc
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kvreplay.check.rules import ViolationLog
+from kvreplay.errors import BadInput
 from kvreplay.replay.compare import json_value
 from kvreplay.replay.divergence import Divergence
 from kvreplay.replay.report import ReplayReport
-from kvreplay.trace.format import GAP_TARGET, TopCall
+from kvreplay.trace.format import GAP_TARGET, TopCall, parse_json
+from kvreplay.trace.reader import TraceReader
 
 
 @contextlib.contextmanager
@@ -178,3 +181,41 @@ def compose_report(*, trace: str, build: str, mode: str, device: str, calls: int
 
 
 __all__ = ["UNSUPPORTED", "ReplayLoop", "Unsupported", "compose_report", "few_collections"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where a segment replay starts (a checkpoint row, whose call numbers continue
+    after ``number_from``) and the checkpoint rows it may end at: the first of them at
+    or after ``end_row`` where the build's state is the recording's."""
+
+    start_row: int
+    number_from: int
+    end_row: int | None  # None: to the end of the trace
+    stop_rows: frozenset[int] = frozenset()
+
+
+def start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, Any] | None]:
+    """(replay rows with seq above this, state to start from). A trace with gaps
+    (calls the recorder lost) replays only from after its last gap, from the pool
+    state recorded there, and only when asked to."""
+    gaps = reader.gaps()
+    if not gaps:
+        return -1, reader.meta.initial_state
+    for g in gaps:
+        if not isinstance(g.args.get("lost_calls", 0), int) or not isinstance(g.args.get("state", ""), str):
+            raise BadInput(f"{reader.path.name}: a gap row at row {g.seq} is damaged (lost_calls must be a number, "
+                           "state a snapshot)")
+    last = gaps[-1]
+    lost = sum(g.args.get("lost_calls", 0) for g in gaps if g.args.get("lost_calls", 0) > 0)
+    where = f"{len(gaps)} gap(s) where the recorder lost calls ({lost or 'an unknown number'} lost; last: " \
+            f"{last.args.get('reason', '?')})"
+    if not after_gap:
+        raise BadInput(f"{reader.path.name} has {where}; replay --after-gap starts after the last one")
+    if not last.args.get("state"):
+        raise BadInput(f"{reader.path.name} has {where}; the last gap has no pool snapshot to start from")
+    try:
+        state = parse_json(last.args["state"], "the gap's snapshot")
+    except ValueError:
+        raise BadInput(f"{reader.path.name}: the last gap's pool snapshot is unreadable") from None
+    return last.seq, state

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvreplay.check.rules import INVARIANTS, RULES, Violation, describe_violation
+from kvreplay.contract.registry import method_kind
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput, did_you_mean
-from kvreplay.pool_api import method_kind
 from kvreplay.replay.divergence import DIVERGENCE_KINDS, Divergence
 
 MODES = ("strict", "remap")

@@ -25,8 +25,7 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import Violation, ViolationLog
 from kvreplay.fanout import iter_units
 from kvreplay.replay.divergence import Divergence
-from kvreplay.replay.loop import compose_report
-from kvreplay.replay.replayer import Segment
+from kvreplay.replay.loop import Segment, compose_report
 from kvreplay.replay.replayers import make_replayer, replayer_class
 from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.timeline import merge as merge_timelines

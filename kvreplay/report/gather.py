@@ -13,7 +13,6 @@ import pyarrow.compute as pc
 
 from kvreplay.contract.registry import family
 from kvreplay.errors import KvreplayError
-from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.replay.timeline import stride_for
 from kvreplay.trace.format import GAP_TARGET
 from kvreplay.trace.reader import FOLD_COLUMNS, TraceReader, folded_per_row
@@ -116,6 +115,7 @@ def call_contexts(reader: TraceReader, calls: set[int], around: int = CONTEXT
         return {}, {}
     pending = sorted(calls)
     last = pending[-1]
+    reads = family(reader.meta.family).vocabulary.reads
     before: deque[Any] = deque(maxlen=around)  # the latest state-changing calls seen
     after: dict[int, int] = {}  # a call of ``calls`` -> state-changing calls still to take after it
     chosen: dict[int, Any] = {}
@@ -125,7 +125,7 @@ def call_contexts(reader: TraceReader, calls: set[int], around: int = CONTEXT
         n = tc.number
         if n > last and not after:
             break
-        changing = tc.call.method not in COUNTER_METHODS
+        changing = tc.call.method not in reads
         for c in [c for c in after if changing]:
             chosen[n] = tc
             shown[c].append(n)

@@ -176,6 +176,9 @@ def folded_calls(folded_reads: Any, group_at: Any, bounds: Any) -> Any:
 # Columns that must be identical for two runs of the same seeded workload.
 CALL_COLUMNS = [f.name for f in SCHEMA if f.name not in ("t_start_ns", "t_end_ns")]
 COUNTERS = ("available", "full_available", "swa_available")
+# the reads that fill them, in the same order (a family whose pool has other reads maps its
+# sub-pools onto these columns: its record's sub_counters)
+COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
 
 # Parquet settings: delta-encode index data (runs of consecutive slots shrink to a
 # few bits) and dictionary-encode the small string columns.

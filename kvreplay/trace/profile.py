@@ -19,12 +19,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvreplay.contract.record import load
 from kvreplay.contract.registry import family, same_engine
 from kvreplay.errors import BadInput, TraceFormatError
-from kvreplay.pool_api import COUNTER_METHODS
 from kvreplay.trace.reader import TraceReader
 
-GROUP_METHODS = ("free_group_begin", "free_group_end")
 OCCUPANCY_POINTS = 10
 
 
@@ -36,7 +35,7 @@ def _quantiles(values: list[int]) -> dict[str, float]:
             "p90": float(s[min(len(s) - 1, (9 * len(s)) // 10)]), "max": float(s[-1])}
 
 
-def _length(value: Any) -> int:
+def length(value: Any) -> int:
     """How many entries a per-request argument (a tensor or a list of numbers) has."""
     if hasattr(value, "numel"):
         return int(value.numel())
@@ -45,8 +44,8 @@ def _length(value: Any) -> int:
     raise TypeError(f"a {type(value).__name__} where a tensor or a list of numbers belongs")
 
 
-def _total(value: Any) -> int:
-    _length(value)  # the same kinds only
+def total(value: Any) -> int:
+    length(value)  # the same kinds only
     return int(value.sum()) if hasattr(value, "sum") else int(sum(value))
 
 
@@ -79,6 +78,30 @@ class TraceProfile:
         return d
 
 
+@dataclass
+class Figures:
+    """What a profile gathers as it reads a trace's calls. The shared loop counts calls
+    and occupancy; each family's hook (its record's ``profile``) fills the rest from
+    its own calls."""
+
+    extend: list[int] = field(default_factory=list)  # tokens newly taken per admitted request
+    decode: list[int] = field(default_factory=list)  # requests per decode step
+    freed: list[int] = field(default_factory=list)  # slots per free call
+    groups: int = 0
+    frees_in_groups: int = 0
+    depth: int = 0  # free groups open now
+    prefix: int = 0  # tokens already cached, over the admitted requests
+    seqs: int = 0  # their whole lengths
+    extended: int = 0  # requests admitted through a call that names each one's prefix
+    request_ids: set[str] = field(default_factory=set)  # where a family names its requests
+    step_allocs: int = 0  # requests served in the step still open
+
+    def end_step(self) -> None:
+        if self.step_allocs:
+            self.decode.append(self.step_allocs)
+        self.step_allocs = 0
+
+
 def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceProfile:
     """The traffic profile of the trace at ``path`` (``requests``: the count, where
     the trace cannot tell it)."""
@@ -86,105 +109,50 @@ def profile(path: str | os.PathLike[str], requests: int | None = None) -> TraceP
     reader.check_calls()  # known methods, sane rows and values, before any figure is taken
     meta = reader.meta
     fam = family(meta.family)
+    see = load(fam.profile) if fam.profile else None
     capacity = max(1, next(iter(fam.sizes_of(meta.ctor_args).values())))
     counter = fam.capacity_counter  # the first pool's, as capacity
     methods: Counter[str] = Counter()
     reads = 0
-    extend: list[int] = []
-    decode: list[int] = []
-    freed: list[int] = []
-    groups = frees_in_groups = 0
-    depth = 0
-    prefix = seqs = 0
-    extended = 0
     used: list[float] = []
-    request_ids: set[str] = set()  # vLLM's family names its requests
-    step_allocs = 0
+    f = Figures()
     c = None
     try:
         for c in reader.calls(top_level_only=True):
             m = c.method
-            if m in COUNTER_METHODS:
+            if m in fam.vocabulary.reads:
                 reads += 1
             else:  # a sub-allocator's own top-level calls (the mamba family's) by target
                 methods[m if c.target == "root" else f"{c.target}.{m}"] += 1
             available = c.counters.get(counter) if c.counters else None
             if available is not None:
                 used.append(1.0 - available / capacity)
-            if m == "free_group_begin":
-                depth += 1
-                groups += 1
-            elif m == "free_group_end":
-                depth = max(0, depth - 1)
-            elif m.startswith("free"):
-                if depth:
-                    frees_in_groups += 1
-                for name in ("free_index", "indices", "full_indices"):
-                    if name in c.args:
-                        freed.append(_length(c.args[name]))
-                        break
-                else:
-                    segs = c.args.get("segments")
-                    if isinstance(segs, (list, tuple)):  # (indices, start_pos) pairs
-                        freed.append(sum(_length(seg[0]) for seg in segs if isinstance(seg, (list, tuple)) and seg))
-            elif m == "alloc_extend" or m == "alloc_extend_swa_tail":
-                p, s = c.args.get("prefix_lens"), c.args.get("seq_lens")
-                if p is not None and s is not None:
-                    n = _length(p)
-                    extended += n
-                    prefix += _total(p)
-                    seqs += _total(s)
-                    try:
-                        extend.extend(int(x) for x in (s - p).tolist())
-                    except (AttributeError, TypeError):
-                        pass
-            elif m == "alloc_decode":
-                s = c.args.get("seq_lens")
-                if s is not None:
-                    decode.append(_length(s))
-            elif m == "alloc_reqs":  # the mamba family: requests by number
-                request_ids.update(str(r) for r in c.args.get("requests") or ())
-            elif m == "alloc" and c.target == "root":
-                n = c.args.get("need_size")
-                if n is not None:
-                    if type(n) is not int:
-                        raise TypeError(f"need_size is a {type(n).__name__}, not a number")
-                    extend.append(n)
-            elif m == "new_step_starts":  # vLLM: a scheduler step; its running requests' allocations
-                if step_allocs:
-                    decode.append(step_allocs)
-                step_allocs = 0
-            elif m == "allocate_slots":
-                rid, n = c.args.get("request_id"), c.args.get("num_new_tokens")
-                hit = c.args.get("num_new_computed_tokens")
-                if isinstance(rid, str):
-                    request_ids.add(rid)
-                if c.args.get("request_status") == "RUNNING":
-                    step_allocs += 1
-                elif isinstance(n, int) and isinstance(hit, int):  # an admission: the prompt past its cached prefix
-                    extend.append(n)
-                    prefix += hit
-                    seqs += hit + n
+            if see is not None:
+                see(f, c)
     except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RuntimeError) as exc:
         where = f"the call at row {c.seq} ({c.method[:40]})" if c is not None else "a call"
         raise TraceFormatError(f"{reader.path}: {where} has arguments its method does not take "
                                f"({type(exc).__name__}: {str(exc)[:120]})") from None
+    f.end_step()
+    return _profile_of(str(path), meta.family, requests, methods, reads, used, f)
+
+
+def _profile_of(path: str, family_name: str, requests: int | None, methods: Counter[str], reads: int,
+                used: list[float], f: Figures) -> TraceProfile:
     step = max(1, len(used) // OCCUPANCY_POINTS)
     notes = []
-    if step_allocs:
-        decode.append(step_allocs)
-    if requests is None and extended:
-        requests = extended
+    if requests is None and f.extended:
+        requests = f.extended
         notes.append("requests counted from alloc_extend (one prefix_lens entry each)")
-    elif requests is None and request_ids:
-        requests = len(request_ids)
+    elif requests is None and f.request_ids:
+        requests = len(f.request_ids)
         notes.append("requests counted by id (vLLM's allocate_slots, the mamba family's alloc_reqs)")
     return TraceProfile(
-        path=str(path), family=meta.family, requests=requests, calls=sum(methods.values()) + reads,
-        counter_reads=reads, calls_by_method=dict(methods), extend_tokens=_quantiles(extend),
-        decode_batch=_quantiles(decode), free_groups=groups,
-        frees_per_group=round(frees_in_groups / groups, 3) if groups else 0.0,
-        freed_per_free=_quantiles(freed), prefix_hit=round(prefix / seqs, 4) if seqs else None,
+        path=path, family=family_name, requests=requests, calls=sum(methods.values()) + reads,
+        counter_reads=reads, calls_by_method=dict(methods), extend_tokens=_quantiles(f.extend),
+        decode_batch=_quantiles(f.decode), free_groups=f.groups,
+        frees_per_group=round(f.frees_in_groups / f.groups, 3) if f.groups else 0.0,
+        freed_per_free=_quantiles(f.freed), prefix_hit=round(f.prefix / f.seqs, 4) if f.seqs else None,
         occupancy=[round(used[i], 4) for i in range(0, len(used), step)][:OCCUPANCY_POINTS],
         peak_occupancy=round(max(used), 4) if used else 0.0, notes=notes)
 

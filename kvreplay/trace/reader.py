@@ -22,7 +22,6 @@ import pyarrow.parquet as pq
 from kvreplay.contract.registry import all_methods, family
 from kvreplay.errors import TraceFormatError
 from kvreplay.limits import limit
-from kvreplay.pool_api import COUNTER_READS
 from kvreplay.trace.bounds import COLUMNS as VALUE_COLUMNS
 from kvreplay.trace.bounds import check_values
 from kvreplay.trace.footer import row_group_counts
@@ -30,6 +29,7 @@ from kvreplay.trace.format import (
     ADDED_COLUMNS,
     BASE_TARGETS,
     CHECKPOINT_METHOD,
+    COUNTER_READS,
     FOLD_MAX,
     GAP_METHOD,
     GAP_TARGET,
@@ -188,7 +188,9 @@ def _check_sequence(directory: Path, parts: list[Path], metas: list[TraceMeta]) 
         if len(ids) > 1:
             raise TraceFormatError(f"{directory}: holds parts of more than one recording ({part.name} is of "
                                    "another); keep each recording's parts in a directory of its own")
-        said = info.get("index", 0)
+        # a part recorded before parts named their place carries no part metadata at all:
+        # its name is all there is (a recording id beside it still refuses the mix above)
+        said = info.get("index", 0) if info else index
         if type(said) is not int or said != index:
             raise TraceFormatError(f"{part}: says it is part {str(said)[:20]} of its recording, not {index}")
         if prev is None:

@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvreplay.contract.registry import family
-from kvreplay.pool_api import VOID_METHODS
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD, GROUP_FOLD_METHODS
 from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace, local_path
 from kvreplay.trace.reader import TraceReader
@@ -56,7 +55,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     t_max: int | None = None
     min_avail: dict[str, int] = {}
     counter_col = family(meta.family).counter_of
-    void = pa.array(sorted(VOID_METHODS | family(meta.family).void_methods), pa.string())
+    void = pa.array(sorted(family(meta.family).void_methods), pa.string())
     for batch in reader.iter_batches(columns=_COLUMNS):
         rows += batch.num_rows
         is_top = pc.equal(batch["depth"], 0)

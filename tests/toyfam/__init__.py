@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvreplay.contract.record import BuiltinBuild, Family, Scenario
-from kvreplay.pool_api import RECORDED_METHODS
+from kvreplay.families.sglang.vocabulary import RECORDED_METHODS, VOCABULARY, VOID_METHODS
 
 TOY = Family(
     name="toy",
@@ -26,7 +26,11 @@ TOY = Family(
         BuiltinBuild("toy@highest-first", "toy", "toyfam.pool:HighestFirstPool",
                      "breaks the toy's promise: hands out the highest free slots"),
     ),
-    replayer="kvreplay.replay.replayer:Replayer",
+    replayer="kvreplay.families.sglang.replayer:Replayer",
+    checker="kvreplay.families.sglang.checker:InvariantChecker",
+    vocabulary=VOCABULARY,
+    profile="kvreplay.families.sglang.profile:see",
+    void_methods=VOID_METHODS,
     detect=lambda pool: getattr(pool, "toy_stack", False),
     ctor_of=lambda pool: {"size": int(pool.size), "device": str(pool.device)},
     sizes_of=lambda ctor: {"pool": int(ctor["size"])},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.contract.record import BuiltinBuild, Family, Scenario
+from kvreplay.contract.record import BuiltinBuild, Family, Scenario, Vocabulary
 from kvreplay.families.mamba.wire import METHODS, NONE, POOL_CLASS, VOID_METHODS
 from kvreplay.limits import MAX_POOL_SLOTS, limit
 from kvreplay.trace.bounds import Bound
@@ -90,6 +90,9 @@ MAMBA = Family(
                      "sglang 0.5.9-0.5.12.post1: free_mamba_cache leaves the freed tracking pair on the request"),
     ),
     replayer="kvreplay.families.mamba.replayer:StateReplayer",
+    checker="kvreplay.families.mamba.checker:StatePoolChecker",
+    vocabulary=Vocabulary(allocs=frozenset({"alloc"}), frees=frozenset({"free"}), reads=frozenset({"available_size"})),
+    profile="kvreplay.families.mamba.profile:see",
     detect=lambda pool: hasattr(pool, "wire_state"),
     ctor_of=lambda pool: dict(pool.ctor_args),
     sizes_of=lambda ctor: {"state": int(ctor["mamba_size"])},

@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any
 
 from kvreplay.contract.record import BuiltinBuild, Engine, Family, Scenario
-from kvreplay.pool_api import RECORDED_METHODS
+from kvreplay.families.sglang.vocabulary import RECORDED_METHODS, VOCABULARY, VOID_METHODS
 
 ENGINE = Engine(
     name="sglang",
@@ -63,7 +63,10 @@ def _one_pool(ctor: dict[str, Any]) -> dict[str, int]:
 
 # What the three families share: sglang's allocator API, token slots, the generic replayer.
 _sglang_family = partial(Family, engine=ENGINE.name, methods=RECORDED_METHODS, unit="slots",
-                         replayer="kvreplay.replay.replayer:Replayer")
+                         replayer="kvreplay.families.sglang.replayer:Replayer",
+                         checker="kvreplay.families.sglang.checker:InvariantChecker",
+                         vocabulary=VOCABULARY, void_methods=VOID_METHODS,
+                         profile="kvreplay.families.sglang.profile:see")
 
 TOKEN = _sglang_family(
     name="token",

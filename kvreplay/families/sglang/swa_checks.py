@@ -16,7 +16,7 @@ from kvreplay.check import kernels
 from kvreplay.check.family_checks import FamilyChecks, Flag
 from kvreplay.check.pool_view import PoolView, to_np
 from kvreplay.check.shadow import Shadow, squeezed, unsqueezed
-from kvreplay.pool_api import FULL_ONLY_FREES, SWA_ONLY_FREES
+from kvreplay.families.sglang.vocabulary import FULL_ONLY_FREES, SWA_ONLY_FREES
 
 
 def mapping_checks(view: PoolView, shadows: dict[str, Shadow], flag: Flag) -> SWAMappingChecker:

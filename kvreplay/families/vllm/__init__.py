@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.contract.record import BuiltinBuild, Engine, Family, Scenario
+from kvreplay.contract.record import BuiltinBuild, Engine, Family, Scenario, Vocabulary
 from kvreplay.families.vllm.vocabulary import (
     MAMBA_MODES,
     VLLM_HOUSEKEEPING,
@@ -139,6 +139,9 @@ VLLM = Family(
                      "vLLM 0.27.0-0.27.1: with caching off, freed blocks go to the free queue's tail"),
     ),
     replayer="kvreplay.families.vllm.replayer:BlockReplayer",
+    checker="kvreplay.families.vllm.checker:BlockPoolChecker",
+    vocabulary=Vocabulary(reads=frozenset({"available_size"})),
+    profile="kvreplay.families.vllm.profile:see",
     detect=lambda pool: hasattr(pool, "wire_blocks"),
     ctor_of=lambda pool: dict(pool.ctor_args),
     sizes_of=lambda ctor: {"blocks": int(ctor["num_blocks"])},

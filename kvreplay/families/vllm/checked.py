@@ -1,12 +1,12 @@
 """A vLLM-family build driven by hand under its checker, for pool tests (as
-``kvreplay.checked_pool.CheckedPool`` is for sglang's allocator API)."""
+``kvreplay.families.sglang.checked.CheckedPool`` is for sglang's allocator API)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvreplay.builds.resolve import load_build
-from kvreplay.checked_pool import Checked
+from kvreplay.check.driver import Checked
 from kvreplay.families.vllm.checker import BlockPoolChecker
 
 FAMILY = "vllm"

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvreplay.builds.translations import abstract, dropped_args, translate
-from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import PoolView
 from kvreplay.contract.registry import all_methods
 from kvreplay.errors import BadInput
+from kvreplay.families.sglang.checker import InvariantChecker
 
 
 def method_of(pool: Any, method: str) -> tuple[Callable[..., Any] | None, bool]:

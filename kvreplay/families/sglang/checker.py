@@ -26,7 +26,7 @@ from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.check.shadow import Shadow, packed, unpacked
 from kvreplay.contract.record import load
 from kvreplay.contract.registry import family
-from kvreplay.pool_api import ALLOCS, FREES, SWA_ONLY_FREES
+from kvreplay.families.sglang.vocabulary import ALLOCS, FREES, SWA_ONLY_FREES
 
 MAX_INDICES = 8
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import binascii
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,15 @@ import torch
 
 from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.check.checked_call import checked_call, method_of
-from kvreplay.check.checker import InvariantChecker
 from kvreplay.check.pool_view import view_of
 from kvreplay.contract.registry import family
 from kvreplay.errors import BadInput, BuildUnloadable, one_of
-from kvreplay.pool_api import ALLOCS, COUNTER_METHODS
+from kvreplay.families.sglang.checked_call import checked_call, method_of
+from kvreplay.families.sglang.checker import InvariantChecker
+from kvreplay.families.sglang.remap import PageTable, Remapper
+from kvreplay.families.sglang.vocabulary import ALLOCS, COUNTER_METHODS
 from kvreplay.replay.compare import alike, exception_difference, remap_difference, same
-from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop
-from kvreplay.replay.remap import PageTable, Remapper
+from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop, Segment, start_point
 from kvreplay.replay.report import MODES
 from kvreplay.replay.timeline import Timeline
 from kvreplay.trace import snapshot
@@ -66,32 +65,6 @@ class NestedCapture:
             return r
 
         return captured
-
-
-def start_point(reader: TraceReader, after_gap: bool) -> tuple[int, dict[str, Any] | None]:
-    """(replay rows with seq above this, state to start from). A trace with gaps
-    (calls the recorder lost) replays only from after its last gap, from the pool
-    state recorded there, and only when asked to."""
-    gaps = reader.gaps()
-    if not gaps:
-        return -1, reader.meta.initial_state
-    for g in gaps:
-        if not isinstance(g.args.get("lost_calls", 0), int) or not isinstance(g.args.get("state", ""), str):
-            raise BadInput(f"{reader.path.name}: a gap row at row {g.seq} is damaged (lost_calls must be a number, "
-                           "state a snapshot)")
-    last = gaps[-1]
-    lost = sum(g.args.get("lost_calls", 0) for g in gaps if g.args.get("lost_calls", 0) > 0)
-    where = f"{len(gaps)} gap(s) where the recorder lost calls ({lost or 'an unknown number'} lost; last: " \
-            f"{last.args.get('reason', '?')})"
-    if not after_gap:
-        raise BadInput(f"{reader.path.name} has {where}; replay --after-gap starts after the last one")
-    if not last.args.get("state"):
-        raise BadInput(f"{reader.path.name} has {where}; the last gap has no pool snapshot to start from")
-    try:
-        state = parse_json(last.args["state"], "the gap's snapshot")
-    except ValueError:
-        raise BadInput(f"{reader.path.name}: the last gap's pool snapshot is unreadable") from None
-    return last.seq, state
 
 
 def restore_snapshot(pool: Any, state: dict[str, Any], spec: str) -> None:
@@ -345,18 +318,6 @@ class Replayer(ReplayLoop):
             except ValueError:
                 return False
         return True
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Where a segment replay starts (a checkpoint row, whose call numbers continue
-    after ``number_from``) and the checkpoint rows it may end at: the first of them at
-    or after ``end_row`` where the build's state is the recording's."""
-
-    start_row: int
-    number_from: int
-    end_row: int | None  # None: to the end of the trace
-    stop_rows: frozenset[int] = frozenset()
 
 
 def _checkpoint_states(reader: TraceReader, cp: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvreplay.check.pool_view import to_np
-from kvreplay.pool_api import FULL_TOKEN_ARGS, SWA_TOKEN_ARGS
+from kvreplay.families.sglang.vocabulary import FULL_TOKEN_ARGS, SWA_TOKEN_ARGS
 
 
 class PageTable:

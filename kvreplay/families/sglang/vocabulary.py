@@ -1,6 +1,6 @@
-"""The allocator vocabulary kvreplay shares: sglang's allocator API, which three of its
-families speak (a family with another API keeps its vocabulary in its own folder, as
-families/vllm/vocabulary.py does for vLLM's KV-cache manager).
+"""sglang's allocator vocabulary, which its three families (token, paged, swa) speak:
+their record's ``vocabulary`` (contract.record.Vocabulary) is drawn from here, and the
+shared code asks the record, never this module.
 
 Which methods exist, what kind of call each is, and which arguments carry slot
 indices. The recorder, the replayer, the checker, the minimizer and the trace summary
@@ -11,6 +11,9 @@ record's (families/).
 Nothing here imports torch: the trace writer's process reads it too."""
 
 from __future__ import annotations
+
+from kvreplay.contract.record import Vocabulary
+from kvreplay.trace import format
 
 # -- methods and their kinds ---------------------------------------------------------
 ALLOCS = frozenset({"alloc", "alloc_extend", "alloc_decode", "alloc_extend_swa_tail"})
@@ -55,10 +58,12 @@ def method_kind(method: str) -> str:
     return method
 
 
-# Counter columns of a trace, and the reads that fill them, in the same order.
-COUNTERS = ("available", "full_available", "swa_available")
-COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
+# Counter columns of a trace, and the reads that fill them (the trace schema's, for now)
+COUNTERS, COUNTER_READS = format.COUNTERS, format.COUNTER_READS
 
 # -- arguments that hold slot indices ------------------------------------------------------
 FULL_TOKEN_ARGS = ("free_index", "last_loc", "full_indices", "indices")
 SWA_TOKEN_ARGS = ("swa_indices",)
+
+VOCABULARY = Vocabulary(allocs=ALLOCS, frees=FREES, groups=GROUP_METHODS, reads=COUNTER_METHODS,
+                        slot_args=FULL_TOKEN_ARGS, other_slot_args=SWA_TOKEN_ARGS)
