@@ -270,8 +270,7 @@ def test_synth_drives_the_manager_with_prefix_caching_off(tmp_path, cli):
     (",".join(["full"] * 17), None),
 ])
 def test_a_traces_attention_names_its_full_sliding_window_and_mamba_groups(attention, groups):
-    from kvreplay.families.vllm.vocabulary import Group, vllm_groups
-    from kvreplay.trace.format import check_attention
+    from kvreplay.families.vllm.vocabulary import Group, check_attention, vllm_groups
 
     want = groups and tuple(Group(k, int(w or 0)) for k, _, w in (g.partition(":") for g in groups))
     assert vllm_groups(attention) == want

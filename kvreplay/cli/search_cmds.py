@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -22,35 +22,61 @@ from kvreplay.cli.base import (
 )
 from kvreplay.errors import KvreplayError
 
+if TYPE_CHECKING:
+    from kvreplay.jobs.bisect import BisectResult, Candidate, Step
+
+
+# Options are declared here, once, so each command's signature is a list of what it takes,
+# one line each (as defaults, not Annotated: tests/test_hostile_config.py finds a numeric
+# option's bound on its default).
+AS_JSON = typer.Option(False, "--json", help=JSON_HELP)
+
+# -- bisect's options ------------------------------------------------------------------------
+BAD_TRACE = typer.Argument(..., help="Trace file (Parquet) that fails at the bad end." + URI_HELP)
+REPO = typer.Option(None, "--repo", help="Git repository of the pool code.")
+GOOD = typer.Option(None, "--good", help="A revision where the trace replays clean.")
+BAD = typer.Option(None, "--bad", help="A later revision where it fails (default HEAD).")
+POOL_CLASS = typer.Option("", "--class", help="MODULE:CLASS of the pool in the repository (default: the "
+                          "tree's sglang allocator for the trace's family).")
+BUILDS = typer.Option(None, "--builds", help="Instead of a repository: build specs in order, "
+                      "oldest first, e.g. builtin:swa,builtin:swa@stale-tail or a release "
+                      "range sglang==0.5.11..0.5.23 or vllm==0.26.0..0.32.0.")
+FIXED = typer.Option(False, "--fixed", help="Look for the fix: the old end shows the failure, the new "
+                     "end does not; name the first build (or commit) where it is gone.")
+FAILURE = typer.Option(None, "--failure", help="The failure to follow: an invariant, "
+                       "invariant/rule (that rule only) or divergence kind (default: the first "
+                       "failure the failing end shows).")
+STEP_MODE = typer.Option("strict", help="Replay mode for every step (strict or remap).")
+STEP_DEVICE = typer.Option("auto", help="auto, cpu or cuda[:N].")
+STEP_TIMEOUT = typer.Option(1800.0, "--timeout", callback=TIMEOUT_S,
+                            help="A git: step running longer is a timeout (skipped).")
+NO_CACHE = typer.Option(False, "--no-cache", help="Replay every step even when the store has it.")
+DB = typer.Option(None, "--db", help=DB_HELP)
+STEP_JOBS = typer.Option(1, "--jobs", "-j", callback=JOBS, help="Each step: " + JOBS_HELP[0].lower() + JOBS_HELP[1:])
+STEP_RAY = typer.Option(None, "--ray", help="Each step's replay on Ray. " + RAY_HELP, metavar="[ADDRESS]")
+STEP_LOG_REPORT = typer.Option(None, "--report", help="Also write an HTML page of the step log "
+                               "here: the builds in search order, good, bad or skipped.")
+
 
 @app.command("bisect")
 def bisect_cmd(
-    trace: str = typer.Argument(..., help="Trace file (Parquet) that fails at the bad end." + URI_HELP),
-    repo: Path | None = typer.Option(None, "--repo", help="Git repository of the pool code."),
-    good: str | None = typer.Option(None, "--good", help="A revision where the trace replays clean."),
-    bad: str | None = typer.Option(None, "--bad", help="A later revision where it fails (default HEAD)."),
-    cls: str = typer.Option("", "--class", help="MODULE:CLASS of the pool in the repository (default: the "
-                            "tree's sglang allocator for the trace's family)."),
-    builds: str | None = typer.Option(None, "--builds", help="Instead of a repository: build specs in order, "
-                                      "oldest first, e.g. builtin:swa,builtin:swa@stale-tail or a release "
-                                      "range sglang==0.5.11..0.5.23 or vllm==0.26.0..0.32.0."),
-    fixed: bool = typer.Option(False, "--fixed", help="Look for the fix: the old end shows the failure, the new "
-                               "end does not; name the first build (or commit) where it is gone."),
-    failure: str | None = typer.Option(None, "--failure", help="The failure to follow: an invariant, "
-                                       "invariant/rule (that rule only) or divergence kind (default: the first "
-                                       "failure the failing end shows)."),
-    mode: str = typer.Option("strict", help="Replay mode for every step (strict or remap)."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
-    timeout: float = typer.Option(1800.0, "--timeout", callback=TIMEOUT_S,
-                                  help="A git: step running longer is a timeout (skipped)."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Replay every step even when the store has it."),
-    db: str | None = typer.Option(None, "--db", help=DB_HELP),
-    jobs: int = typer.Option(1, "--jobs", "-j", callback=JOBS,
-                             help="Each step: " + JOBS_HELP[0].lower() + JOBS_HELP[1:]),
-    ray: str | None = typer.Option(None, "--ray", help="Each step's replay on Ray. " + RAY_HELP, metavar="[ADDRESS]"),
-    report_path: Path | None = typer.Option(None, "--report", help="Also write an HTML page of the step log "
-                                            "here: the builds in search order, good, bad or skipped."),
-    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    trace: str = BAD_TRACE,
+    repo: Path | None = REPO,
+    good: str | None = GOOD,
+    bad: str | None = BAD,
+    cls: str = POOL_CLASS,
+    builds: str | None = BUILDS,
+    fixed: bool = FIXED,
+    failure: str | None = FAILURE,
+    mode: str = STEP_MODE,
+    device: str = STEP_DEVICE,
+    timeout: float = STEP_TIMEOUT,
+    no_cache: bool = NO_CACHE,
+    db: str | None = DB,
+    jobs: int = STEP_JOBS,
+    ray: str | None = STEP_RAY,
+    report_path: Path | None = STEP_LOG_REPORT,
+    as_json: bool = AS_JSON,
 ) -> None:
     """Find the first commit (or build) where a trace starts failing, or
     with --fixed where it stops.
@@ -68,8 +94,7 @@ def bisect_cmd(
     Exit 0 when the first bad (or fixed) build, or a range when skips
     hide it, is named; 1 when --good already fails; 2 on bad input.
     """
-    from kvreplay.builds.releases import expand_all
-    from kvreplay.jobs.bisect import bisect, build_candidates, git_candidates
+    from kvreplay.jobs.bisect import BisectOptions, bisect, search_order
     from kvreplay.replay.report import Failure
     from kvreplay.report.reports import bisect_report, check_report_path, write_report
 
@@ -78,26 +103,28 @@ def bisect_cmd(
     if builds and repo:
         raise KvreplayError("give --repo/--good/--bad or --builds, not both")
     target = Failure.parse(failure) if failure else None
-    if builds:
-        good_c, order = build_candidates(expand_all([b.strip() for b in builds.split(",") if b.strip()]))
-    elif repo is None or good is None:
-        raise KvreplayError("bisect needs --repo PATH --good REV [--bad REV], or --builds A,B,...")
-    else:
-        good_c, order = git_candidates(repo, good, bad or "HEAD", cls)
+    good_c, order = search_order(builds, repo, good, bad, cls)
     say(f"bisecting {Path(trace).name} over {len(order)} build(s) after {good_c.label}", to_err=True)
-
-    def on_step(step: Any, left: int) -> None:
-        src = "stored" if step.cached else f"{step.wall_s:.1f} s"
-        say(f"  {step.label:<14} {step.verdict:<5} {step.why}  ({src}; ~{left} step(s) left)", to_err=True)
-
-    res = bisect(trace, good_c, order, db=db, mode=mode, device=device, timeout_s=timeout,
-                 use_cache=not no_cache, failure=target, fixed=fixed, jobs=jobs, ray=ray, on_step=on_step)
+    options = BisectOptions(db=db, mode=mode, device=device, timeout_s=timeout, use_cache=not no_cache, jobs=jobs,
+                            ray=ray)
+    res = bisect(trace, good_c, order, options, failure=target, fixed=fixed, on_step=_say_step)
     if report_path is not None:
         write_report(bisect_report(res.to_dict()), report_path)
         say(f"report: {report_path}", to_err=True)
     if as_json:
         emit_json(res.to_dict())
-        raise typer.Exit(res.exit_code)
+    else:
+        _say_bisect(res, good_c, order, fixed)
+    raise typer.Exit(res.exit_code)
+
+
+def _say_step(step: Step, left: int) -> None:
+    src = "stored" if step.cached else f"{step.wall_s:.1f} s"
+    say(f"  {step.label:<14} {step.verdict:<5} {step.why}  ({src}; ~{left} step(s) left)", to_err=True)
+
+
+def _say_bisect(res: BisectResult, good_c: Candidate, order: list[Candidate], fixed: bool) -> None:
+    """The verdict, then the step log."""
     what = "commit" if order[0].commit else "build"
     term = "fixed" if fixed else "bad"
     if res.verdict == "found":
@@ -120,7 +147,6 @@ def bisect_cmd(
     skips = sum(st.verdict == "skip" for st in res.steps)
     say(f"{len(res.steps)} steps over {res.searched} {what}s: {res.replays} replays, "
         f"{len(res.steps) - res.replays} from the store, {skips} skipped")
-    raise typer.Exit(res.exit_code)
 
 
 @app.command()
@@ -139,7 +165,7 @@ def minimize(
                                          help="Stop after this many seconds and write the "
                                          "smallest trace found so far."),
     device: str = typer.Option("cpu", help="Torch device for the candidate replays."),
-    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    as_json: bool = AS_JSON,
 ) -> None:
     """Shrink a failing trace to a few calls that still fail the same way.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
@@ -30,86 +31,124 @@ from kvreplay.contract.registry import unit_of
 from kvreplay.limits import MAX_POOL_SLOTS
 from kvreplay.text import printable
 
+if TYPE_CHECKING:
+    from kvreplay.workload.synth import SynthResult
+
 # A size or count of the pool synth builds: at least 1, and what a trace may declare.
 TOKENS = within(1, MAX_POOL_SLOTS, f"a whole number from 1 to {MAX_POOL_SLOTS} (KVREPLAY_MAX_POOL_SLOTS)")
+
+# Options are declared here, once, so each command's signature is a list of what it takes,
+# one line each (as defaults, not Annotated: tests/test_hostile_config.py finds a numeric
+# option's bound on its default).
+AS_JSON = typer.Option(False, "--json", help=JSON_HELP)
+
+# -- synth's options -------------------------------------------------------------------------
+SCENARIO = typer.Argument(..., help="decode | disagg-mtp | radix-swa (sglang's pools) | vllm-prefix "
+                          "(vLLM's KV-cache manager) | hybrid-mamba (sglang's state pool of a "
+                          "state-space hybrid model)")
+SYNTH_OUT = typer.Option(..., "-o", "--out", help="Trace file to write (Parquet): a path or a URI.")
+SYNTH_REQUESTS = typer.Option(200, "--requests", "-n", callback=REQUESTS, help="Number of requests to run.")
+SYNTH_SEED = typer.Option(0, callback=SEED, help="Seed for the request generator and accept lengths.")
+SYNTH_WORKLOAD = typer.Option(None, help="Mooncake JSONL or Azure CSV request trace; default: seeded generator.")
+SYNTH_BUILD = typer.Option(None, help="Pool build to drive (default: the scenario's builtin pool).")
+PAGE_SIZE = typer.Option(4, callback=TOKENS, help="Tokens per page.")
+FULL_SIZE = typer.Option(2048, callback=TOKENS, help="Full-attention pool size in tokens (the paged pool's "
+                         "size).")
+SWA_SIZE = typer.Option(512, callback=TOKENS, help="SWA pool size in tokens.")
+WINDOW = typer.Option(32, callback=TOKENS, help="Sliding-window size in tokens.")
+DRAFT_TOKENS = typer.Option(3, callback=within(0, 1024, "0 (no speculation) or more draft tokens per step, at most "
+                                               "1024"),
+                            help="MTP draft tokens per step (disagg-mtp; 0: no speculation, one alloc_decode per "
+                            "step).")
+BLOCK_TOKENS = typer.Option(16, callback=TOKENS, help="Tokens per prefix-cache block (multiple of the page "
+                            "size).")
+MAX_RUNNING = typer.Option(64, callback=TOKENS, help="Most requests decoding at once.")
+LENGTH_SCALE = typer.Option(1.0, callback=SCALE, help="Scale a workload file's token lengths (e.g. 0.02).")
+OUTPUT_SCALE = typer.Option(None, callback=SCALE, help="Scale its output lengths alone (default: "
+                            "--length-scale).")
+SGLANG_SCHEDULER = typer.Option(
+    False, "--sglang-scheduler", help="Free groups, SWA eviction and the end of the trace as sglang 0.5.23's "
+    "scheduler does them (a free group per batch, SWA evicted every 128 tokens, the cache kept at the end): "
+    "traces that look like a live server's (kvreplay profile compares them).")
+SPEEDUP_BY = typer.Option(1.0, callback=SPEEDUP, help="Divide a workload's arrival times by this "
+                          "(1e9: every request at once).")
+PREFIX_CACHING = typer.Option(
+    True, "--prefix-caching/--no-prefix-caching", help="vllm-prefix: the manager's prefix cache (enable_caching); "
+    "off, every freed block goes back unhashed and only the free queue's order decides reuse.")
+ATTENTION = typer.Option(
+    "full", help="vllm-prefix: the manager's KV-cache groups: full; sliding (one sliding window of --window "
+    "tokens: blocks that leave it are freed as the sequence grows); hybrid (a full-attention group and a "
+    "sliding-window one sharing the pool); mamba (a hybrid state-space model's state group, its states cached at "
+    "block boundaries, beside full attention: prefill chunks end where a state can be cached). Sliding, hybrid "
+    "and mamba need --build vllm.")
+MAX_MODEL_LEN = typer.Option(
+    None, callback=TOKENS,
+    help="vllm-prefix: the longest sequence the manager serves, in tokens (default: --full-size). A "
+    "sliding window's pool can be smaller: vLLM sizes it for the window plus one step's tokens.")
+BATCH_TOKENS = typer.Option(
+    2048, callback=TOKENS,
+    help="vllm-prefix: tokens the scheduler runs per step (vLLM's max_num_batched_tokens): the chunk "
+    "size of a long prompt, and the manager's in-flight token bound.")
+SPECULATIVE = typer.Option(
+    False, "--speculative", help="radix-swa: speculative decoding as sglang 0.5.23 serves it (EAGLE, top-1 "
+    "drafts, --k draft steps): each step keeps every row allocated to twice its draft tokens past what it "
+    "committed, whole pages, in one batched alloc_extend, and accepts 1 to --k + 1 tokens.")
+DRAFT_ACCEPT = typer.Option(
+    0.25, callback=within(0, 1, "a probability, 0 to 1"),
+    help="radix-swa --speculative: the chance the target accepts each draft token, in order (0.25: what "
+    "the live tiny random model accepted; a trained draft model accepts far more).")
+STATE_SLOTS = typer.Option(
+    64, callback=TOKENS,
+    help="hybrid-mamba: slots in the state pool (sglang's --max-mamba-cache-size): each request holds three "
+    "(its state and a tracking pair), the prefix cache the rest.")
+ABORTS = typer.Option(0.05, callback=within(0, 1, "a share of requests, 0 to 1"),
+                      help="hybrid-mamba: the share of requests aborted while they decode.")
+NO_EXTRA_BUFFER = typer.Option(
+    False, "--no-extra-buffer", help="hybrid-mamba: the pool sglang builds where the extra buffer is not "
+    "allowed (any CPU): no tracking pair; the cache copies a prompt's state when it is prefilled and keeps "
+    "a finished request's state slot in place.")
+EAGLE = typer.Option(
+    False, "--eagle", help="vllm-prefix: the server runs an EAGLE drafter of --k tokens: every prefix hit gives "
+    "up its last block (the drafter's states for it are not cached) and every allocation reserves --k slots "
+    "more.")
+SYNTH_DEVICE = typer.Option("cpu", help="Torch device for the pool.")
+CHECKPOINT_EVERY = typer.Option(
+    0, callback=within(0, MANY, f"0 (no checkpoints) or positive, at most {MANY}"),
+    help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace.")
 
 
 @app.command()
 def synth(
-    scenario: str = typer.Argument(..., help="decode | disagg-mtp | radix-swa (sglang's pools) | vllm-prefix "
-                                   "(vLLM's KV-cache manager) | hybrid-mamba (sglang's state pool of a "
-                                   "state-space hybrid model)"),
-    out_path: str = typer.Option(..., "-o", "--out", help="Trace file to write (Parquet): a path or a URI."),
-    requests: int = typer.Option(200, "--requests", "-n", callback=REQUESTS, help="Number of requests to run."),
-    seed: int = typer.Option(0, callback=SEED, help="Seed for the request generator and accept lengths."),
-    workload: Path | None = typer.Option(
-        None, help="Mooncake JSONL or Azure CSV request trace; default: seeded generator."
-    ),
-    build: str | None = typer.Option(None, help="Pool build to drive (default: the scenario's builtin pool)."),
-    page_size: int = typer.Option(4, callback=TOKENS, help="Tokens per page."),
-    full_size: int = typer.Option(2048, callback=TOKENS, help="Full-attention pool size in tokens (the paged pool's "
-                                  "size)."),
-    swa_size: int = typer.Option(512, callback=TOKENS, help="SWA pool size in tokens."),
-    window: int = typer.Option(32, callback=TOKENS, help="Sliding-window size in tokens."),
-    k: int = typer.Option(3, callback=within(0, 1024, "0 (no speculation) or more draft tokens per step, at most "
-                                             "1024"),
-                   help="MTP draft tokens per step (disagg-mtp; 0: no speculation, one alloc_decode per step)."),
-    block_tokens: int = typer.Option(16, callback=TOKENS, help="Tokens per prefix-cache block (multiple of the page "
-                                     "size)."),
-    max_running: int = typer.Option(64, callback=TOKENS, help="Most requests decoding at once."),
-    length_scale: float = typer.Option(1.0, callback=SCALE, help="Scale a workload file's token lengths (e.g. 0.02)."),
-    output_scale: float = typer.Option(None, callback=SCALE, help="Scale its output lengths alone (default: "
-                                       "--length-scale)."),
-    sglang_scheduler: bool = typer.Option(
-        False, "--sglang-scheduler", help="Free groups, SWA eviction and the end of the trace as sglang 0.5.23's "
-        "scheduler does them (a free group per batch, SWA evicted every 128 tokens, the cache kept at the end): "
-        "traces that look like a live server's (kvreplay profile compares them)."),
-    speedup: float = typer.Option(1.0, callback=SPEEDUP, help="Divide a workload's arrival times by this "
-                                  "(1e9: every request at once)."),
-    prefix_caching: bool = typer.Option(
-        True, "--prefix-caching/--no-prefix-caching", help="vllm-prefix: the manager's prefix cache (enable_caching); "
-        "off, every freed block goes back unhashed and only the free queue's order decides reuse."),
-    attention: str = typer.Option(
-        "full", help="vllm-prefix: the manager's KV-cache groups: full; sliding (one sliding window of --window "
-        "tokens: blocks that leave it are freed as the sequence grows); hybrid (a full-attention group and a "
-        "sliding-window one sharing the pool); mamba (a hybrid state-space model's state group, its states cached at "
-        "block boundaries, beside full attention: prefill chunks end where a state can be cached). Sliding, hybrid "
-        "and mamba need --build vllm."),
-    max_model_len: int = typer.Option(
-        None, callback=TOKENS,
-        help="vllm-prefix: the longest sequence the manager serves, in tokens (default: --full-size). A "
-        "sliding window's pool can be smaller: vLLM sizes it for the window plus one step's tokens."),
-    batch_tokens: int = typer.Option(
-        2048, callback=TOKENS,
-        help="vllm-prefix: tokens the scheduler runs per step (vLLM's max_num_batched_tokens): the chunk "
-        "size of a long prompt, and the manager's in-flight token bound."),
-    speculative: bool = typer.Option(
-        False, "--speculative", help="radix-swa: speculative decoding as sglang 0.5.23 serves it (EAGLE, top-1 "
-        "drafts, --k draft steps): each step keeps every row allocated to twice its draft tokens past what it "
-        "committed, whole pages, in one batched alloc_extend, and accepts 1 to --k + 1 tokens."),
-    draft_accept: float = typer.Option(
-        0.25, callback=within(0, 1, "a probability, 0 to 1"),
-        help="radix-swa --speculative: the chance the target accepts each draft token, in order (0.25: what "
-        "the live tiny random model accepted; a trained draft model accepts far more)."),
-    state_slots: int = typer.Option(
-        64, callback=TOKENS,
-        help="hybrid-mamba: slots in the state pool (sglang's --max-mamba-cache-size): each request holds three "
-        "(its state and a tracking pair), the prefix cache the rest."),
-    aborts: float = typer.Option(0.05, callback=within(0, 1, "a share of requests, 0 to 1"),
-                                 help="hybrid-mamba: the share of requests aborted while they decode."),
-    no_extra_buffer: bool = typer.Option(
-        False, "--no-extra-buffer", help="hybrid-mamba: the pool sglang builds where the extra buffer is not "
-        "allowed (any CPU): no tracking pair; the cache copies a prompt's state when it is prefilled and keeps "
-        "a finished request's state slot in place."),
-    eagle: bool = typer.Option(
-        False, "--eagle", help="vllm-prefix: the server runs an EAGLE drafter of --k tokens: every prefix hit gives "
-        "up its last block (the drafter's states for it are not cached) and every allocation reserves --k slots "
-        "more."),
-    device: str = typer.Option("cpu", help="Torch device for the pool."),
-    checkpoint_every: int = typer.Option(
-        0, callback=within(0, MANY, f"0 (no checkpoints) or positive, at most {MANY}"),
-        help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace."),
-    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    scenario: str = SCENARIO,
+    out_path: str = SYNTH_OUT,
+    requests: int = SYNTH_REQUESTS,
+    seed: int = SYNTH_SEED,
+    workload: Path | None = SYNTH_WORKLOAD,
+    build: str | None = SYNTH_BUILD,
+    page_size: int = PAGE_SIZE,
+    full_size: int = FULL_SIZE,
+    swa_size: int = SWA_SIZE,
+    window: int = WINDOW,
+    k: int = DRAFT_TOKENS,
+    block_tokens: int = BLOCK_TOKENS,
+    max_running: int = MAX_RUNNING,
+    length_scale: float = LENGTH_SCALE,
+    output_scale: float = OUTPUT_SCALE,
+    sglang_scheduler: bool = SGLANG_SCHEDULER,
+    speedup: float = SPEEDUP_BY,
+    prefix_caching: bool = PREFIX_CACHING,
+    attention: str = ATTENTION,
+    max_model_len: int = MAX_MODEL_LEN,
+    batch_tokens: int = BATCH_TOKENS,
+    speculative: bool = SPECULATIVE,
+    draft_accept: float = DRAFT_ACCEPT,
+    state_slots: int = STATE_SLOTS,
+    aborts: float = ABORTS,
+    no_extra_buffer: bool = NO_EXTRA_BUFFER,
+    eagle: bool = EAGLE,
+    device: str = SYNTH_DEVICE,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    as_json: bool = AS_JSON,
 ) -> None:
     """Drive a pool the way a decode server's scheduler does; record the trace.
 
@@ -134,6 +173,10 @@ def synth(
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:
         result = synthesize(cfg, progress=cb, command=command)
+    _show_synth(result, as_json)
+
+
+def _show_synth(result: SynthResult, as_json: bool) -> None:
     if as_json:
         emit_json({**result.__dict__, "path": str(result.path)})
         return
@@ -146,7 +189,7 @@ def synth(
 def inspect(
     trace: str = typer.Argument(..., help="Trace file (Parquet), rotated trace directory, or a directory of traces "
                        "(hive-partitioned: host=.../date=.../rank=...)." + URI_HELP),
-    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    as_json: bool = AS_JSON,
 ) -> None:
     """Describe a trace: pool, calls per method, time span, peak use, size.
 
@@ -203,7 +246,7 @@ def inspect(
 
 
 @app.command("builds")
-def list_builds(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None:
+def list_builds(as_json: bool = AS_JSON) -> None:
     """List the builds: builtin pools, bug variants and other build kinds."""
     from kvreplay.contract.registry import BUILTINS, engines
 
@@ -249,7 +292,7 @@ def profile(
     against_requests: int = typer.Option(None, "--against-requests",
                                          callback=within(1, MANY, f"a number of requests, 1 to {MANY}"),
                                          help="The same for --against."),
-    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+    as_json: bool = AS_JSON,
 ) -> None:
     """The shape of a trace's traffic: calls per request by method, tokens per
     extend and per decode step, free groups, occupancy over time, prefix-cache

@@ -372,7 +372,6 @@ UNITS = ("slots", "blocks")  # what a family's sizes and counts are in
 # Where the trace schema's counter columns and the reads that fill them are named: loaded
 # by name (the trace layer sits above this one); a schema without them skips the check.
 _SCHEMA_COUNTERS = "kvreplay.trace.format:COUNTERS"
-_SCHEMA_READS = "kvreplay.trace.format:COUNTER_READS"
 
 
 def members(proto: type) -> list[str]:
@@ -534,6 +533,9 @@ def _shape(fam: Family, b: _Breaches) -> None:
     columns = _schema(_SCHEMA_COUNTERS)
     if columns is not None:
         _subset(b, "sub_counters", fam.sub_counters, columns, f"trace schema's counter columns ({', '.join(columns)})")
+        if len(fam.counter_reads) > len(columns):
+            b.add("counter_reads", f"{len(fam.counter_reads)} reads for the trace schema's {len(columns)} counter "
+                                   "columns: one read per column, at most")
     if not isinstance(fam.specificity, int):
         b.add("specificity", f"{fam.specificity!r} is not a whole number")
     for flag in ("slots", "snapshots"):
@@ -763,9 +765,9 @@ def _pool(fam: Family, b: _Breaches, pool: Any, ctor: dict[str, Any] | None) -> 
     for _, attr in fam.sub_allocators:
         if not hasattr(pool, attr):
             b.add("sub_allocators", f"a {name} has no {attr}")
-    columns, reads = _schema(_SCHEMA_COUNTERS), _schema(_SCHEMA_READS)
-    if columns is not None and reads is not None:
-        read_of = dict(zip(columns, reads, strict=False))
+    columns = _schema(_SCHEMA_COUNTERS)
+    if columns is not None:
+        read_of = dict(zip(columns, fam.counter_reads, strict=False))
         for counter in fam.sub_counters:
             read = read_of.get(counter)
             if read is not None and not callable(getattr(pool, read, None)):

@@ -59,6 +59,11 @@ class Scenario:
 
 
 
+# The reads that fill a trace's counter columns (trace/format.py COUNTERS), in column
+# order, for a family that names none of its own (sglang's allocator API).
+DEFAULT_COUNTER_READS: tuple[str, ...] = ("available_size", "full_available_size", "swa_available_size")
+
+
 @dataclass(frozen=True)
 class Vocabulary:
     """What kind of call each of a family's methods is, as the shared jobs ask it:
@@ -130,6 +135,10 @@ class Family:
     # MODULE:CLASS: the invariant checker its replayer runs (a recording's checkpoints keep its state)
     checker: str = ""
     vocabulary: Vocabulary = Vocabulary()  # the kind of each of its calls
+    # its pool's counter reads, one per counter column it fills, in column order (at most
+    # as many as trace/format.py COUNTERS): a recorder reads them after each call, and a
+    # trace folds repeated ones
+    counter_reads: tuple[str, ...] = DEFAULT_COUNTER_READS
     profile: str = ""  # MODULE:FUNC (figures, call) -> None: what a call adds to a profile (trace/profile.py)
     invariants: tuple[tuple[str, str], ...] = ()  # (name, what it says) of the invariants only it has
     rules: str = ""  # its rules: lines of ``invariant/rule | severity | what happened`` (check/rules.py)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvreplay.builds.git_tree import resolve_commit
+from kvreplay.builds.releases import expand_all
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.errors import BadInput, BuildUnloadable
 from kvreplay.jobs.stored_replay import replay_and_store
@@ -262,91 +263,142 @@ def _verdict(o: Outcome, target: Failure, fixed: bool) -> tuple[str, str]:
     return "skip", f"fails differently ({', '.join(o.invariants + o.divergence_kinds)}): {o.first}"
 
 
-def bisect(trace: str | Path, good: Candidate, order: list[Candidate], *, db: str | None = None,
-           mode: str = "strict", device: str = "cpu", timeout_s: float = 1800.0, use_cache: bool = True,
-           failure: Failure | None = None, fixed: bool = False, jobs: int = 1, ray: str | None = None,
-           on_step: Callable[[Step, int], None] | None = None) -> BisectResult:
+@dataclass(frozen=True)
+class BisectOptions:
+    """How each step of a bisect replays: into (and, ``use_cache``, from) the store at
+    ``db``, in ``mode`` on ``device``, a git: build given ``timeout_s``, each replay's
+    segments on ``jobs`` workers or on Ray."""
+
+    db: str | None = None
+    mode: str = "strict"
+    device: str = "cpu"
+    timeout_s: float = 1800.0
+    use_cache: bool = True
+    jobs: int = 1
+    ray: str | None = None
+
+
+def bisect(trace: str | Path, good: Candidate, order: list[Candidate], options: BisectOptions | None = None, *,
+           failure: Failure | None = None, fixed: bool = False, on_step: Callable[[Step, int], None] | None = None,
+           **option_values: Any) -> BisectResult:
     """Binary search ``order`` (oldest first; ``good``, the old end, comes before it)
     for the first build showing the failure (``failure``, else the one the bad end
     shows first), as ``git bisect`` does. With ``fixed``, the old end must show the
     failure and the new end must not, and the search is for the first build where it
-    is gone (git's --term-old/--term-new)."""
+    is gone (git's --term-old/--term-new). Each step replays as ``options`` says; its
+    fields may be given by name instead (``db=``, ``mode=``, ``device=``, ...)."""
+    opts = replace(options or BisectOptions(), **option_values)
     TraceReader(trace)  # a bad trace is a one-line error before any replay
     if not order:
         raise BadInput("nothing to bisect: no builds between the two ends")
-    prober = Prober(trace, db=db, mode=mode, device=device, timeout_s=timeout_s, use_cache=use_cache, jobs=jobs,
-                    ray=ray)
-    steps: list[Step] = []
-    remaining = max(1, (len(order) - 1).bit_length())
-    old, new = ("bad", "fixed") if fixed else ("good", "bad")
+    search = _Search(Prober(trace, **asdict(opts)), str(trace), good, order, fixed, on_step)
+    target = search.check_ends(failure)
+    lo, hi = search.narrow(target)
+    return search.old_end_disproved(target, lo, hi) or search.result(target, lo, hi)
 
-    def run(i: int, cand: Candidate, target: Failure | None) -> tuple[str, Outcome]:
-        o, cached, wall = prober.probe(cand.spec)
+
+class _Search:
+    """One bisect under way: the builds of ``order`` (``good``, the old end, at index -1)
+    probed one step at a time, the step log, and the outcome of each index that took a side."""
+
+    def __init__(self, prober: Prober, trace: str, good: Candidate, order: list[Candidate], fixed: bool,
+                 on_step: Callable[[Step, int], None] | None) -> None:
+        self.prober, self.trace, self.good, self.order = prober, trace, good, order
+        self.fixed, self.on_step = fixed, on_step
+        self.old, self.new = ("bad", "fixed") if fixed else ("good", "bad")  # the terms, as git's
+        self.steps: list[Step] = []
+        self.remaining = max(1, (len(order) - 1).bit_length())  # steps left, as each step's report says
+        self.shows: dict[int, Outcome] = {}
+
+    def run(self, i: int, cand: Candidate, target: Failure | None) -> tuple[str, Outcome]:
+        o, cached, wall = self.prober.probe(cand.spec)
         if target is None:  # an end that names the target: does it fail at all?
             failing = o.status in ("violation", "divergence")
-            verdict = ("bad" if failing else old if o.status == "clean" else "skip") if not fixed else \
+            verdict = ("bad" if failing else self.old if o.status == "clean" else "skip") if not self.fixed else \
                       ("bad" if failing else "skip")
             why = o.first or o.status
         else:
-            verdict, why = _verdict(o, target, fixed)
+            verdict, why = _verdict(o, target, self.fixed)
         step = Step(i, cand.label, cand.spec, verdict, o.status, why, cached, wall)
-        steps.append(step)
-        if on_step is not None:
-            on_step(step, remaining)
+        self.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step, self.remaining)
         return verdict, o
 
-    n = len(order)
-    failing_end, failing_label = (good, good.label) if fixed else (order[-1], order[-1].label)
-    if fixed and failure is not None:
-        # Looking for the fix of a named failure: the old end is taken as broken, as
-        # --good is taken as good (it may predate the API the failure needs).
-        verdict, end_o, target = "bad", Outcome("violation", [], [], str(failure)), failure
-    else:
-        verdict, end_o = run(-1 if fixed else n - 1, failing_end, failure)
-        target = failure or end_o.failure
-    if verdict != "bad" or target is None:
-        why = ("it replays clean there" if end_o.status == "clean" else f"it could not be tested there ({end_o.first})"
-               if end_o.status in UNTESTABLE else f"it shows no {failure} there ({end_o.first})")
-        which = "old end" if fixed else "bad end"
-        raise BadInput(f"the {which} {failing_label} does not show the failure: {why}")
-    shows = {(-1 if fixed else n - 1): end_o}
-    if fixed:
-        v, o = run(n - 1, order[-1], target)
-        if v != "fixed":
-            raise BadInput(f"the new end {order[-1].label} " + ("still shows " + str(target) + f": {o.shows(target)}"
-                           if v == "bad" else f"could not be tested ({o.first})"))
-        shows[n - 1] = o
-    lo, hi = -1, n - 1  # lo: last known old-term build (-1 is --good), hi: first known new-term build
-    skipped: set[int] = set()
-    while hi - lo > 1:
-        m = _next_probe(lo, hi, skipped)
-        if m is None:
-            break
-        remaining = (hi - lo - 1 - len(skipped & set(range(lo + 1, hi)))).bit_length()
-        v, o = run(m, order[m], target)
-        if v == old:
-            lo, shows[m] = m, o
-        elif v == new:
-            hi, shows[m] = m, o
+    def check_ends(self, failure: Failure | None) -> Failure:
+        """The failure to follow, once the failing end is seen to show it (and, with
+        --fixed, the new end not to); BadInput when an end does not hold."""
+        n, fixed = len(self.order), self.fixed
+        failing_end = self.good if fixed else self.order[-1]
+        if fixed and failure is not None:
+            # Looking for the fix of a named failure: the old end is taken as broken, as
+            # --good is taken as good (it may predate the API the failure needs).
+            verdict, end_o, target = "bad", Outcome("violation", [], [], str(failure)), failure
         else:
-            skipped.add(m)
-    if hi - lo == 1 and lo == -1 and not fixed:
-        # Everything tested was bad: make sure --good really is good before blaming the first.
-        v, o = run(-1, good, target)
-        if v == "bad":
-            return BisectResult(str(trace), target, "already-bad", None, [], o.shows(target), o.detail, steps, n)
-    if hi - lo == 1 and lo == -1 and fixed and -1 not in {st.index for st in steps}:
-        # Everything tested was fixed: make sure the old end really shows the failure.
-        v, o = run(-1, good, target)
-        if v == "fixed":
-            return BisectResult(str(trace), target, "already-fixed", None, [], o.first, o.detail, steps, n, True)
-        if v == "bad":
-            shows[-1] = o
-    cands = order[lo + 1:hi + 1]
-    verdict = "found" if len(cands) == 1 else "range"
-    shown = shows[lo if fixed else hi] if (lo if fixed else hi) in shows else end_o
-    return BisectResult(str(trace), target, verdict, order[hi] if verdict == "found" else None, cands,
-                        shown.shows(target), shown.detail_of(target), steps, n, fixed)
+            verdict, end_o = self.run(-1 if fixed else n - 1, failing_end, failure)
+            target = failure or end_o.failure
+        if verdict != "bad" or target is None:
+            why = ("it replays clean there" if end_o.status == "clean"
+                   else f"it could not be tested there ({end_o.first})" if end_o.status in UNTESTABLE
+                   else f"it shows no {failure} there ({end_o.first})")
+            which = "old end" if fixed else "bad end"
+            raise BadInput(f"the {which} {failing_end.label} does not show the failure: {why}")
+        self.shows[-1 if fixed else n - 1] = end_o
+        if fixed:
+            v, o = self.run(n - 1, self.order[-1], target)
+            if v != "fixed":
+                raise BadInput(f"the new end {self.order[-1].label} " + ("still shows " + str(target) +
+                               f": {o.shows(target)}" if v == "bad" else f"could not be tested ({o.first})"))
+            self.shows[n - 1] = o
+        return target
+
+    def narrow(self, target: Failure) -> tuple[int, int]:
+        """(lo, hi): lo the last build known on the old side (-1 is --good), hi the first
+        known on the new side, as near each other as the skips let them come."""
+        lo, hi = -1, len(self.order) - 1
+        skipped: set[int] = set()
+        while hi - lo > 1:
+            m = _next_probe(lo, hi, skipped)
+            if m is None:
+                break
+            self.remaining = (hi - lo - 1 - len(skipped & set(range(lo + 1, hi)))).bit_length()
+            v, o = self.run(m, self.order[m], target)
+            if v == self.old:
+                lo, self.shows[m] = m, o
+            elif v == self.new:
+                hi, self.shows[m] = m, o
+            else:
+                skipped.add(m)
+        return lo, hi
+
+    def old_end_disproved(self, target: Failure, lo: int, hi: int) -> BisectResult | None:
+        """Where every build tested took the new side, the old end is probed too: the
+        result when it is on the new side as well (nothing to look for), else None."""
+        if hi - lo != 1 or lo != -1:
+            return None
+        n = len(self.order)
+        if not self.fixed:
+            # Everything tested was bad: make sure --good really is good before blaming the first.
+            v, o = self.run(-1, self.good, target)
+            if v == "bad":
+                return BisectResult(self.trace, target, "already-bad", None, [], o.shows(target), o.detail,
+                                    self.steps, n)
+        elif -1 not in {st.index for st in self.steps}:
+            # Everything tested was fixed: make sure the old end really shows the failure.
+            v, o = self.run(-1, self.good, target)
+            if v == "fixed":
+                return BisectResult(self.trace, target, "already-fixed", None, [], o.first, o.detail, self.steps, n,
+                                    True)
+            if v == "bad":
+                self.shows[-1] = o
+        return None
+
+    def result(self, target: Failure, lo: int, hi: int) -> BisectResult:
+        cands = self.order[lo + 1:hi + 1]
+        verdict = "found" if len(cands) == 1 else "range"
+        shown = self.shows[lo if self.fixed else hi]  # an end's outcome, from check_ends, until a step took its side
+        return BisectResult(self.trace, target, verdict, self.order[hi] if verdict == "found" else None, cands,
+                            shown.shows(target), shown.detail_of(target), self.steps, len(self.order), self.fixed)
 
 
 def _next_probe(lo: int, hi: int, skipped: set[int]) -> int | None:
@@ -369,5 +421,17 @@ def build_candidates(specs: list[str]) -> tuple[Candidate, list[Candidate]]:
     return cands[0], cands[1:]
 
 
-__all__ = ["BisectResult", "Candidate", "Outcome", "Step", "bisect", "build_candidates",
-           "first_parent_commits", "git_candidates"]
+def search_order(builds: str | None, repo: str | Path | None, good: str | None, bad: str | None,
+                 cls: str = "") -> tuple[Candidate, list[Candidate]]:
+    """(the old end, the builds to search) as bisect's command line names them: ``builds``
+    (comma-separated specs, oldest first, release ranges expanded), else the commits of
+    ``repo`` after ``good`` up to ``bad`` (default HEAD)."""
+    if builds:
+        return build_candidates(expand_all([b.strip() for b in builds.split(",") if b.strip()]))
+    if repo is None or good is None:
+        raise BadInput("bisect needs --repo PATH --good REV [--bad REV], or --builds A,B,...")
+    return git_candidates(repo, good, bad or "HEAD", cls)
+
+
+__all__ = ["BisectOptions", "BisectResult", "Candidate", "Outcome", "Step", "bisect", "build_candidates",
+           "first_parent_commits", "git_candidates", "search_order"]

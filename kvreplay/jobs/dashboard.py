@@ -98,6 +98,15 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
     name of its own at 127.0.0.1 (DNS rebinding) and read what this serves; such
     requests carry that name, and get a 400 instead."""
     app = Flask("kvreplay.jobs.dashboard")
+    _guard(app, hosts)
+    _add_run_pages(app, store)
+    _add_trace_history(app, store)
+    _add_files(app, store)
+    return app
+
+
+def _guard(app: Flask, hosts: frozenset[str] | None) -> None:
+    """Every answer: to a known Host only, and with headers that keep a page to its own scripts."""
 
     @app.before_request
     def _host() -> None:
@@ -113,22 +122,14 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
         resp.headers["X-Content-Type-Options"] = "nosniff"
         return resp
 
+
+def _add_run_pages(app: Flask, store: Store) -> None:
+    """/ (the runs, filtered), /runs/ID (one run's report) and /compare (two runs)."""
+
     @app.get("/")
     def runs() -> tuple[str, int]:
         f = {k: request.args.get(k, "").strip() for k in ("trace", "build", "status", "since", "until")}
-        error = ""
-        rows: list[dict[str, Any]] = []
-        try:
-            if f["status"] and f["status"] not in STATUSES:
-                raise BadInput(f"status must be one of {', '.join(STATUSES)}")
-            until = _day(f["until"], "until")
-            if until is not None:  # the day's end; there is none after 9999-12-31
-                until = until + dt.timedelta(days=1) if until.date() < dt.date.max else None
-            rows = _listed(list_runs(store, trace=f["trace"] or None, build=f["build"] or None,
-                                     status=f["status"] or None, since=_day(f["since"], "from"),
-                                     until=until, limit=MAX_LISTED))
-        except BadInput as exc:
-            error = str(exc)
+        rows, error = _filtered_runs(store, f)
         page = render_template_string(_LIST, title="Runs", runs=rows, f=f, builds=build_specs(store),
                                       statuses=STATUSES, assets=ASSET_URL, filters=True, error=error,
                                       limit=MAX_LISTED, history=None)
@@ -136,7 +137,7 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
 
     @app.get("/runs/<int:run_id>")
     def run(run_id: int) -> str:
-        r = _run_or_404(run_id)
+        r = _run_or_404(store, run_id)
         return stored_run_report(store, run_id, asset_url=ASSET_URL,
                                  nav=[("runs", "/"), ("trace history", f"/traces/{r.trace.content_hash[:12]}")])
 
@@ -146,10 +147,29 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
             a, b = int(request.args.get("a", "")), int(request.args.get("b", ""))
         except ValueError:
             abort(400, "pick two runs: /compare?a=RUN&b=RUN")
-        _run_or_404(a)
-        _run_or_404(b)
+        _run_or_404(store, a)
+        _run_or_404(store, b)
         return stored_compare_report(store, a, b, asset_url=ASSET_URL,
                                      nav=[("runs", "/"), (f"run {a}", f"/runs/{a}"), (f"run {b}", f"/runs/{b}")])
+
+
+def _filtered_runs(store: Store, f: dict[str, str]) -> tuple[list[dict[str, Any]], str]:
+    """(the runs the list's filters let through, "") or ([], why a filter is refused)."""
+    try:
+        if f["status"] and f["status"] not in STATUSES:
+            raise BadInput(f"status must be one of {', '.join(STATUSES)}")
+        until = _day(f["until"], "until")
+        if until is not None:  # the day's end; there is none after 9999-12-31
+            until = until + dt.timedelta(days=1) if until.date() < dt.date.max else None
+        return _listed(list_runs(store, trace=f["trace"] or None, build=f["build"] or None,
+                                 status=f["status"] or None, since=_day(f["since"], "from"),
+                                 until=until, limit=MAX_LISTED)), ""
+    except BadInput as exc:
+        return [], str(exc)
+
+
+def _add_trace_history(app: Flask, store: Store) -> None:
+    """/traces/HASH: one trace's runs across builds, drawn as a history."""
 
     @app.get("/traces/<trace_hash>")
     def trace(trace_hash: str) -> str:
@@ -167,6 +187,10 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
                                       runs=rows, f={}, assets=ASSET_URL, filters=False, error="",
                                       limit=MAX_LISTED, history=history)
 
+
+def _add_files(app: Flask, store: Store) -> None:
+    """The favicon (none), /api/runs (the runs as JSON) and the report pages' assets."""
+
     @app.get("/favicon.ico")
     def favicon() -> Response:
         return Response(status=204)
@@ -183,13 +207,12 @@ def create_app(store: Store, *, hosts: frozenset[str] | None = None) -> Flask:
         resp.headers["Cache-Control"] = "max-age=3600"
         return resp
 
-    def _run_or_404(run_id: int) -> Any:
-        try:
-            return get_run(store, run_id)
-        except BadInput:
-            abort(404, f"no run {run_id} in this database")
 
-    return app
+def _run_or_404(store: Store, run_id: int) -> Any:
+    try:
+        return get_run(store, run_id)
+    except BadInput:
+        abort(404, f"no run {run_id} in this database")
 
 
 def serve(store: Store, *, host: str = "127.0.0.1", port: int = 8765,

@@ -29,8 +29,8 @@ from kvreplay.fanout import iter_units
 from kvreplay.jobs.stored_replay import trace_info
 from kvreplay.replay.dispatch import run_many
 from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
-from kvreplay.store.db import check_store, open_store
-from kvreplay.store.runs import get_run, record_run, reusable_run, run_to_dict
+from kvreplay.store.db import Store, check_store, open_store
+from kvreplay.store.runs import TraceInfo, get_run, record_run, reusable_run, run_to_dict
 from kvreplay.trace import location
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.reader import TraceReader
@@ -133,10 +133,6 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
     parsed = {s: BuildSpec.parse(s) for s in specs}  # bad specs fail here, before any replay
     listed = matrix_traces(list(traces))
     paths = [p for p, _, _ in listed]
-    # What a Ray node is handed for each trace: its URI when remote (the node fetches
-    # it), else its path; and back from that to the trace's key here.
-    sources = {str(p.resolve()): src for p, _, src in listed}
-    given = {src: key for key, src in sources.items()}
     infos = {}
     for p in paths:
         reader = TraceReader(p)
@@ -147,44 +143,83 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
     t0 = time.perf_counter()
     st = open_store(db)
     try:
+        filler = _Filler(st, result, parsed, infos, {str(p.resolve()): src for p, _, src in listed}, on_cell)
+        todo = filler.from_store(specs, mode, use_cache)
+        if ray is not None:
+            filler.on_ray(todo, ray, mode, device, timeout_s)
+            todo = {}
+        filler.in_threads(todo, jobs, mode, device, timeout_s)
+    finally:
+        st.close()
+    order = {(t, b): i for i, (t, b) in enumerate((t, b) for t in result.traces for b in specs)}
+    result.cells.sort(key=lambda c: order[(c.trace, c.build)])
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+@dataclass
+class _Filler:
+    """Fills a matrix's cells, from runs the store has or from replays of the rest. Every
+    replay is stored here, from this thread: the store sees one writer."""
+
+    st: Store
+    result: MatrixResult
+    parsed: dict[str, BuildSpec]  # each build's spec, parsed
+    infos: dict[str, tuple[TraceInfo, str]]  # trace -> (its record in the store, its content hash)
+    # What a Ray node is handed for each trace: its URI when remote (the node fetches
+    # it), else its path; and back (``given``) from that to the trace's key here.
+    sources: dict[str, str]
+    on_cell: Callable[[Cell], None] | None
+    given: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.given = {src: key for key, src in self.sources.items()}
+
+    def from_store(self, specs: list[str], mode: str, use_cache: bool) -> dict[str, list[str]]:
+        """Fills the cells the store has a run for (with ``use_cache``); returns each
+        build's traces it has none for, to replay."""
         todo: dict[str, list[str]] = {}
         for spec in specs:
-            for trace, (_, digest) in infos.items():
-                run = reusable_run(st, digest, parsed[spec], mode) if use_cache else None
+            for trace, (_, digest) in self.infos.items():
+                run = reusable_run(self.st, digest, self.parsed[spec], mode) if use_cache else None
                 if run is not None:
-                    cell = Cell.of_run(run_to_dict(get_run(st, run.id), details=True), cached=True)
+                    cell = Cell.of_run(run_to_dict(get_run(self.st, run.id), details=True), cached=True)
                     cell.trace = trace
-                    _add(result, cell, on_cell)
+                    _add(self.result, cell, self.on_cell)
                 else:
                     todo.setdefault(spec, []).append(trace)
+        return todo
 
+    def store(self, spec: str, trace: str, report: ReplayReport, code_id: str) -> None:
+        trace = self.given.get(trace, str(Path(trace).resolve()))
+        info, _ = self.infos[trace]
+        report.build = spec
+        run_id = record_run(self.st, report, info, build_version=self.parsed[spec].resolved(code_id=code_id))
+        cell = Cell.of_run(run_to_dict(get_run(self.st, run_id), details=True), cached=False)
+        cell.trace = trace
+        _add(self.result, cell, self.on_cell)
+
+    def on_ray(self, todo: dict[str, list[str]], ray: str, mode: str, device: str, timeout_s: float) -> None:
+        # One Ray task per build (its worker imports the build once and replays its
+        # traces); a task's reports come back together, and are stored here.
+        units = [MatrixUnit(spec, [self.sources[t] for t in trs], mode, device, timeout_s)
+                 for spec, trs in todo.items()]
+        for got in iter_units(matrix_unit, units, ray=ray):
+            for spec, trace, report, code_id in got:
+                self.store(spec, trace, report, code_id)
+
+    def in_threads(self, todo: dict[str, list[str]], jobs: int, mode: str, device: str, timeout_s: float) -> None:
+        """Each build's traces replayed in its worker, ``jobs`` builds at a time."""
         # Units report each trace as its worker answers; only this thread stores.
         answers: queue.Queue[tuple[str, str, ReplayReport, str] | None] = queue.Queue()
 
         def unit(spec: str, trs: list[str]) -> None:
             try:
-                run_many(trs, parsed[spec], lambda r, code_id: answers.put((spec, r.trace, r, code_id)), mode=mode,
-                         device=device, timeout_s=timeout_s)
+                run_many(trs, self.parsed[spec], lambda r, code_id: answers.put((spec, r.trace, r, code_id)),
+                         mode=mode, device=device, timeout_s=timeout_s)
             finally:
                 answers.put(None)
 
-        def store(spec: str, trace: str, report: ReplayReport, code_id: str) -> None:
-            trace = given.get(trace, str(Path(trace).resolve()))
-            info, _ = infos[trace]
-            report.build = spec
-            run_id = record_run(st, report, info, build_version=parsed[spec].resolved(code_id=code_id))
-            cell = Cell.of_run(run_to_dict(get_run(st, run_id), details=True), cached=False)
-            cell.trace = trace
-            _add(result, cell, on_cell)
-
-        if ray is not None:
-            # One Ray task per build (its worker imports the build once and replays its
-            # traces); a task's reports come back together, and are stored here.
-            units = [MatrixUnit(spec, [sources[t] for t in trs], mode, device, timeout_s) for spec, trs in todo.items()]
-            for got in iter_units(matrix_unit, units, ray=ray):
-                for spec, trace, report, code_id in got:
-                    store(spec, trace, report, code_id)
-            todo = {}
         pool = ThreadPoolExecutor(max_workers=max(1, jobs))
         try:
             futures = [pool.submit(unit, spec, trs) for spec, trs in todo.items()]
@@ -194,7 +229,7 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
                 if item is None:
                     running -= 1
                     continue
-                store(*item)
+                self.store(*item)
             for fut in futures:
                 fut.result()  # a unit's own failure (not a build's) is ours: let it out
         except BaseException:
@@ -203,12 +238,6 @@ def run_matrix(traces: list[str | Path], builds: list[str], *, db: str | None = 
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown()
-    finally:
-        st.close()
-    order = {(t, b): i for i, (t, b) in enumerate((t, b) for t in result.traces for b in specs)}
-    result.cells.sort(key=lambda c: order[(c.trace, c.build)])
-    result.wall_s = time.perf_counter() - t0
-    return result
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from kvreplay.contract.registry import family
 from kvreplay.recorder import writer_child
 from kvreplay.recorder.seal import open_append, replace_file, seal
 from kvreplay.recorder.switches import FINDINGS_FILE, SEAL_ENV, WATCH_ENV
@@ -174,7 +175,8 @@ class Watcher:
 
         r = self._replayer
         nested = r.nested_args if r is not None else False  # as the replayer's own run decodes them
-        for tc in grouped(decoded(table.to_batches(), self.path, nested_args=nested), self._number):
+        reads = family(self.meta.family).counter_reads
+        for tc in grouped(decoded(table.to_batches(), self.path, nested_args=nested, reads=reads), self._number):
             c = tc.call
             if c.target == GAP_TARGET:
                 if c.method == GAP_METHOD:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.errors import BadInput
-from kvreplay.recorder.compat import compat_env
+from kvreplay.recorder.compat import COMPAT_ENV, compat_env, patches
 from kvreplay.recorder.rotation import Rotation
 from kvreplay.recorder.seal import new_key, opened, parse, read_small
 from kvreplay.recorder.switches import (
@@ -106,6 +106,19 @@ def record_env(out: Path, classes: Sequence[str] = (), base: dict[str, str] | No
     return env
 
 
+def launch_keys(classes: Sequence[str] = (), flight: int = 0, counters_every: int = 1, checkpoint_every: int = 0,
+                watch: str = "", rotation: Rotation | None = None, cpu_compat: bool = False) -> list[str]:
+    """The variables of ``record_env``'s environment (asked with the same switches) that a
+    server launched some other way must be given: what kvreplay record --print-env prints.
+    (Such a server is watched by its writers alone: no kvreplay record prints what they find.)"""
+    # the layer's switch and what its patches need (a variable the user set is left to them)
+    compat = [COMPAT_ENV, *sorted({k for p in patches() for k in p.env})] if cpu_compat else []
+    asked = ((CLASSES_ENV, bool(classes)), (FLIGHT_ENV, flight > 0), (COUNTERS_ENV, counters_every != 1),
+             (CHECKPOINT_ENV, checkpoint_every > 0), (WATCH_ENV, bool(watch)),
+             (PARTS_ENV, rotation is not None and rotation.on and not flight))
+    return [DIR_ENV, "PYTHONPATH", *compat, *(k for k, on in asked if on)]
+
+
 def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (),
                    settle_s: float = 30.0, flight: int = 0, counters_every: int = 1,
                    checkpoint_every: int = 0, watch: str = "", stop_on_violation: bool = False,
@@ -128,44 +141,15 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     if not command:
         raise BadInput("nothing to run: give the server command after --, e.g. "
                        "kvreplay record --out traces/ -- python -m sglang.launch_server ...")
-    out = Path(out)
-    if not out.is_dir() and not out.parent.is_dir():  # the directory named is made, nothing above it
-        why = "is not a directory" if out.parent.exists() else "does not exist"
-        raise BadInput(f"--out {out}: cannot create it ({out.parent} {why})")
-    try:
-        out.mkdir(exist_ok=True)
-    except OSError as exc:
-        raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
-    _check_writable(out)
-    findings_file = out / FINDINGS_FILE
-    if watch == "check" and (findings_file.is_symlink() or (findings_file.exists() and not findings_file.is_file())):
-        raise BadInput(f"{findings_file}: not a regular file; remove it (the watch appends its findings there)")
+    out = _made_out(Path(out), watch)
     before = set(out.glob(TRACE_GLOB))
-    if watch or metrics_port:
-        for old in out.glob(METRICS_GLOB):  # a last run's counters are not this run's
-            old.unlink(missing_ok=True)
     key = new_key()
-    server = _serve_metrics(out, metrics_port, key) if metrics_port else None
-    if server is not None and on_metrics is not None:
-        on_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    server = _start_metrics(out, watch, metrics_port, key, on_metrics)
     adopted = _adopt_orphans()
     env = record_env(out, classes, flight=flight, counters_every=counters_every, checkpoint_every=checkpoint_every,
                      watch=watch or ("metrics" if metrics_port else ""), rotation=rotation, cpu_compat=cpu_compat,
                      key=key)
-    try:
-        # A process group of its own: what the command starts and leaves behind is ended
-        # with the recording (_end_group); Ctrl-C and SIGTERM reach it through forward().
-        proc = subprocess.Popen(list(command), env=env, **_OWN_GROUP)
-    except FileNotFoundError:
-        raise BadInput(f"command not found: {command[0]}") from None
-    except PermissionError:
-        raise BadInput(f"cannot run {command[0]}: permission denied") from None
-    except OSError as exc:  # not an executable (a text file without #!, a directory)
-        raise BadInput(f"cannot run {command[0]}: {exc.strerror or exc}") from None
-
-    def forward(signum: int, frame: object) -> None:
-        proc.send_signal(signum)
-
+    proc = _start(command, env)
     result = LiveRecording(list(command), out, 0)
 
     def found(finding: dict[str, Any]) -> None:
@@ -176,24 +160,9 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
             result.stopped_on = finding
             proc.send_signal(signal.SIGTERM)
 
-    follower = _Follower(findings_file, found, key) if watch == "check" else None
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = proc.wait()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    _end_group(proc.pid)
-    # The writers finish their files after the command: wait for them (this process
-    # adopted them), not only for their .tmp files, which a writer that has just
-    # started has not made yet. Where the writers are this process's children, a .tmp
-    # file with none of them running is one that a killed writer left: nobody will
-    # finish it, and waiting settle_s for it only stalls the end of the recording.
-    deadline = time.monotonic() + settle_s
-    while (_reap() or (not adopted and _unfinished(out))) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    _end_group(proc.pid, signal.SIGKILL)
-    _reap()
+    follower = _Follower(out / FINDINGS_FILE, found, key) if watch == "check" else None
+    code = _wait_passing_signals(proc)
+    _let_writers_finish(proc, out, adopted, settle_s)
     if follower is not None:
         follower.stop()  # after the writers finished: every finding they wrote is read
         result.forged = follower.forged
@@ -209,6 +178,78 @@ def record_command(command: Sequence[str], out: Path, classes: Sequence[str] = (
     result.traces = sorted(p for p in set(out.glob(TRACE_GLOB)) - before if not p.is_dir() or any(p.glob(PART_GLOB)))
     result.unfinished = _unfinished(out)
     return result
+
+
+def _made_out(out: Path, watch: str) -> Path:
+    """--out, made if missing (nothing above it), checked to take files, and with nothing
+    in the way of the findings file the watch appends to."""
+    if not out.is_dir() and not out.parent.is_dir():  # the directory named is made, nothing above it
+        why = "is not a directory" if out.parent.exists() else "does not exist"
+        raise BadInput(f"--out {out}: cannot create it ({out.parent} {why})")
+    try:
+        out.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"--out {out}: cannot create it ({exc.strerror or exc})") from None
+    _check_writable(out)
+    findings_file = out / FINDINGS_FILE
+    if watch == "check" and (findings_file.is_symlink() or (findings_file.exists() and not findings_file.is_file())):
+        raise BadInput(f"{findings_file}: not a regular file; remove it (the watch appends its findings there)")
+    return out
+
+
+def _start_metrics(out: Path, watch: str, port: int, key: str,
+                   on_metrics: Callable[[str], None] | None) -> ThreadingHTTPServer | None:
+    """The counters' server on ``port`` (None: no port asked)."""
+    if watch or port:
+        for old in out.glob(METRICS_GLOB):  # a last run's counters are not this run's
+            old.unlink(missing_ok=True)
+    server = _serve_metrics(out, port, key) if port else None
+    if server is not None and on_metrics is not None:
+        on_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    return server
+
+
+def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    try:
+        # A process group of its own: what the command starts and leaves behind is ended
+        # with the recording (_end_group); Ctrl-C and SIGTERM reach it through _wait_passing_signals.
+        return subprocess.Popen(list(command), env=env, **_OWN_GROUP)
+    except FileNotFoundError:
+        raise BadInput(f"command not found: {command[0]}") from None
+    except PermissionError:
+        raise BadInput(f"cannot run {command[0]}: permission denied") from None
+    except OSError as exc:  # not an executable (a text file without #!, a directory)
+        raise BadInput(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+
+
+def _wait_passing_signals(proc: subprocess.Popen[bytes]) -> int:
+    """The command's exit status, Ctrl-C and SIGTERM passed on to it while it runs."""
+
+    def forward(signum: int, frame: object) -> None:
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _let_writers_finish(proc: subprocess.Popen[bytes], out: Path, adopted: bool, settle_s: float) -> None:
+    """End what is left of the command's group, and give the trace writers ``settle_s``
+    seconds to finish their files."""
+    _end_group(proc.pid)
+    # The writers finish their files after the command: wait for them (this process
+    # adopted them), not only for their .tmp files, which a writer that has just
+    # started has not made yet. Where the writers are this process's children, a .tmp
+    # file with none of them running is one that a killed writer left: nobody will
+    # finish it, and waiting settle_s for it only stalls the end of the recording.
+    deadline = time.monotonic() + settle_s
+    while (_reap() or (not adopted and _unfinished(out))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _end_group(proc.pid, signal.SIGKILL)
+    _reap()
 
 
 def _unfinished(out: Path) -> list[Path]:

@@ -42,7 +42,7 @@ from kvreplay.recorder.writer import DEFAULT_MAX_QUEUED_ROWS, TraceWriter, Write
 from kvreplay.recorder.writer_child import unpin
 from kvreplay.recorder.writer_process import ProcessTraceWriter
 from kvreplay.trace import snapshot as pool_snapshot
-from kvreplay.trace.format import COUNTER_READS, CheckpointRecord, GapRecord, TraceMeta
+from kvreplay.trace.format import COUNTERS, CheckpointRecord, GapRecord, TraceMeta
 from kvreplay.version import __version__
 
 log = logging.getLogger("kvreplay.recorder")
@@ -73,6 +73,15 @@ def _source_version(pool: Any) -> dict[str, str]:
     return out
 
 
+def _check_checkpoints(pool: Any) -> None:
+    # a checkpoint is a snapshot of the pool and of its checker: a family whose pool cannot
+    # be snapshotted (vLLM's manager, the hybrid request pool) has neither
+    fam = family(family_of_pool(pool))
+    if not (fam.snapshots and fam.checker):
+        raise BadInput(f"{fam.name} traces take no checkpoints (its pools cannot be snapshotted): "
+                       "record it with --checkpoint-every 0")
+
+
 class Recording:
     """An active recording of one allocator instance; ``close()`` finishes the file."""
 
@@ -99,12 +108,8 @@ class Recording:
         fold_reads: bool = True,
     ) -> None:
         self.pool = pool
-        fam = family(family_of_pool(pool))
-        if checkpoint_every > 0 and not (fam.snapshots and fam.checker):
-            # a checkpoint is a snapshot of the pool and of its checker: a family whose pool
-            # cannot be snapshotted (vLLM's manager, the hybrid request pool) has neither
-            raise BadInput(f"{family_of_pool(pool)} traces take no checkpoints (its pools cannot be "
-                           "snapshotted): record it with --checkpoint-every 0")
+        if checkpoint_every > 0:
+            _check_checkpoints(pool)
         if snapshot is None:  # attach: a pool already in use starts its trace with its state
             snapshot = not is_fresh(pool)
         self.meta = TraceMeta(
@@ -142,6 +147,7 @@ class Recording:
         fam = family(self.meta.family)
         self._methods = fam.methods
         self._reads = fam.vocabulary.reads
+        self._counter_slots = {name: k for k, name in enumerate(fam.counter_reads)}  # a read -> its column
         self._finish = {**_GROUP_FINISH, **{m: FINISH_READ for m in self._reads}}
         # Checkpoints need a writer (the flight recorder keeps its own snapshots).
         self._checkpoints = _Checkpointer(self, checkpoint_every) if checkpoint_every > 0 and path else None
@@ -170,7 +176,9 @@ class Recording:
     @staticmethod
     def _counter_readers(pool: Any) -> tuple[Callable[[], int] | None, ...]:
         # Bound before patching, so reading counters is never itself recorded.
-        return tuple(getattr(pool, n, None) for n in COUNTER_READS)
+        reads = family(family_of_pool(pool)).counter_reads
+        # one reader per counter column: a family that fills fewer leaves the rest unread
+        return tuple(getattr(pool, n, None) for n in reads) + (None,) * (len(COUNTERS) - len(reads))
 
     def _patch(self, obj: Any, target: str) -> None:
         for name in self._methods:
@@ -185,7 +193,7 @@ class Recording:
             except (TypeError, ValueError):
                 params = ()
             ids = self._names
-            slot = COUNTER_READS.index(name) if target == "root" and name in COUNTER_READS else -1
+            slot = self._counter_slots.get(name, -1) if target == "root" else -1
             wrapped = self._engine.wrap(fn, ids.id(target), ids.id(name), tuple(ids.id(p) for p in params),
                                         self._finish.get(name, FINISH_CALL), name, slot)
             if target == "root" and self._checkpoints is not None:

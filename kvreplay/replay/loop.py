@@ -17,13 +17,20 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.check.rules import ViolationLog
-from kvreplay.errors import BadInput
+from kvreplay.errors import BadInput, one_of
 from kvreplay.replay.compare import json_value
 from kvreplay.replay.divergence import Divergence
-from kvreplay.replay.report import ReplayReport
+from kvreplay.replay.report import MODES, ReplayReport
+from kvreplay.replay.timeline import Timeline
 from kvreplay.trace.format import GAP_TARGET, TopCall, parse_json
 from kvreplay.trace.reader import TraceReader
+
+
+def plain(v: Any) -> Any:
+    """Ids compare as tuples whichever sequence carried them (a list in one, a tuple in the other)."""
+    return tuple(v) if isinstance(v, list) else v
 
 
 @contextlib.contextmanager
@@ -90,6 +97,47 @@ class ReplayLoop:
     def ends_at(self, c: Any, row: int) -> bool:
         """Whether the replay ends at this gap or checkpoint row (a segment's end)."""
         return False
+
+    # -- the opening every replayer shares ------------------------------------------------
+    def _open(self, trace: Any, build: Any, *, mode: str, device: str, stop_at_first: bool, keep: int,
+              reader: TraceReader | None, checked: bool, whole: str = "") -> None:
+        """The loop's counters, the trace (its rows checked unless the caller did) and
+        what the report names. ``whole``: the family's name where its traces replay only
+        whole (no start after a gap)."""
+        self._start_loop()
+        self.mode = one_of("mode", mode, MODES)
+        self.reader = reader or TraceReader(trace)
+        if not checked:
+            self.reader.check_calls()
+        self.meta = self.reader.meta
+        if whole and self.reader.gaps():
+            raise BadInput(f"{self.reader.path.name} has gaps where the recorder lost calls; a {whole} trace "
+                           "replays only whole")
+        self.build_spec = str(build)  # as the user gave it; a parsed spec is used as it is
+        self.device = resolve_device(device)
+        self.stop_at_first = stop_at_first
+        self.keep = keep
+
+    def _build(self, build: Any, device: str) -> Any:
+        """The build, made for the trace's family and constructor arguments."""
+        return load_build(build, self.meta.family, self.meta.ctor_args, device, self.meta.pool_class)
+
+    def _watch(self, checker: Any, sizes: dict[str, int]) -> None:
+        """The checker (or None) and the timeline of the sub-pools' use, with each
+        violation marked on it where the checker finds it."""
+        self.checker = checker
+        self.timeline = tl = Timeline(sizes, self.reader.num_entries)
+        if checker is not None:
+            checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
+
+    def _unsupported(self, n: int, method: str, why: str, reads: frozenset[str] = frozenset()
+                     ) -> tuple[None, BaseException]:
+        """A call the build cannot take: a divergence, and (but for a counter read, in
+        ``reads``) where the replay stops."""
+        self._diverge(n, method, "unsupported", method, None, why)
+        if method not in reads and self.unsupported is None:
+            self.unsupported = f"{why} (call #{n})"
+        return None, UNSUPPORTED
 
     # -- shared -----------------------------------------------------------------------
     def _diverge(self, call: int, method: str, kind: str, expected: Any, actual: Any, message: str) -> None:
@@ -180,7 +228,8 @@ def compose_report(*, trace: str, build: str, mode: str, device: str, calls: int
     )
 
 
-__all__ = ["UNSUPPORTED", "ReplayLoop", "Unsupported", "compose_report", "few_collections"]
+__all__ = ["UNSUPPORTED", "ReplayLoop", "Segment", "Unsupported", "compose_report", "few_collections", "plain",
+           "start_point"]
 
 
 @dataclass(frozen=True)

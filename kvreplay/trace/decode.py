@@ -35,6 +35,37 @@ from kvreplay.trace.format import (
 MAX_TENSOR_DIMS = 64
 
 
+
+def _decode_tensors(values: list[Any], tensors: np.ndarray, fields: dict[str, Any], shape_off: np.ndarray,
+                    shape: np.ndarray, data_off: np.ndarray, views: _Views) -> None:
+    """The tensor values into ``values``: plain 1-d int64 ones as views split in one call,
+    the others (other shapes, other dtypes) one by one."""
+    ndim = np.diff(shape_off)[tensors]
+    plain = (ndim == 1) & _where_mask(fields["dtype"], "torch.int64")[tensors]
+    simple = tensors[plain]
+    if len(simple):
+        length = np.diff(data_off)[simple]
+        if (shape[shape_off[simple]] != length).any():
+            j = int(simple[np.flatnonzero(shape[shape_off[simple]] != length)[0]])
+            raise ValueError(f"a tensor of shape {shape[shape_off[j]:shape_off[j + 1]].tolist()} "
+                             f"holds {int(length[simple == j][0])} values")
+        for j, t in zip(simple.tolist(), views.many(simple), strict=True):
+            values[j] = t
+    dtypes = fields["dtype"]
+    for j in tensors[~plain].tolist():
+        if shape_off[j + 1] - shape_off[j] > MAX_TENSOR_DIMS:  # before the product of them all
+            raise ValueError(f"a tensor of {int(shape_off[j + 1] - shape_off[j]):,} dimensions (at most "
+                             f"{MAX_TENSOR_DIMS})")
+        dims = shape[shape_off[j]:shape_off[j + 1]].tolist()
+        t = views[j]
+        if math.prod(dims) != len(t) or any(d < 0 for d in dims):
+            raise ValueError(f"a tensor of shape {dims} holds {len(t)} values")
+        dtype = dtypes[j].as_py()
+        if dtype != "torch.int64":
+            t = t.to(tensor_dtype(dtype))
+        values[j] = t if len(dims) == 1 else t.reshape(dims)
+
+
 class _Values:
     """One struct column of values (``args`` elements or ``result``), decoded column-wise
     into ``values``: index tensors are views of one per-batch tensor, split in a single
@@ -62,66 +93,49 @@ class _Values:
         if wanted is not None:
             tensors = tensors[wanted[tensors]]
         if len(tensors):
-            ndim = np.diff(shape_off)[tensors]
-            plain = (ndim == 1) & _where_mask(fields["dtype"], "torch.int64")[tensors]
-            simple = tensors[plain]
-            if len(simple):
-                length = np.diff(data_off)[simple]
-                if (shape[shape_off[simple]] != length).any():
-                    j = int(simple[np.flatnonzero(shape[shape_off[simple]] != length)[0]])
-                    raise ValueError(f"a tensor of shape {shape[shape_off[j]:shape_off[j + 1]].tolist()} "
-                                     f"holds {int(length[simple == j][0])} values")
-                for j, t in zip(simple.tolist(), views.many(simple), strict=True):
-                    values[j] = t
-            dtypes = fields["dtype"]
-            for j in tensors[~plain].tolist():
-                if shape_off[j + 1] - shape_off[j] > MAX_TENSOR_DIMS:  # before the product of them all
-                    raise ValueError(f"a tensor of {int(shape_off[j + 1] - shape_off[j]):,} dimensions (at most "
-                                     f"{MAX_TENSOR_DIMS})")
-                dims = shape[shape_off[j]:shape_off[j + 1]].tolist()
-                t = views[j]
-                if math.prod(dims) != len(t) or any(d < 0 for d in dims):
-                    raise ValueError(f"a tensor of shape {dims} holds {len(t)} values")
-                dtype = dtypes[j].as_py()
-                if dtype != "torch.int64":
-                    t = t.to(tensor_dtype(dtype))
-                values[j] = t if len(dims) == 1 else t.reshape(dims)
+            _decode_tensors(values, tensors, fields, shape_off, shape, data_off, views)
         rare = np.flatnonzero(pc.invert(pc.is_in(kind, value_set=_COMMON)).to_numpy(zero_copy_only=False)) \
             if n else _NO_ROWS
         if wanted is not None:
             rare = rare[wanted[rare]]
         if len(rare):
-            f, s, dtype = fields["f"], fields["s"], fields["dtype"]
-            # A vLLM trace's values are mostly strings (request ids, statuses), flags and id
-            # lists: those come from whole columns, not from a per-value Arrow lookup.
-            kinds, strs, floats = self.kind, None, None
-            for j in rare.tolist():
-                k = kinds[j]
-                if k == STR:
-                    strs = s.to_pylist() if strs is None else strs
-                    values[j] = strs[j]
-                    continue
-                if k == INTS:
-                    n_ids = int(data_off[j + 1] - data_off[j])
-                    if shape_off[j + 1] - shape_off[j] != 1 or shape[shape_off[j]] != n_ids:
-                        raise ValueError(f"an id list of shape {shape[shape_off[j]:shape_off[j + 1]][:4].tolist()} "
-                                         f"holds {n_ids} values")
-                    ids = data[data_off[j]:data_off[j + 1]].tolist()
-                    values[j] = tuple(ids) if values[j] else ids
-                    continue
-                if k == BOOL:
-                    values[j] = bool(values[j])
-                    continue
-                if k == FLOAT:
-                    floats = f.to_pylist() if floats is None else floats
-                    values[j] = floats[j]
-                    continue
-                values[j] = decode_value({
-                    "kind": self.kind[j], "i": values[j], "f": f[j].as_py(), "s": s[j].as_py(),
-                    "dtype": dtype[j].as_py(), "shape": shape[shape_off[j]:shape_off[j + 1]].tolist(),
-                    "data": views[j],
-                }, device)
+            self._decode_rare(values, rare, fields, shape_off, shape, data_off, data, views, device)
         self.values = values
+
+    def _decode_rare(self, values: list[Any], rare: np.ndarray, fields: dict[str, Any], shape_off: np.ndarray,
+                     shape: np.ndarray, data_off: np.ndarray, data: np.ndarray, views: _Views,
+                     device: str | torch.device) -> None:
+        """The rarer kinds of value, one by one."""
+        f, s, dtype = fields["f"], fields["s"], fields["dtype"]
+        # A vLLM trace's values are mostly strings (request ids, statuses), flags and id
+        # lists: those come from whole columns, not from a per-value Arrow lookup.
+        kinds, strs, floats = self.kind, None, None
+        for j in rare.tolist():
+            k = kinds[j]
+            if k == STR:
+                strs = s.to_pylist() if strs is None else strs
+                values[j] = strs[j]
+                continue
+            if k == INTS:
+                n_ids = int(data_off[j + 1] - data_off[j])
+                if shape_off[j + 1] - shape_off[j] != 1 or shape[shape_off[j]] != n_ids:
+                    raise ValueError(f"an id list of shape {shape[shape_off[j]:shape_off[j + 1]][:4].tolist()} "
+                                     f"holds {n_ids} values")
+                ids = data[data_off[j]:data_off[j + 1]].tolist()
+                values[j] = tuple(ids) if values[j] else ids
+                continue
+            if k == BOOL:
+                values[j] = bool(values[j])
+                continue
+            if k == FLOAT:
+                floats = f.to_pylist() if floats is None else floats
+                values[j] = floats[j]
+                continue
+            values[j] = decode_value({
+                "kind": self.kind[j], "i": values[j], "f": f[j].as_py(), "s": s[j].as_py(),
+                "dtype": dtype[j].as_py(), "shape": shape[shape_off[j]:shape_off[j + 1]].tolist(),
+                "data": views[j],
+            }, device)
 
 
 class _Views:

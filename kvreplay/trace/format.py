@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from kvreplay.contract.record import DEFAULT_COUNTER_READS
 from kvreplay.contract.registry import family, family_names, is_family, sub_allocators
 from kvreplay.limits import MAX_POOL_SLOTS, limit
 
@@ -66,7 +67,6 @@ FOLD_MAX = 8  # distinct counter reads in a fold's pattern (recorder/layout.py's
 GROUP_NESTED_MAX = 3
 MAX_JSON_DEPTH = 32  # of any JSON a trace or manifest holds; real ones nest 4 deep
 SCHEMA_VERSION_TEXT = re.compile(r"^[1-9][0-9]{0,5}$")
-ATTENTION_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")  # a KV-cache group's kind, as recorded
 
 
 def parse_json(text: str, what: str) -> Any:
@@ -176,9 +176,9 @@ def folded_calls(folded_reads: Any, group_at: Any, bounds: Any) -> Any:
 # Columns that must be identical for two runs of the same seeded workload.
 CALL_COLUMNS = [f.name for f in SCHEMA if f.name not in ("t_start_ns", "t_end_ns")]
 COUNTERS = ("available", "full_available", "swa_available")
-# the reads that fill them, in the same order (a family whose pool has other reads maps its
-# sub-pools onto these columns: its record's sub_counters)
-COUNTER_READS = ("available_size", "full_available_size", "swa_available_size")
+# the reads that fill them by default, in the same order (a family names its own reads,
+# its record's counter_reads, and which column each sub-pool's is, its sub_counters)
+COUNTER_READS = DEFAULT_COUNTER_READS
 
 # Parquet settings: delta-encode index data (runs of consecutive slots shrink to a
 # few bits) and dictionary-encode the small string columns.
@@ -294,22 +294,6 @@ def check_ctor_args(name_of_family: str, args: dict[str, Any]) -> None:
                          f"not {str(args['dtype'])[:80]!r}")
     if fam.check_ctor is not None:
         fam.check_ctor(args)
-
-
-def check_attention(att: Any) -> None:
-    """A block manager's ``attention``: the KV-cache groups it had, comma-separated."""
-    if type(att) is not str or not 0 < len(att) <= 200:
-        # any KV-cache spec kinds a manager had (a hybrid model's several); the builds
-        # say which they can construct (full attention, so far)
-        raise ValueError(f"constructor argument attention must name the manager's attention kinds, not "
-                         f"{str(att)[:40]!r}")
-    for group in att.split(","):
-        kind, colon, width = group.partition(":")
-        sized = not colon or (width.isdigit() and 0 < int(width) < 1 << 31)
-        ok = ATTENTION_KIND.match(kind) is not None and sized
-        if not ok or (kind == "sliding_window" and not colon):
-            raise ValueError(f"constructor argument attention: {group[:40]!r} is not a KV-cache group (full, "
-                             "sliding_window:W with a window of W > 0 tokens, or a spec's name)")
 
 
 @dataclass(slots=True)

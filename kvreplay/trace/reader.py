@@ -382,7 +382,8 @@ class TraceReader:
         """How many reads of each counter a fold of ``count`` reads with this pattern holds."""
         pattern = _fold_pattern(self.path, count, packed)
         per, extra = divmod(count, len(pattern))
-        return {COUNTER_READS[s]: per + (k < extra) for k, s in enumerate(pattern)}
+        reads = family(self.meta.family).counter_reads
+        return {reads[s]: per + (k < extra) for k, s in enumerate(pattern)}
 
     def count_calls(self) -> int:
         """Top-level calls (reports number them 1..N), folded counter reads among them,
@@ -452,17 +453,19 @@ class TraceReader:
     def _decoded(self, top_level_only: bool, device: str | torch.device, batch_size: int,
                  rows: tuple[int, int] | None = None, nested_args: bool = True) -> Iterator[Call]:
         batches = self.iter_batches(batch_size=batch_size) if rows is None else self.row_range(*rows, batch_size)
-        return decoded(batches, self.path, top_level_only, device, nested_args)
+        return decoded(batches, self.path, top_level_only, device, nested_args,
+                       family(self.meta.family).counter_reads)
 
 
 def decoded(batches: Iterable[pa.RecordBatch], path: Path, top_level_only: bool = False,
-            device: str | torch.device = "cpu", nested_args: bool = True) -> Iterator[Call]:
+            device: str | torch.device = "cpu", nested_args: bool = True,
+            reads: tuple[str, ...] = COUNTER_READS) -> Iterator[Call]:
     """Decoded calls of trace rows in order (nested rows follow their parent), the
     counter reads folded into rows handed back as calls; any trouble with the data is a
     TraceFormatError naming ``path``."""
     from kvreplay.trace.decode import decode_batch
 
-    folds = _Unfolder(path)
+    folds = _Unfolder(path, reads)
     for batch in batches:
         try:
             # Nested rows are decoded (without arguments) even when not wanted: the
@@ -526,8 +529,9 @@ class _Unfolder:
     clean read row tells its counter, any other call sets all three to the counters
     read after it (unknown where none were read)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, reads: tuple[str, ...]) -> None:
         self.path = path
+        self.reads = reads  # the family's counter reads, one per counter column
         self.cur: list[int | None] = [None, None, None]
         self.anchor: Call | None = None
         self.end_counters: dict[str, int | None] = {}  # what the anchor's folded group end read
@@ -549,7 +553,7 @@ class _Unfolder:
             self.cur, self.anchor = [None, None, None], None
             return
         closed = bool(c.folded_group_bounds and c.folded_group_bounds & GROUP_CLOSED)
-        slot = COUNTER_READS.index(c.method) if c.method in COUNTER_READS else -1
+        slot = self.reads.index(c.method) if c.method in self.reads else -1
         if closed:
             self.cur = [self.end_counters.get(k) for k in ("available", "full_available", "swa_available")]
         elif slot >= 0 and c.exc_type is None and type(c.result) is int:
@@ -582,10 +586,10 @@ class _Unfolder:
             slot = pattern[i % len(pattern)]
             value = self.cur[slot]
             if value is None:
-                raise TraceFormatError(f"{self.path}: row {a.seq} folds reads of {COUNTER_READS[slot]} whose value "
+                raise TraceFormatError(f"{self.path}: row {a.seq} folds reads of {self.reads[slot]} whose value "
                                        "the trace never gave")
             seq += 1
-            yield Call(seq, -1, 0, "root", COUNTER_READS[slot], {}, value, None, None,
+            yield Call(seq, -1, 0, "root", self.reads[slot], {}, value, None, None,
                        {"available": None, "full_available": None, "swa_available": None}, a.t_end_ns, a.t_end_ns,
                        from_fold=True)
         self.last_seq = seq

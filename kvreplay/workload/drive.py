@@ -381,95 +381,111 @@ def drive(cfg: DriveConfig, requests: Sequence[Request],
         raise BadInput(f"--time-scale must be a number >= 0 (0: no pauses), got {cfg.time_scale}")
     stall, deadline_s = _limits(cfg)
     model = check_server(cfg, waiting)
-    res = DriveResult(cfg.url, cfg.api, requests=len(requests))
-    errors: Counter[str] = Counter()
-    # One lock for the tally and the clocks; the main thread waits on it for a free
-    # slot, an arrival time or a limit, and each request that ends wakes it.
-    changed = threading.Condition()
-    t0 = time.monotonic()
-    deadline = t0 + deadline_s
-    first_ms = requests[0].arrival_ms if requests else 0.0
-    state = {"in_flight": 0, "sent": 0, "quiet_from": t0, "idle_since": t0}
+    return _Sending(cfg, model, requests, progress, stall, deadline_s).run()
 
-    def one(req: Request) -> None:
+
+class _Sending:
+    """One drive, under way: the tally and the clocks, all under one lock (``changed``).
+    The main thread waits on it for a free slot, an arrival time or a limit, and each
+    request that ends wakes it."""
+
+    def __init__(self, cfg: DriveConfig, model: str, requests: Sequence[Request],
+                 progress: Callable[[DriveResult, int], None] | None, stall: float, deadline_s: float) -> None:
+        self.cfg, self.model, self.requests, self.progress = cfg, model, requests, progress
+        self.stall, self.deadline_s = stall, deadline_s
+        self.res = DriveResult(cfg.url, cfg.api, requests=len(requests))
+        self.errors: Counter[str] = Counter()
+        self.changed = threading.Condition()
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + deadline_s
+        self.in_flight = self.sent = 0
+        # the stall clock: since the last answer, less the time nothing was in flight
+        self.quiet_from = self.idle_since = self.t0
+
+    def run(self) -> DriveResult:
+        # Daemon threads, not an executor's: on Ctrl-C or SIGTERM the interpreter must not wait
+        # for requests in flight (up to --timeout each) before it exits, nor when drive stops.
+        first_ms = self.requests[0].arrival_ms if self.requests else 0.0
+        with self.changed:
+            for req in self.requests:
+                if self.cfg.time_scale > 0:
+                    due = self.t0 + (req.arrival_ms - first_ms) / 1000.0 * self.cfg.time_scale
+                    if not self.wait_until(lambda now, due=due: now >= due, due):
+                        break
+                if not self.wait_until(lambda now: self.in_flight < self.cfg.concurrency):
+                    break
+                now = time.monotonic()
+                if self.in_flight == 0:  # the stall clock stands while nothing is in flight
+                    self.quiet_from += now - self.idle_since
+                self.in_flight += 1
+                self.sent += 1
+                threading.Thread(target=self.one, args=(req,), name="kvreplay-drive", daemon=True).start()
+            else:
+                self.wait_until(lambda now: self.in_flight == 0)
+            self.res.elapsed_s = round(time.monotonic() - self.t0, 3)
+            self.res.error_kinds = dict(self.errors)
+        return self.res
+
+    def one(self, req: Request) -> None:
+        """Send ``req`` and count how it went (a request's own thread)."""
         failure: BaseException | None = None
         try:
-            p, o, c = _send(cfg, model, req)
+            p, o, c = _send(self.cfg, self.model, req)
         except Exception as exc:  # noqa: BLE001 - every failure is counted, none stops the stream
             failure = exc
-        with changed:
+        with self.changed:
             now = time.monotonic()
-            state["in_flight"] -= 1
-            if state["in_flight"] == 0:
-                state["idle_since"] = now
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle_since = now
             if _answered(failure):
-                state["quiet_from"] = now
-            changed.notify_all()
-            if res.stopped:  # already counted as failed when drive stopped
+                self.quiet_from = now
+            self.changed.notify_all()
+            if self.res.stopped:  # already counted as failed when drive stopped
                 return
             if failure is not None:
-                res.errors += 1
-                errors[_error_kind(failure)] += 1
+                self.res.errors += 1
+                self.errors[_error_kind(failure)] += 1
             else:
-                res.ok += 1
-                res.prompt_tokens += p
-                res.output_tokens += o
-                res.cached_tokens += c
-                res.finished_at.append(time.time())
-            if progress is not None:
-                progress(res, len(requests))
+                self.res.ok += 1
+                self.res.prompt_tokens += p
+                self.res.output_tokens += o
+                self.res.cached_tokens += c
+                self.res.finished_at.append(time.time())
+            if self.progress is not None:
+                self.progress(self.res, len(self.requests))
 
-    def limit_passed(now: float) -> tuple[str, str]:
+    def limit_passed(self, now: float) -> tuple[str, str]:
         """(error kind, why) drive must stop now; ("", ""): it need not. Holds ``changed``."""
-        if now >= deadline:
-            return f"deadline passed ({deadline_s:g} s)", f"the deadline passed (--deadline {deadline_s:g})"
-        if state["in_flight"] and now - state["quiet_from"] >= stall:
-            return (f"stalled: no answer in {stall:g} s",
-                    f"the server answered nothing in {stall:g} s (--stall {stall:g})")
+        if now >= self.deadline:
+            return (f"deadline passed ({self.deadline_s:g} s)",
+                    f"the deadline passed (--deadline {self.deadline_s:g})")
+        if self.in_flight and now - self.quiet_from >= self.stall:
+            return (f"stalled: no answer in {self.stall:g} s",
+                    f"the server answered nothing in {self.stall:g} s (--stall {self.stall:g})")
         return "", ""
 
-    def stop(kind: str, why: str) -> None:
+    def stop(self, kind: str, why: str) -> None:
         """Count what is in flight or unsent as failed. Holds ``changed``."""
-        failed = state["in_flight"] + len(requests) - state["sent"]
-        res.errors += failed
-        errors[kind] += failed
-        res.stopped = (f"{why}; {state['in_flight']} request(s) in flight and {len(requests) - state['sent']} "
-                       f"not sent count as failed")
-        if progress is not None:
-            progress(res, len(requests))
+        unsent = len(self.requests) - self.sent
+        failed = self.in_flight + unsent
+        self.res.errors += failed
+        self.errors[kind] += failed
+        self.res.stopped = (f"{why}; {self.in_flight} request(s) in flight and {unsent} "
+                            f"not sent count as failed")
+        if self.progress is not None:
+            self.progress(self.res, len(self.requests))
 
-    def wait_until(ready: Callable[[float], bool], due: float = math.inf) -> bool:
+    def wait_until(self, ready: Callable[[float], bool], due: float = math.inf) -> bool:
         """Wait (holding ``changed``) until ``ready(now)``, which may come true by itself
         at ``due``; False: a limit passed first."""
         while True:
             now = time.monotonic()
-            kind, why = limit_passed(now)
+            kind, why = self.limit_passed(now)
             if kind:
-                stop(kind, why)
+                self.stop(kind, why)
                 return False
             if ready(now):
                 return True
             # Limits are looked at four times a second; an arrival is kept to the moment.
-            changed.wait(timeout=max(0.0, min(0.25, due - now)))
-
-    # Daemon threads, not an executor's: on Ctrl-C or SIGTERM the interpreter must not wait
-    # for requests in flight (up to --timeout each) before it exits, nor when drive stops.
-    with changed:
-        for req in requests:
-            if cfg.time_scale > 0:
-                due = t0 + (req.arrival_ms - first_ms) / 1000.0 * cfg.time_scale
-                if not wait_until(lambda now, due=due: now >= due, due):
-                    break
-            if not wait_until(lambda now: state["in_flight"] < cfg.concurrency):
-                break
-            now = time.monotonic()
-            if state["in_flight"] == 0:  # the stall clock stands while nothing is in flight
-                state["quiet_from"] += now - state["idle_since"]
-            state["in_flight"] += 1
-            state["sent"] += 1
-            threading.Thread(target=one, args=(req,), name="kvreplay-drive", daemon=True).start()
-        else:
-            wait_until(lambda now: state["in_flight"] == 0)
-        res.elapsed_s = round(time.monotonic() - t0, 3)
-        res.error_kinds = dict(errors)
-    return res
+            self.changed.wait(timeout=max(0.0, min(0.25, due - now)))

@@ -15,23 +15,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.errors import BadInput, BuildUnsupported, one_of
+from kvreplay.errors import BuildUnsupported
 from kvreplay.families.mamba.checker import StatePoolChecker
 from kvreplay.families.mamba.wire import NONE, SLOT_METHODS
 from kvreplay.replay.compare import block_remap_difference
-from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop
-from kvreplay.replay.report import MODES
-from kvreplay.replay.timeline import Timeline
+from kvreplay.replay.loop import ReplayLoop, plain
 from kvreplay.trace.format import Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
 
 STATE = "state"  # the allocator's target in a trace
 
 
-def _plain(v: Any) -> Any:
-    return tuple(v) if isinstance(v, list) else v
+_READS = frozenset({"available_size"})  # counter reads: an unsupported one does not stop the replay
 
 
 class StateReplayer(ReplayLoop):
@@ -40,38 +36,21 @@ class StateReplayer(ReplayLoop):
     def __init__(self, trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, reader: TraceReader | None = None, checked: bool = False, **_: Any) -> None:
-        self._start_loop()
-        self.mode = one_of("mode", mode, MODES)
-        self.reader = reader or TraceReader(trace)
-        if not checked:
-            self.reader.check_calls()
-        self.meta = self.reader.meta
-        if self.reader.gaps():
-            raise BadInput(f"{self.reader.path.name} has gaps where the recorder lost calls; a state-pool trace "
-                           "replays only whole")
-        self.build_spec = str(build)
-        self.device = resolve_device(device)
-        self.pool = self.wire = load_build(build, self.meta.family, self.meta.ctor_args, "cpu", self.meta.pool_class)
-        self.checker = StatePoolChecker(self.wire, full_check_every=full_check_every, keep=keep) if check else None
-        self.stop_at_first = stop_at_first
-        self.keep = keep
+        self._open(trace, build, mode=mode, device=device, stop_at_first=stop_at_first, keep=keep, reader=reader,
+                   checked=checked, whole="state-pool")
+        self.pool = self.wire = self._build(build, "cpu")
+        checker = StatePoolChecker(self.wire, full_check_every=full_check_every, keep=keep) if check else None
         self._log: list[tuple[str, Any]] = []
         self.wire.wire_state.log = self._log
         self.slot_map: dict[int, int] | None = {} if self.mode == "remap" else None  # recorded -> build's
-        self.timeline = Timeline({STATE: int(self.meta.ctor_args["mamba_size"])}, self.reader.num_entries)
+        self._watch(checker, {STATE: int(self.meta.ctor_args["mamba_size"])})
         self._see = self.timeline.seer(STATE)
-        if self.checker is not None:
-            tl = self.timeline
-            self.checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
 
     def calls_to_replay(self) -> Any:
         return self.reader.top_calls(device="cpu", nested_args=self.nested_args)
 
-    def _unsupported(self, n: int, method: str, why: str) -> tuple[None, BaseException]:
-        self._diverge(n, method, "unsupported", method, None, why)
-        if method != "available_size" and self.unsupported is None:
-            self.unsupported = f"{why} (call #{n})"
-        return None, UNSUPPORTED
+    def _unsupported(self, n: int, method: str, why: str, reads: frozenset[str] = _READS) -> tuple[None, BaseException]:
+        return super()._unsupported(n, method, why, reads)
 
     def _fn(self, target: str, method: str) -> Callable[..., Any] | None:
         if target == STATE:
@@ -135,16 +114,16 @@ class StateReplayer(ReplayLoop):
     def _compare(self, tc: TopCall, result: Any, want: int | None, avail: int | None,
                  log: list[tuple[str, Any]]) -> None:
         c, n = tc.call, tc.number
-        if _plain(c.result) != _plain(result):
+        if plain(c.result) != plain(result):
             self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
             return
         if want is not None and want != avail:
             self._diverge(n, c.method, "counter", [want], [avail], "free state slots after the call differ")
         if c.target == STATE:
             return
-        rec = [(x.method, _plain(x.result if x.method == "alloc" else x.args.get("free_index")))
+        rec = [(x.method, plain(x.result if x.method == "alloc" else x.args.get("free_index")))
                for x in tc.nested]
-        got = [(m, _plain(v) if m in ("alloc", "free") else None) for m, v in log]
+        got = [(m, plain(v) if m in ("alloc", "free") else None) for m, v in log]
         if rec != got:
             first = next((i for i, (a, b) in enumerate(zip(rec, got, strict=False)) if a != b), min(len(rec), len(got)))
             self._diverge(n, c.method, "nested", [f"state.{m} -> {r}" for m, r in rec[first:first + 3]],

@@ -16,19 +16,16 @@ from typing import Any
 
 import torch
 
-from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.pool_view import view_of
 from kvreplay.contract.registry import family
-from kvreplay.errors import BadInput, BuildUnloadable, one_of
+from kvreplay.errors import BadInput, BuildUnloadable
 from kvreplay.families.sglang.checked_call import checked_call, method_of
 from kvreplay.families.sglang.checker import InvariantChecker
 from kvreplay.families.sglang.remap import PageTable, Remapper
 from kvreplay.families.sglang.vocabulary import ALLOCS, COUNTER_METHODS
 from kvreplay.replay.compare import alike, exception_difference, remap_difference, same
 from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop, Segment, start_point
-from kvreplay.replay.report import MODES
-from kvreplay.replay.timeline import Timeline
 from kvreplay.trace import snapshot
 from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_TARGET, Opaque, TopCall, parse_json
 from kvreplay.trace.reader import TraceReader
@@ -95,30 +92,23 @@ class Replayer(ReplayLoop):
         """``reader`` and ``start`` (``start_point``'s answer) let a caller that replays
         one trace many times (minimize) open it and scan it for gaps once; ``checked``
         says its rows were already checked (``TraceReader.check_calls``)."""
-        self._start_loop()
-        self.mode = one_of("mode", mode, MODES)
-        self.reader = reader or TraceReader(trace)
-        if not checked:
-            self.reader.check_calls()
-        self.meta = self.reader.meta
+        self._open(trace, build, mode=mode, device=device, stop_at_first=stop_at_first, keep=keep, reader=reader,
+                   checked=checked)
         self.segment = segment
         if segment is not None and segment.start_row > 0:
             start = (-1, None)  # the segment's checkpoint holds its state (_start_segment)
         self.start_after, start_state = start or start_point(self.reader, after_gap)
-        self.build_spec = str(build)  # as the user gave it; a parsed spec is used as it is
-        self.device = resolve_device(device)
-        self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
+        self.pool = self._build(build, self.device)
         if start_state is not None:
             restore_snapshot(self.pool, start_state, build)
         self.view = view_of(self.pool, self.meta.family)
-        self.checker = InvariantChecker(self.view, full_check_every=full_check_every, keep=keep) if check else None
+        checker = InvariantChecker(self.view, full_check_every=full_check_every, keep=keep) if check else None
+        self._watch(checker, {name: sub.size for name, sub in self.view.subs.items()})
         if self.checker is not None and start_state is not None:
             self.checker.adopt()
         if segment is not None and segment.start_row > 0:
             self._start_segment(segment)
         self.capture = NestedCapture(self.pool, self.meta.family) if mode == "strict" else None
-        self.stop_at_first = stop_at_first
-        self.keep = keep
         self.remap: Remapper | None = None
         if mode == "remap":
             # the first sub-pool's slots are what the API's indices name; a second one's
@@ -127,10 +117,6 @@ class Replayer(ReplayLoop):
             main, second = subs[0], (subs[1] if len(subs) > 1 else None)
             self.remap = Remapper(PageTable(main.num_pages, main.page_size),
                                   PageTable(second.num_pages, second.page_size) if second else None)
-        self.timeline = Timeline({name: sub.size for name, sub in self.view.subs.items()}, self.reader.num_entries)
-        if self.checker is not None:
-            tl = self.timeline
-            self.checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
         self._methods: dict[str, tuple[Callable[..., Any] | None, bool, Any]] = {}  # the build's method per name
         self._own = vars(self.pool) if hasattr(self.pool, "__dict__") else {}
         self._sizes = [(name, sub.size) for name, sub in self.view.subs.items()]

@@ -15,6 +15,7 @@ from kvreplay.families.vllm.vocabulary import (
     VLLM_HOUSEKEEPING,
     VLLM_METHODS,
     VLLM_VOID_METHODS,
+    check_attention,
     vllm_groups,
 )
 from kvreplay.limits import MAX_POOL_SLOTS, limit
@@ -48,8 +49,6 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def _check_ctor(args: dict[str, Any]) -> None:
-    from kvreplay.trace.format import check_attention
-
     check_attention(args.get("attention"))
     # Values no vLLM manager (nor the builtin one) is built with are damage, not a build
     # that cannot take the trace: refused here, so 125 stays for what a build lacks.

@@ -16,18 +16,17 @@ from typing import Any
 
 import torch
 
-from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.errors import BadInput, BuildUnsupported, one_of
+from kvreplay.errors import BuildUnsupported
 from kvreplay.families.vllm.block_wire import EMPTY, NULL_BLOCK_ID, groups_in, groups_out
 from kvreplay.families.vllm.checker import BlockPoolChecker
 from kvreplay.families.vllm.vocabulary import VLLM_BLOCK_METHODS
 from kvreplay.replay.compare import block_remap_difference, exception_difference, same
-from kvreplay.replay.loop import UNSUPPORTED, ReplayLoop
-from kvreplay.replay.report import MODES
-from kvreplay.replay.timeline import Timeline
+from kvreplay.replay.loop import ReplayLoop, plain
 from kvreplay.trace.format import Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
+
+_READS = frozenset({"available_size"})  # counter reads: an unsupported one does not stop the replay
 
 
 class BlockReplayer(ReplayLoop):
@@ -41,24 +40,13 @@ class BlockReplayer(ReplayLoop):
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, after_gap: bool = False, reader: TraceReader | None = None,
                  checked: bool = False, **_: Any) -> None:
-        self._start_loop()
-        self.mode = one_of("mode", mode, MODES)
-        self.reader = reader or TraceReader(trace)
-        if not checked:
-            self.reader.check_calls()
-        self.meta = self.reader.meta
-        if self.reader.gaps():
-            raise BadInput(f"{self.reader.path.name} has gaps where the recorder lost calls; a vLLM trace "
-                           "replays only whole")
-        self.build_spec = str(build)
-        self.device = resolve_device(device)
-        self.pool = load_build(build, self.meta.family, self.meta.ctor_args, self.device, self.meta.pool_class)
+        self._open(trace, build, mode=mode, device=device, stop_at_first=stop_at_first, keep=keep, reader=reader,
+                   checked=checked, whole="vLLM")
+        self.pool = self._build(build, self.device)
         # the free-block count read through the method as built: a recorder started on this
         # pool afterwards (minimize's rebase) wraps the pool's methods, and must not see the reads
         self._available = self.pool.available_size
-        self.checker = BlockPoolChecker(self.pool, full_check_every=full_check_every, keep=keep) if check else None
-        self.stop_at_first = stop_at_first
-        self.keep = keep
+        checker = BlockPoolChecker(self.pool, full_check_every=full_check_every, keep=keep) if check else None
         # a manager method by its name, a block-pool one by ("blocks", name): no tuple per manager call
         self._methods: dict[str | tuple[str, str], Callable[..., Any]] = {}
         self._log: list[tuple[str, Any]] = []
@@ -66,22 +54,14 @@ class BlockReplayer(ReplayLoop):
         fresh = self.meta.initial_state is None and not (self.meta.extra.get("part") or {}).get("index")
         self.remap = BlockRemap(int(self.meta.ctor_args["block_size"]), fresh) if self.mode == "remap" else None
         self.pool.wire_blocks.log = self._log
-        self.timeline = Timeline({"blocks": int(self.meta.ctor_args["num_blocks"])}, self.reader.num_entries)
+        self._watch(checker, {"blocks": int(self.meta.ctor_args["num_blocks"])})
         self._see = self.timeline.seer("blocks")
-        if self.checker is not None:
-            tl = self.timeline
-            self.checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
 
     def calls_to_replay(self) -> Iterable[TopCall]:
         return self.reader.top_calls(device="cpu", nested_args=self.nested_args)
 
-    def _unsupported(self, n: int, method: str, why: str) -> tuple[None, BaseException]:
-        """A call the build cannot take: a divergence, and (but for a counter read) where
-        the replay stops."""
-        self._diverge(n, method, "unsupported", method, None, why)
-        if method != "available_size" and self.unsupported is None:
-            self.unsupported = f"{why} (call #{n})"
-        return None, UNSUPPORTED
+    def _unsupported(self, n: int, method: str, why: str, reads: frozenset[str] = _READS) -> tuple[None, BaseException]:
+        return super()._unsupported(n, method, why, reads)
 
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
         """Issue one recorded call; returns what the build returned or raised."""
@@ -150,16 +130,16 @@ class BlockReplayer(ReplayLoop):
         c, n = tc.call, tc.number
         recorded = c.result
         if not (recorded == result if type(recorded) is type(result) and type(result) is not torch.Tensor
-                else same(_plain(recorded), _plain(result))):
+                else same(plain(recorded), plain(result))):
             self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
             return
         if want is not None and want != avail:
             self._diverge(n, c.method, "counter", [want], [avail], "free blocks after the call differ")
         if c.target == "blocks" or not (tc.nested or log):
             return
-        rec = [(x.method, _plain(x.result if x.method == "get_new_blocks" else x.args.get("block_ids")))
+        rec = [(x.method, plain(x.result if x.method == "get_new_blocks" else x.args.get("block_ids")))
                for x in tc.nested]
-        got = [(m, _plain(r)) for m, r in log]
+        got = [(m, plain(r)) for m, r in log]
         if rec != got:
             first = next((i for i, (a, b) in enumerate(zip(rec, got, strict=False)) if a != b), min(len(rec), len(got)))
             self._diverge(n, c.method, "nested", [f"blocks.{m} -> {r}" for m, r in rec[first:first + 3]],
@@ -259,6 +239,3 @@ class BlockRemap:
 _PLAIN = frozenset({tuple, int, bool, type(None), str, float})
 
 
-def _plain(v: Any) -> Any:
-    """Block ids compare as tuples whichever sequence carried them."""
-    return tuple(v) if isinstance(v, list) else v

@@ -3,7 +3,8 @@ their kinds, and the KV-cache groups a trace's ``attention`` names."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import re
+from typing import Any, NamedTuple
 
 # vLLM's scheduler calls its KVCacheManager with Request objects and gets blocks back;
 # kvreplay records those calls in a wire form (families/vllm/wire.py): a request as its id, the
@@ -70,3 +71,22 @@ def vllm_groups(attention: str) -> tuple[Group, ...] | None:
         else:
             return None
     return tuple(groups) if len(groups) <= 16 else None
+
+
+ATTENTION_KIND = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")  # a KV-cache group's kind, as recorded
+
+
+def check_attention(att: Any) -> None:
+    """A block manager's ``attention``: the KV-cache groups it had, comma-separated."""
+    if type(att) is not str or not 0 < len(att) <= 200:
+        # any KV-cache spec kinds a manager had (a hybrid model's several); the builds
+        # say which they can construct (full attention, so far)
+        raise ValueError(f"constructor argument attention must name the manager's attention kinds, not "
+                         f"{str(att)[:40]!r}")
+    for group in att.split(","):
+        kind, colon, width = group.partition(":")
+        sized = not colon or (width.isdigit() and 0 < int(width) < 1 << 31)
+        ok = ATTENTION_KIND.match(kind) is not None and sized
+        if not ok or (kind == "sliding_window" and not colon):
+            raise ValueError(f"constructor argument attention: {group[:40]!r} is not a KV-cache group (full, "
+                             "sliding_window:W with a window of W > 0 tokens, or a spec's name)")

@@ -15,6 +15,15 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # In this order: a table's foreign keys name tables made before it.
+    _create_builds()
+    _create_traces()
+    _create_runs()
+    _create_divergences()
+    _create_violations()
+
+
+def _create_builds() -> None:
     op.create_table(
         "builds",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -24,6 +33,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("spec"),
     )
+
+
+def _create_traces() -> None:
     op.create_table(
         "traces",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -37,6 +49,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("content_hash"),
     )
+
+
+def _create_runs() -> None:
     op.create_table(
         "runs",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -75,6 +90,8 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f("ix_runs_status"), ["status"], unique=False)
         batch_op.create_index(batch_op.f("ix_runs_trace_id"), ["trace_id"], unique=False)
 
+
+def _create_divergences() -> None:
     op.create_table(
         "divergences",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -92,6 +109,8 @@ def upgrade() -> None:
         batch_op.create_index(batch_op.f("ix_divergences_kind"), ["kind"], unique=False)
         batch_op.create_index(batch_op.f("ix_divergences_run_id"), ["run_id"], unique=False)
 
+
+def _create_violations() -> None:
     op.create_table(
         "violations",
         sa.Column("id", sa.Integer(), nullable=False),
