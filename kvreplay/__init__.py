@@ -29,7 +29,7 @@ _API = {
     "TraceReader": ("kvreplay.trace.reader", "TraceReader"),
     "summarize": ("kvreplay.trace.summary", "summarize"),
     "replay": ("kvreplay.replay.dispatch", "replay"),
-    "Replayer": ("kvreplay.families.sglang.replayer", "Replayer"),
+    "Replayer": ("kvreplay.replay.replayers", "Replayer"),  # any family's (sglang's own: families.sglang.replayer)
     "diff": ("kvreplay.replay.diff", "diff_builds"),
     "minimize": ("kvreplay.jobs.minimize", "minimize"),
     "bisect": ("kvreplay.jobs.bisect", "bisect"),

@@ -131,3 +131,14 @@ def test_a_recorded_and_watched_ring_program_replays(ring, tmp_path, cli):
     import pyarrow.parquet as pq
 
     assert pq.read_metadata(traces[0]).num_rows < 10
+
+
+def test_the_public_replayer_and_replay_take_any_family(ring_trace):
+    import kvreplay
+
+    r = kvreplay.Replayer(ring_trace, "builtin:ring@give-twice", mode="remap")
+    assert isinstance(r, kvreplay.Replayer) and type(r).__name__ == "RingReplayer"
+    assert r.run().first_violation.invariant == "ring-owner"
+    assert kvreplay.replay(ring_trace, "builtin:ring", mode="remap").status == "clean"
+    with pytest.raises(TypeError):
+        kvreplay.replay(ring_trace, "builtin:ring", segment=None)  # the options are typed: no stray keywords

@@ -77,8 +77,15 @@ def worker_unit(unit: tuple[str, str, dict[str, Any]]) -> tuple[ReplayReport, st
     return replay_in_worker(trace, build, **options)
 
 
-def replay(trace: str | Path, build: str | BuildSpec, **options: Any) -> ReplayReport:
-    """Replay ``trace`` against ``build`` (a spec, or one already parsed, which is
-    handed down as it is); see Replayer for the options. ``git:`` and release builds
-    run in a worker process; ``timeout_s`` bounds them; ``jobs`` and ``ray`` as ``run``."""
-    return run(trace, build, **options).report
+def replay(trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
+           full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True, keep: int = 20,
+           after_gap: bool = False, jobs: int = 1, ray: str | None = None, timeout_s: float | None = None,
+           progress: Callable[[int, int], None] | None = None) -> ReplayReport:
+    """Replay ``trace`` (of any family) against ``build`` (a spec, or one already
+    parsed, which is handed down as it is); the replay's options are Replayer's
+    (replay/replayers.py). ``git:`` and release builds run in a worker process, which
+    ``timeout_s`` bounds; ``jobs`` > 1 or ``ray`` split a trace with checkpoints into
+    segments on parallel workers."""
+    return run(trace, build, mode=mode, device=device, full_check_every=full_check_every,
+               stop_at_first=stop_at_first, check=check, keep=keep, after_gap=after_gap, jobs=jobs, ray=ray,
+               timeout_s=timeout_s, progress=progress).report
