@@ -225,3 +225,18 @@ def test_a_built_pool_the_record_disowns_is_a_breach(tmp_path, toy_registered):
     ]
     r.checker = object()
     assert replay_conformance(toyfam.TOY, r)[0].startswith("toy: checker: a object has no log, finish, log.keep")
+
+
+def test_a_scenario_option_whose_default_is_out_of_its_bounds_is_a_breach():
+    import dataclasses
+
+    import ringfam
+
+    from kvreplay.contract.protocols import conformance
+    from kvreplay.contract.record import Param
+
+    sc = dataclasses.replace(ringfam.RING.scenarios[0], params=(Param("give_chance", 2.0, "x", 0.0, 1.0),
+                                                                Param("give chance", 1, "y")))
+    breaches = conformance(dataclasses.replace(ringfam.RING, scenarios=(sc,)))
+    assert any("give_chance's default does not take" in b for b in breaches), breaches
+    assert any("'give chance' is not a name" in b for b in breaches), breaches

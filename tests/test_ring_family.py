@@ -142,3 +142,21 @@ def test_the_public_replayer_and_replay_take_any_family(ring_trace):
     assert kvreplay.replay(ring_trace, "builtin:ring", mode="remap").status == "clean"
     with pytest.raises(TypeError):
         kvreplay.replay(ring_trace, "builtin:ring", segment=None)  # the options are typed: no stray keywords
+
+
+def test_the_ring_scenario_takes_an_option_of_its_own(ring, tmp_path, cli):
+    """A scenario's own option (--set NAME=VALUE) reaches its model typed; the shared
+    configuration has no field for it."""
+    gives = {}
+    for chance in ("0", "1"):
+        trace = tmp_path / f"ring-{chance}.parquet"
+        res = cli("synth", "ring-churn", "-n", "100", "--full-size", "48", "--set", f"give_chance={chance}",
+                  "-o", str(trace))
+        assert res.returncode == 0, res.stderr
+        gives[chance] = _json(cli("profile", str(trace), "--json"))["calls_by_method"].get("give", 0)
+    assert gives["1"] > gives["0"] + 20, gives
+    for bad, said in (("give_chance=2", "give_chance must be in 0.0..1.0"), ("give_chance=often", "takes a number"),
+                      ("window=3", "has no option of that name (its own: give_chance)"), ("give_chance", "NAME=VALUE")):
+        res = cli("synth", "ring-churn", "-n", "10", "--set", bad, "-o", str(tmp_path / "x.parquet"))
+        assert res.returncode == 2 and said in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert not (tmp_path / "x.parquet").exists()

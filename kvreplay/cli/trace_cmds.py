@@ -28,7 +28,8 @@ from kvreplay.cli.base import (
 )
 from kvreplay.cli.render import row
 from kvreplay.contract.registry import unit_of
-from kvreplay.limits import MAX_POOL_SLOTS
+from kvreplay.errors import BadInput
+from kvreplay.limits import MAX_POOL_SLOTS, shown
 from kvreplay.text import printable
 
 if TYPE_CHECKING:
@@ -115,6 +116,9 @@ SYNTH_DEVICE = typer.Option("cpu", help="Torch device for the pool.")
 CHECKPOINT_EVERY = typer.Option(
     0, callback=within(0, MANY, f"0 (no checkpoints) or positive, at most {MANY}"),
     help="Write a checkpoint every N calls (0: none), where replay --jobs can split the trace.")
+SET = typer.Option(None, "--set", metavar="NAME=VALUE",
+                   help="An option the scenario declares for itself (repeatable); a name it lacks is "
+                   "refused with the list of its own.")
 
 
 @app.command()
@@ -148,6 +152,7 @@ def synth(
     eagle: bool = EAGLE,
     device: str = SYNTH_DEVICE,
     checkpoint_every: int = CHECKPOINT_EVERY,
+    set_: list[str] | None = SET,
     as_json: bool = AS_JSON,
 ) -> None:
     """Drive a pool the way a decode server's scheduler does; record the trace.
@@ -168,12 +173,23 @@ def synth(
         speedup=speedup, sglang_scheduler=sglang_scheduler, prefix_caching=prefix_caching, attention=attention,
         max_model_len=max_model_len, batch_tokens=batch_tokens, speculative=speculative, draft_accept=draft_accept,
         eagle=eagle, device=device, checkpoint_every=checkpoint_every, state_slots=state_slots, aborts=aborts,
-        no_extra_buffer=no_extra_buffer,
+        no_extra_buffer=no_extra_buffer, params=_settings(set_ or []),
     )
     command = "kvreplay " + " ".join(shlex.quote(a) for a in base.argv)
     with progress(f"synth {scenario}", "requests") as cb:
         result = synthesize(cfg, progress=cb, command=command)
     _show_synth(result, as_json)
+
+
+def _settings(pairs: list[str]) -> dict[str, str]:
+    """``--set NAME=VALUE`` pairs, by name (the scenario types and checks each value)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name.strip():
+            raise BadInput(f"--set {shown(pair)}: want NAME=VALUE")
+        out[name.strip()] = value.strip()
+    return out
 
 
 def _show_synth(result: SynthResult, as_json: bool) -> None:

@@ -688,6 +688,14 @@ def _scenarios(fam: Family, b: _Breaches) -> None:
             b.callable_taking(where, sc.check, b.load(where, sc.check), 1, "check(cfg)")
         if sc.releases and fam.engine is None:
             b.add(where, "drives a release's pool (releases=True), but the family has no engine")
+        _unique(b, f"{where} params", [p.name for p in sc.params])
+        for p in sc.params:
+            if not p.name.isidentifier():
+                b.add(where, f"option {p.name[:40]!r} is not a name (--set NAME=VALUE)")
+            try:
+                p.value(p.default)
+            except ValueError as exc:
+                b.add(where, f"option {p.name}'s default does not take: {exc}")
 
 
 def _rules(fam: Family, b: _Breaches) -> None:

@@ -45,6 +45,55 @@ class BuiltinBuild:
 
 
 @dataclass(frozen=True)
+class Param:
+    """A synth option a scenario declares for itself (``kvreplay synth SCENARIO --set
+    NAME=VALUE``; ``SynthConfig.params`` in the library): a family adds the options its
+    scheduler's model reads without touching the shared configuration. Its type is its
+    default's (a whole number, a number, true/false or text)."""
+
+    name: str
+    default: int | float | bool | str
+    summary: str
+    low: float | None = None  # bounds of a number, inclusive
+    high: float | None = None
+
+    def value(self, given: object) -> int | float | bool | str:
+        """``given`` (text from the command line, or a value) as this option's type,
+        in its bounds; ValueError says why not in a line."""
+        kind = type(self.default)
+        if isinstance(given, str) and kind is not str:
+            given = _parse(given, kind, self.name)
+        if kind is float and type(given) is int:
+            given = float(given)
+        if type(given) is not kind:
+            raise ValueError(f"{self.name} takes {_KIND_WORDS[kind]}, not {str(given)[:40]!r}")
+        if kind is str and len(given) > 200:  # type: ignore[arg-type]
+            raise ValueError(f"{self.name} takes at most 200 characters")
+        if kind in (int, float) and not ((self.low is None or given >= self.low)  # type: ignore[operator]
+                                         and (self.high is None or given <= self.high)):  # type: ignore[operator]
+            raise ValueError(f"{self.name} must be in {self.low}..{self.high}, not {given}")
+        return given  # type: ignore[return-value]
+
+
+_KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _parse(text: str, kind: type, name: str) -> object:
+    if kind is bool:
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{name} takes true or false, not {text[:40]!r}")
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"{name} takes {_KIND_WORDS[kind]}, not {text[:40]!r}") from None
+    if kind is float and (value != value or abs(value) == float("inf")):
+        raise ValueError(f"{name} takes a finite number, not {text[:40]!r}")
+    return value
+
+
+@dataclass(frozen=True)
 class Scenario:
     """A ``kvreplay synth`` scenario: a model of a server's scheduler driving a pool."""
 
@@ -56,6 +105,7 @@ class Scenario:
     check: str = ""  # MODULE:FUNC (cfg) raising BadInput for sizes this scenario cannot take
     options: frozenset[str] = frozenset()  # SynthConfig fields only this scenario's model reads
     releases: bool = False  # can drive an engine release's pool in a child process (--build ENGINE==X)
+    params: tuple[Param, ...] = ()  # options of its own (--set NAME=VALUE), read as cfg.params[NAME]
 
 
 

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvreplay.builds.worker_code import prepare
 from kvreplay.contract.record import Scenario, load
 from kvreplay.contract.registry import SCENARIOS, family
 from kvreplay.errors import BadInput, BuildUnloadable, BuildUnsupported, KvreplayError, PoolFailed, one_of
+from kvreplay.limits import shown
 from kvreplay.recorder.recording import record
 from kvreplay.trace.location import output_path, publish
 from kvreplay.trace.reader import TraceReader
@@ -63,6 +64,9 @@ class SynthConfig:
     eagle: bool = False  # vllm-prefix: an EAGLE drafter (k draft tokens a step): hits give up a block, k slots reserved
     device: str = "cpu"
     checkpoint_every: int = 0  # calls between checkpoints (0: none); replay --jobs splits there
+    # the options a scenario declares for itself (Scenario.params), by name: text from the
+    # command line or values; validate() leaves each one the scenario has, typed, defaults filled
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -89,6 +93,7 @@ def validate(cfg: SynthConfig) -> Scenario:
             owners = ", ".join(s.name for s in SCENARIOS.values() if name in s.options)
             flag = "--no-prefix-caching" if name == "prefix_caching" else f"--{name.replace('_', '-')}"
             raise BadInput(f"{flag} is an option of scenario {owners}, not of {sc.name}")
+    cfg.params = _params(cfg.params, sc)
     for name in ("window", "max_running", "batch_tokens"):
         if getattr(cfg, name) < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be positive")
@@ -106,6 +111,18 @@ def validate(cfg: SynthConfig) -> Scenario:
         raise BadInput("--max-model-len must hold at least one block of --block-tokens")
     cfg.device = resolve_device(cfg.device)
     return sc
+
+
+def _params(given: dict[str, Any], sc: Scenario) -> dict[str, Any]:
+    own = {p.name: p for p in sc.params}
+    for name in given:
+        if name not in own:
+            have = ", ".join(own) or "none"
+            raise BadInput(f"--set {shown(str(name))}: scenario {sc.name} has no option of that name (its own: {have})")
+    try:
+        return {name: p.value(given[name]) if name in given else p.default for name, p in own.items()}
+    except ValueError as exc:
+        raise BadInput(f"--set {exc}") from None
 
 
 def _scenario_options() -> frozenset[str]:

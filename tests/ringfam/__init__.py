@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvreplay.contract.record import BuiltinBuild, Family, Scenario, Vocabulary
+from kvreplay.contract.record import BuiltinBuild, Family, Param, Scenario, Vocabulary
 
 METHODS = ("take", "give", "left")
 
@@ -61,7 +61,8 @@ ring-owner/given-free | corrupts | a ticket was given back while no one held it
 """,
     scenarios=(
         Scenario("ring-churn", "ring", "holders take a few tickets each and give them back in another order",
-                 server="ringfam.scenario:server", ctor="ringfam.scenario:ctor"),
+                 server="ringfam.scenario:server", ctor="ringfam.scenario:ctor",
+                 params=(Param("give_chance", 0.6, "the chance a holder gives a batch back each step", 0.0, 1.0),)),
     ),
 )
 

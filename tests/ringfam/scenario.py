@@ -17,6 +17,7 @@ def ctor(cfg: Any) -> dict[str, Any]:
 class _Churn:
     def __init__(self, pool: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] | None) -> None:
         self.pool, self.n, self.rng, self.progress = pool, len(reqs), random.Random(cfg.seed), progress
+        self.give_chance = cfg.params["give_chance"]  # its own option: --set give_chance=P
 
     def run(self) -> SynthStats:
         held: list[tuple[int, ...]] = []
@@ -28,7 +29,7 @@ class _Churn:
                 stats.none_results += 1
             else:
                 held.append(got)
-            if len(held) > 3 and self.rng.random() < 0.6:
+            if len(held) > 3 and self.rng.random() < self.give_chance:
                 self.pool.give(held.pop(self.rng.randrange(len(held))))
             stats.steps += 1
             stats.requests_done += 1
