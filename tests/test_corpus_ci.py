@@ -181,6 +181,7 @@ def test_every_builtin_bug_variant_is_expected_to_be_caught_somewhere():
     assert variants <= caught, variants - caught
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_corpus_add_records_provenance_and_expectations_and_check_finds_problems(tmp_path):
     from kvreplay.corpus.manage import add_trace, check_corpus
     from kvreplay.errors import BadInput

@@ -176,6 +176,7 @@ def _fuzz_dashboard(cases: int, seed: int, db: str) -> dict[int, int]:
     return codes
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_dashboard_routes_fast(swa_trace_80, tmp_path):
     from kvreplay.jobs.stored_replay import replay_and_store
 

@@ -261,6 +261,7 @@ def test_a_shape_of_a_million_dimensions_is_refused_before_its_product(tmp_path,
     _replay_refused(cli, trace, "builtin:swa", tmp_path, "a tensor of 1,000,000 dimensions")
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 # -- peak memory, measured ----------------------------------------------------------------------
 def test_the_largest_refusal_stays_far_under_a_gigabyte(tmp_path):
     """12 million block ids in one call: refused in a process capped at 3 GB of address

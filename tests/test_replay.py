@@ -153,6 +153,7 @@ def test_bad_builds_and_mismatched_families(decode_trace):
         replay(decode_trace, "builtin:paged", mode="fuzzy")
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_expectations_catch_a_checker_that_lost_its_teeth(disagg_trace):
     r = replay(disagg_trace, "builtin:swa@stale-tail", device="cpu")
     good = Expectation("builtin:swa@stale-tail", "violation",

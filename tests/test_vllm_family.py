@@ -65,12 +65,14 @@ def test_the_live_server_trace_replays_strict_clean_on_the_builtin_manager():
     assert r.status == "clean" and r.calls_replayed == 31_075, (r.first_divergence, r.first_violation)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 @pytest.mark.parametrize("method", ["allocate_slots", "get_computed_blocks", "free_request", "new_step_starts"])
 def test_the_model_makes_the_live_servers_calls_per_request_within_ten_percent(profiles, method):
     live, model = (p.per_request() for p in profiles)
     assert model[method] == pytest.approx(live[method], rel=0.10), (method, live[method], model[method])
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_the_model_shares_prefixes_as_the_live_server_does(profiles):
     live, model = profiles
     assert live.prefix_hit and model.prefix_hit == pytest.approx(live.prefix_hit, rel=0.10)

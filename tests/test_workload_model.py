@@ -31,6 +31,7 @@ def live_and_model(tmp_path_factory):
     return live.per_request(), profile(out).per_request()
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 @pytest.mark.parametrize("method", ["alloc_extend", "alloc_decode", "free_segments", "free_group_begin",
                                     "free_swa_segment", "free_segment", "free_full_segment"])
 def test_the_main_methods_are_within_ten_percent_of_the_live_server(live_and_model, method):
@@ -38,6 +39,7 @@ def test_the_main_methods_are_within_ten_percent_of_the_live_server(live_and_mod
     assert model[method] == pytest.approx(live[method], rel=0.10), (method, live[method], model[method])
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_the_model_frees_as_the_live_tree_does(live_and_model):
     # The live tree frees a duplicated span per node (free_segment, free_full_segment) and
     # never calls free_full_segments or the mapping methods; the model before
