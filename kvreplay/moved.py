@@ -58,9 +58,10 @@ class _Forward(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         old = module.__name__
         new = new_name(old)
         assert new is not None
-        # stacklevel 2 skips the import machinery's own frames: the warning names the importer
-        warnings.warn(f"{old} moved to {new}; import it from there (the old path will go)",
-                      FutureWarning, stacklevel=2)
+        if new_name(old.rpartition(".")[0]) is None:  # a moved package's submodule: its package warned
+            # stacklevel 2 skips the import machinery's own frames: the warning names the importer
+            warnings.warn(f"{old} moved to {new}; import it from there (the old path will go)",
+                          FutureWarning, stacklevel=2)
         # The import system hands back whatever sys.modules holds under the name once this
         # returns: the module at its new place, the same object, not a copy.
         sys.modules[old] = importlib.import_module(new)
