@@ -84,8 +84,9 @@ def replay(trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", d
     """Replay ``trace`` (of any family) against ``build`` (a spec, or one already
     parsed, which is handed down as it is); the replay's options are Replayer's
     (replay/replayers.py). ``git:`` and release builds run in a worker process, which
-    ``timeout_s`` bounds; ``jobs`` > 1 or ``ray`` split a trace with checkpoints into
-    segments on parallel workers."""
+    ``timeout_s`` bounds (None: the worker's own default); ``jobs`` > 1 or ``ray`` split
+    a trace with checkpoints into segments on parallel workers."""
+    bound = {} if timeout_s is None else {"timeout_s": timeout_s}  # None: the worker's own default
     return run(trace, build, mode=mode, device=device, full_check_every=full_check_every,
                stop_at_first=stop_at_first, check=check, keep=keep, after_gap=after_gap, jobs=jobs, ray=ray,
-               timeout_s=timeout_s, progress=progress).report
+               progress=progress, **bound).report
