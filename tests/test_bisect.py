@@ -175,6 +175,7 @@ def test_git_bisect_run_with_kvreplay_replay(history, trace, tmp_path):
     assert f"{commits[CULPRIT_AT]} is the first bad commit" in out.stdout
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_followed_divergence_is_named_where_a_violation_comes_first(tmp_path):
     """--failure result follows a divergence kind: the step that shows it is described by
     that divergence, not by the violation the replay met first (here the leak at #1174,

@@ -228,6 +228,7 @@ def test_synth_into_a_directory_that_does_not_exist_writes_nothing(tmp_path, cli
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_piped_table_keeps_whole_names_and_help_keeps_its_brackets(tmp_path, swa_trace_80, cli):
     db = str(tmp_path / "k.db")
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}

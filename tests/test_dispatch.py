@@ -51,6 +51,7 @@ def _same(a, b) -> None:
     assert da == db
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 @pytest.mark.parametrize("trace, build", [(PAGE0, "builtin:swa@unfiltered-page0"), (VLLM, "builtin:vllm")])
 def test_the_library_the_stored_replay_and_dispatch_give_one_report(trace, build):
     from kvreplay import __version__

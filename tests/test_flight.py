@@ -49,6 +49,7 @@ def test_a_dump_at_a_raised_exception_replays_from_its_snapshot_to_the_same_exce
     assert report.divergences == [] and report.capacity_assert_call == len(calls)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_a_dump_of_a_correct_pool_replays_clean_from_its_snapshot(tmp_path):
     pool = SWAPool(2048, 512, 4, need_sort=True)
     fr = flight_recorder(pool, tmp_path, calls=2000, snapshot_every=500, signal=None)

@@ -307,6 +307,7 @@ def test_damaged_folded_group_bounds_are_a_one_line_trace_error(tmp_path, bounds
         TraceReader(bad).check_calls()
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_plain_sql_counts_a_folded_traces_calls_as_the_format_page_says(tmp_path):
     """docs/trace-format.md's count of calls, run by duckdb on the file alone, agrees
     with kvreplay's reader on a trace whose rows fold reads, empty groups and bounds."""

@@ -95,6 +95,7 @@ def _fuzz_traces(cases: int, seed: int, bases, tmp_path: Path, cli, first: int =
     return exits
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_damaged_traces_fast(bases, tmp_path, cli):
     exits = _fuzz_traces(60, SEED, bases, tmp_path, cli)
     assert exits.get(2, 0) > 0 and exits.get(0, 0) + exits.get(1, 0) > 0, exits  # both kinds were reached

@@ -463,6 +463,7 @@ def index_bomb(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 @pytest.mark.parametrize("command", ["inspect", "replay"])
 def test_a_call_listing_more_slots_than_the_pool_has_is_refused_before_it_is_decoded(index_bomb, command, tmp_path):
     argv = [command, str(index_bomb)] + (["--build", "builtin:swa", "--db", str(tmp_path / "k.db")]

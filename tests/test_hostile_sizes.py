@@ -186,6 +186,7 @@ def _long_list(path: Path, out: Path, method: str, name: str, values: np.ndarray
     return out
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 @pytest.mark.parametrize("method, name, depth", [("free_blocks", "block_ids", 1),
                                                  ("get_computed_blocks", "request_hashes", 0)],
                          ids=["block-ids", "hashes"])

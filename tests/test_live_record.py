@@ -210,6 +210,7 @@ def test_a_pool_built_with_the_kv_cache_dtype_is_recorded_and_replays(tmp_path):
         assert replay(p, "builtin:swa", device="cpu").status == "clean"
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_record_leaves_the_programs_environment_as_it_was(tmp_path):
     # kvreplay pins its own torch to one thread; the server it records keeps its own
     # choice (a recorded server with fewer threads is not the server measured bare).

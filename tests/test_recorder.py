@@ -334,6 +334,7 @@ def test_torchs_c_shim_reads_tensors_as_python_does(tmp_path, backend):
     assert tables[0].equals(tables[1])
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_counters_every_n_reads_the_pool_after_every_nth_call_and_replays_clean(tmp_path, backend):
     """counters_every=4: the pool's counters are read after every 4th state-changing
     top-level call outside a free group (the others carry none), the same in both

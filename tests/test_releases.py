@@ -164,6 +164,7 @@ def test_a_rule_failure_is_that_rule_only():
     assert not f.shown_by(shown) and Failure.parse("swa-mapping").shown_by(shown)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_bisect_fixed_names_the_first_build_where_the_failure_is_gone(swa_trace_80, tmp_path):
     # stale-tail shows tail-prealloc-nontail-mapped; page-partial-clear still breaks
     # swa-mapping (released-page-keeps-peer) but not that rule: it is the fix.

@@ -223,6 +223,7 @@ def test_a_paged_pool_and_a_run_stored_without_a_timeline(tmp_path):
     assert data["runs"][0]["occupancy"] is None and any("kept no timeline" in n for n in data["notes"])
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_dashboard_answers_only_its_own_host_names_and_a_busy_port_is_bad_input(store_with_runs, tmp_path):
     import socket
     import subprocess

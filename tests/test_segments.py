@@ -100,6 +100,7 @@ def test_damaged_checkpoint_is_bad_input(tmp_path, swa_trace):
         replay_segments(str(bad), "builtin:swa", jobs=2)
 
 
+@pytest.mark.slow  # (the fast tier holds the README's three minutes)
 def test_cli_jobs(swa_trace, cli):
     r = cli("replay", str(swa_trace), "--build", "builtin:swa@stale-tail", "--no-store", "-j", "2", "--json")
     serial = cli("replay", str(swa_trace), "--build", "builtin:swa@stale-tail", "--no-store", "--json")
