@@ -19,6 +19,7 @@ from typing import Any
 
 from kvreplay.builds.resolve import load_build, resolve_device
 from kvreplay.check.rules import ViolationLog
+from kvreplay.contract.registry import family
 from kvreplay.errors import BadInput, one_of
 from kvreplay.replay.compare import json_value
 from kvreplay.replay.divergence import Divergence
@@ -110,6 +111,7 @@ class ReplayLoop:
         if not checked:
             self.reader.check_calls()
         self.meta = self.reader.meta
+        self._reads = family(self.meta.family).vocabulary.reads  # an unsupported read does not stop it
         if whole and self.reader.gaps():
             raise BadInput(f"{self.reader.path.name} has gaps where the recorder lost calls; a {whole} trace "
                            "replays only whole")
@@ -130,12 +132,11 @@ class ReplayLoop:
         if checker is not None:
             checker.log.listener = lambda v: tl.mark("violation", f"{v.invariant}/{v.rule}", v.call)
 
-    def _unsupported(self, n: int, method: str, why: str, reads: frozenset[str] = frozenset()
-                     ) -> tuple[None, BaseException]:
-        """A call the build cannot take: a divergence, and (but for a counter read, in
-        ``reads``) where the replay stops."""
+    def _unsupported(self, n: int, method: str, why: str) -> tuple[None, BaseException]:
+        """A call the build cannot take: a divergence, and (but for one of the family's
+        counter reads) where the replay stops."""
         self._diverge(n, method, "unsupported", method, None, why)
-        if method not in reads and self.unsupported is None:
+        if method not in self._reads and self.unsupported is None:
             self.unsupported = f"{why} (call #{n})"
         return None, UNSUPPORTED
 

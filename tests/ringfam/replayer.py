@@ -10,8 +10,6 @@ from kvreplay.replay.loop import ReplayLoop, plain
 from kvreplay.trace.format import TopCall
 from ringfam.checker import RingChecker
 
-_READS = frozenset({"left"})
-
 
 class RingReplayer(ReplayLoop):
     nested_args = True
@@ -35,7 +33,7 @@ class RingReplayer(ReplayLoop):
         self.calls += 1
         fn = getattr(self.pool, c.method, None) if c.method in ("take", "give", "left") else None
         if fn is None:
-            return self._unsupported(n, c.method, f"build {self.build_spec} has no method {c.method}", _READS)
+            return self._unsupported(n, c.method, f"build {self.build_spec} has no method {c.method}")
         args = dict(c.args)
         if self.ids is not None and "tickets" in args:
             args["tickets"] = tuple(self.ids.get(t, t) for t in args["tickets"])

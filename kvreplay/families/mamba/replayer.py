@@ -27,9 +27,6 @@ from kvreplay.trace.reader import TraceReader
 STATE = "state"  # the allocator's target in a trace
 
 
-_READS = frozenset({"available_size"})  # counter reads: an unsupported one does not stop the replay
-
-
 class StateReplayer(ReplayLoop):
     nested_args = True
 
@@ -48,9 +45,6 @@ class StateReplayer(ReplayLoop):
 
     def calls_to_replay(self) -> Any:
         return self.reader.top_calls(device="cpu", nested_args=self.nested_args)
-
-    def _unsupported(self, n: int, method: str, why: str, reads: frozenset[str] = _READS) -> tuple[None, BaseException]:
-        return super()._unsupported(n, method, why, reads)
 
     def _fn(self, target: str, method: str) -> Callable[..., Any] | None:
         if target == STATE:

@@ -26,8 +26,6 @@ from kvreplay.replay.loop import ReplayLoop, plain
 from kvreplay.trace.format import Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
 
-_READS = frozenset({"available_size"})  # counter reads: an unsupported one does not stop the replay
-
 
 class BlockReplayer(ReplayLoop):
     """One replay of one block-pool trace against one build; ``run`` (the shared loop)
@@ -59,9 +57,6 @@ class BlockReplayer(ReplayLoop):
 
     def calls_to_replay(self) -> Iterable[TopCall]:
         return self.reader.top_calls(device="cpu", nested_args=self.nested_args)
-
-    def _unsupported(self, n: int, method: str, why: str, reads: frozenset[str] = _READS) -> tuple[None, BaseException]:
-        return super()._unsupported(n, method, why, reads)
 
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
         """Issue one recorded call; returns what the build returned or raised."""
