@@ -24,6 +24,7 @@ PACKAGES: tuple[str, ...] = (
     "kvreplay.families.sglang",
     "kvreplay.families.vllm",
     "kvreplay.families.mamba",
+    "kvreplay.families.tree",
 )
 FAMILIES_ENV = "KVREPLAY_FAMILIES"  # more family packages, outside kvreplay (a user's configuration)
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

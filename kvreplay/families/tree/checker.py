@@ -1,0 +1,301 @@
+"""Invariants of a prefix cache over its KV pool (the tree family), checked at the call
+that breaks them.
+
+Every KV slot has one owner: the free list, the tree, one running request, or an
+allocation not yet written to a request's row. The checker keeps its own ledger of
+owners from what the calls say (the allocator's nested calls, the slots a match, an
+extend or a checkpoint names), never from the build's own books, so a build that
+loses slots or counts them twice is caught at the call that did it:
+
+- the **books**: after every call, free + evictable + protected + what requests and
+  pending allocations hold equals the pool. A change in the gap names the call that
+  broke them, as slots lost (a deficit: sglang's idle ``memory leak detected``) or
+  counted twice (an excess); the two are different bugs.
+- **rows**: a row free that leaves slots of its range neither freed nor cached, or a
+  request that gives its row back still holding slots, leaks them there.
+- **locks**: a handle released that no one holds (or by another request), a node's
+  lock count below zero or above the handles held on it and below it, a request
+  gone with its lock held.
+- **sizes**: the evictable and protected sizes equal what the unlocked and locked
+  nodes hold; eviction frees only unlocked nodes' slots.
+
+The tree's structure is read from the build (``nodes()``) after each call that can
+change it; a node-level finding is reported once per node and rule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvreplay.check.rules import RULES, Violation, ViolationLog
+from kvreplay.families.tree.runs import from_runs
+
+PENDING, TREE = -1, -2  # owners that are not a request's number
+SUB = "kv"
+_TREE_CALLS = frozenset({"match_prefix", "lock", "unlock", "checkpoint", "evict", "release", "free_kv_row"})
+
+
+class TreeChecker:
+    def __init__(self, tree: Any, *, full_check_every: int = 1000, keep: int = 20) -> None:
+        self.tree = tree
+        self.total = int(tree.ctor_args["size"])
+        self.log = ViolationLog(keep=keep)
+        self.owner: dict[int, int] = {}
+        self.rows: dict[int, list[int]] = {}
+        self.protected: dict[int, int] = {}
+        self.locks: dict[int, int] = {}  # request -> its handle
+        self.handles: dict[int, tuple[int, int]] = {}  # handle -> (request, node)
+        self.held = 0  # slots requests and pending allocations hold
+        self.gap = 0  # the books' gap as last seen (a change is a finding)
+        self.first_break: tuple[int, str, int] | None = None  # (call, method, gap)
+        self._slot_node: dict[int, tuple[int, bool]] = {}  # slot -> (node, locked), as last read
+        self._flagged: set[tuple[str, int]] = set()
+        self._size_gap = (0, 0)
+
+    # -- findings -----------------------------------------------------------------------------------
+    def _flag(self, call: int, method: str, rule_id: str, slots: Sequence[int], message: str) -> None:
+        rule = RULES[rule_id]
+        self.log.add(Violation(call, method, rule.invariant, rule.rule, SUB, sorted(slots)[:64], message, call))
+
+    def _take(self, slot: int, who: int) -> None:
+        was = self.owner.get(slot, TREE)  # (a free slot counts as nothing held, as the tree's does)
+        self.held += (who != TREE) - (was != TREE)
+        self.owner[slot] = who
+
+    def _drop(self, slot: int) -> None:
+        if self.owner.pop(slot, TREE) != TREE:
+            self.held -= 1
+
+    # -- per call -----------------------------------------------------------------------------------
+    def after(self, call: int, method: str, args: dict[str, Any], result: Any,
+              nested: list[tuple[str, Any]], counters: dict[str, int | None]) -> None:
+        """Check call ``call``: ``nested`` the allocator calls it made, in order
+        (``(method, slots)``), ``counters`` the build's free, evictable and protected
+        sizes after it."""
+        request = args.get("request")
+        for m, slots in nested:
+            self._allocator(call, method, request, m, slots)
+        handler = getattr(self, f"_on_{method}", None)
+        if handler is not None:
+            handler(call, method, args, result)
+        if method in _TREE_CALLS:
+            self._nodes(call, method, counters)
+        self._books(call, method, counters)
+
+    def _allocator(self, call: int, method: str, request: Any, m: str, slots: list[int]) -> None:
+        if m == "alloc":
+            owned = [s for s in slots if s in self.owner]
+            if owned:
+                self._flag(call, method, "tree-owner/handout-while-owned", owned,
+                           f"the allocator handed out {len(owned)} slot(s) still held by "
+                           f"{self._who(self.owner[owned[0]])}")
+            for s in slots:
+                self._take(s, PENDING)
+            return
+        free = [s for s in slots if s not in self.owner]
+        if free:
+            self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} slot(s) freed while free")
+        cached = [s for s in slots if self.owner.get(s) == TREE]
+        if method == "evict":
+            locked = [s for s in cached if self._slot_node.get(s, (0, False))[1]]
+            if locked:
+                self._flag(call, method, "tree-owner/freed-while-locked", locked,
+                           f"eviction freed {len(locked)} slot(s) of node {self._slot_node[locked[0]][0]}, "
+                           "which a running request has locked")
+        elif cached:
+            self._flag(call, method, "tree-owner/freed-cached", cached,
+                       f"{method} freed {len(cached)} slot(s) the tree holds (the tree still names them)")
+        for s in slots:
+            if s in self.owner:
+                self._drop(s)
+
+    def _who(self, owner: int) -> str:
+        return {PENDING: "an allocation not yet in a row", TREE: "the tree"}.get(owner, f"request {owner}")
+
+    def _on_match_prefix(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        r = int(args["request"])
+        self._let_go(call, method, r, "took a new prefix over a row")
+        slots = from_runs(result[2:]) if isinstance(result, (tuple, list)) and len(result) >= 2 else []
+        stray = [s for s in slots if self.owner.get(s) != TREE]
+        if stray:
+            self._flag(call, method, "tree-owner/prefix-not-cached", stray,
+                       f"the match gave request {r} {len(stray)} slot(s) the tree does not hold")
+        self.rows[r] = list(slots)
+        self.protected[r] = len(slots)
+
+    def _on_lock(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        if type(result) is int:
+            r = int(args["request"])
+            self.handles[result] = (r, int(args["node"]))
+            self.locks[r] = result
+
+    def _on_unlock(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        r, h = int(args["request"]), int(args["handle"])
+        if h == 0:
+            return
+        holder = self.handles.pop(h, None)
+        if holder is None or holder[0] != r:
+            who = "no one" if holder is None else f"request {holder[0]}"
+            self._flag(call, method, "tree-lock/unheld", [], f"request {r} released lock {h}, held by {who}")
+        if self.locks.get(r) == h:
+            del self.locks[r]
+
+    def _on_extend(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        r = int(args["request"])
+        slots = from_runs(args.get("runs") or ())
+        taken = [s for s in slots if self.owner.get(s) != PENDING]
+        if taken:
+            whose = "that are free" if taken[0] not in self.owner else "held by " + self._who(self.owner[taken[0]])
+            self._flag(call, method, "tree-owner/shared", taken, f"request {r}'s row took {len(taken)} slot(s) {whose}")
+        for s in slots:
+            self._take(s, r)
+        self.rows.setdefault(r, []).extend(slots)
+
+    def _on_checkpoint(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        r = int(args["request"])
+        if not isinstance(result, (tuple, list)) or len(result) < 3:
+            return
+        prot, handle = int(result[0]), int(result[2])
+        row, old = self.rows.setdefault(r, []), self.protected.get(r, 0)
+        new = from_runs(result[3:])
+        lost = []
+        for k, s in enumerate(new):
+            was = row[old + k] if old + k < len(row) else -1
+            if was == s:
+                if self.owner.get(s) == r:
+                    self._take(s, TREE)  # adopted by the tree
+            else:
+                if self.owner.get(s) != TREE:
+                    self._flag(call, method, "tree-owner/prefix-not-cached", [s],
+                               f"the checkpoint gave request {r} slot {s}, which the tree does not hold")
+                if was >= 0 and self.owner.get(was) == r:
+                    lost.append(was)
+        if lost:
+            self._lose(call, method, lost, f"the checkpoint replaced {len(lost)} slot(s) of request {r}'s row "
+                                           "without freeing or caching them")
+        row[old:old + len(new)] = new
+        self.protected[r] = prot
+        old_handle = self.locks.pop(r, 0)
+        self.handles.pop(old_handle, None)
+        self.handles[handle] = (r, int(result[1]))
+        self.locks[r] = handle
+
+    def _on_free_kv_row(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        r = int(args["request"])
+        row = self.rows.get(r, [])
+        start, end = int(args["start"]), int(args["end"])
+        left = [s for s in row[start:end] if s >= 0 and self.owner.get(s) == r]
+        if left:
+            self._lose(call, method, left, f"free_kv_row({r}, {start}, {end}) left {len(left)} slot(s) of its range "
+                                           "neither freed nor cached")
+        for i in range(start, min(end, len(row))):
+            if row[i] >= 0 and self.owner.get(row[i]) != TREE:
+                row[i] = -1
+
+    def _on_release(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        r = int(args["request"])
+        self._let_go(call, method, r, "gave its row back")
+        if r in self.locks:
+            self._flag(call, method, "tree-lock/held-at-release", [],
+                       f"request {r} gave its row back still holding lock {self.locks[r]}")
+        self.rows.pop(r, None)
+        self.protected.pop(r, None)
+
+    def _on_evict(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
+        pass  # the allocator's frees above, and the node check after, say what eviction did
+
+    def _let_go(self, call: int, method: str, r: int, what: str) -> None:
+        left = [s for s in self.rows.get(r, ()) if s >= 0 and self.owner.get(s) == r]
+        if left:
+            self._lose(call, method, left, f"request {r} {what} holding {len(left)} slot(s) it neither freed "
+                                           "nor gave to the tree")
+
+    def _lose(self, call: int, method: str, slots: list[int], message: str) -> None:
+        self._flag(call, method, "tree-owner/row-leak", slots, message)
+        for s in slots:
+            self._drop(s)
+
+    # -- the books and the nodes ----------------------------------------------------------------------
+    def _books(self, call: int, method: str, counters: dict[str, int | None]) -> None:
+        avail, evictable, protected = (counters.get(k) for k in ("available", "evictable", "protected"))
+        if avail is None or evictable is None or protected is None:
+            return
+        gap = avail + evictable + protected + self.held - self.total
+        if gap == self.gap:
+            return
+        change, self.gap = gap - self.gap, gap
+        if self.first_break is None:
+            self.first_break = (call, method, gap)
+        if change < 0:
+            self._flag(call, method, "tree-books/lost", [],
+                       f"{-change} slot(s) lost here: free {avail} + evictable {evictable} + protected {protected} "
+                       f"+ held by requests {self.held} = {self.total + gap} of {self.total}")
+        else:
+            self._flag(call, method, "tree-books/counted-twice", [],
+                       f"{change} slot(s) counted twice here: free {avail} + evictable {evictable} + protected "
+                       f"{protected} + held by requests {self.held} = {self.total + gap} of {self.total}")
+
+    def _nodes(self, call: int, method: str, counters: dict[str, int | None]) -> None:
+        nodes = self.tree.nodes()
+        want: dict[int, int] = {}
+        for _r, node in self.handles.values():
+            while node in nodes:
+                want[node] = want.get(node, 0) + 1
+                node = nodes[node][0]
+        evictable = protected = 0
+        slot_node: dict[int, tuple[int, bool]] = {}
+        for nid, (_parent, slots, ref) in nodes.items():
+            locked = ref > 0
+            if locked:
+                protected += len(slots)
+            else:
+                evictable += len(slots)
+            for s in slots:
+                slot_node[s] = (nid, locked)
+            held = want.get(nid, 0)
+            if ref < 0:
+                self._once(call, method, "tree-lock/negative", nid, f"node {nid}'s lock count is {ref}")
+            elif ref > held:
+                self._once(call, method, "tree-lock/orphan", nid,
+                           f"node {nid} is locked {ref} time(s) but {held} lock(s) are held on it and below it")
+            elif ref < held:
+                self._once(call, method, "tree-lock/lost", nid,
+                           f"node {nid} is locked {ref} time(s) though {held} lock(s) are held on it and below it")
+        self._slot_node = slot_node
+        got = (counters.get("evictable"), counters.get("protected"))
+        if None in got:
+            return
+        gap = (int(got[0]) - evictable, int(got[1]) - protected)  # type: ignore[arg-type]
+        if gap != self._size_gap:
+            if gap[0] != self._size_gap[0]:
+                self._flag(call, method, "tree-size/evictable", [],
+                           f"evictable size {got[0]}, but the unlocked nodes hold {evictable}")
+            if gap[1] != self._size_gap[1]:
+                self._flag(call, method, "tree-size/protected", [],
+                           f"protected size {got[1]}, but the locked nodes hold {protected}")
+            self._size_gap = gap
+
+    def _once(self, call: int, method: str, rule_id: str, node: int, message: str) -> None:
+        if (rule_id, node) not in self._flagged:
+            self._flagged.add((rule_id, node))
+            self._flag(call, method, rule_id, [], message)
+
+    # -- the end ------------------------------------------------------------------------------------
+    def finish(self, call: int) -> dict[str, int]:
+        """The idle check sglang makes (free + evictable + protected = the pool, with no
+        request running), said with the call that first broke the books and how."""
+        tree = self.tree
+        if not self.rows:
+            avail, evictable, protected = tree.available_size(), tree.evictable_size(), tree.protected_size()
+            gap = avail + evictable + protected - self.total
+            if gap:
+                where = ""
+                if self.first_break is not None:
+                    at, method, first = self.first_break
+                    where = (f"; the books first broke at call {at} ({method}: {abs(first)} slot(s) "
+                             f"{'lost' if first < 0 else 'counted twice'})")
+                self._flag(call, "finish", "quiescence/tree-idle", [],
+                           f"at idle, free {avail} + evictable {evictable} + protected {protected} = "
+                           f"{avail + evictable + protected} of {self.total}: {abs(gap)} slot(s) "
+                           f"{'lost' if gap < 0 else 'counted twice'}{where}")
+        return {SUB: self.held}

@@ -1,0 +1,195 @@
+"""Replay a trace of a prefix cache (the ``tree`` family) against a build.
+
+Each top-level row is issued on the build: a tree call by request number (target
+``root``), or a call the scheduler made on the KV allocator itself (target ``kv``).
+Strict mode compares the result, the free, evictable and protected sizes after the
+call and the allocator calls made inside it with the recording. Remap mode lets the
+build hand out its own slots, nodes and lock handles: a later row's slots, node and
+handle are translated through what the build gave in place of the recorded ones, and
+only the shape of a result is compared. The checker (checker.py) holds every call to
+the ownership rules either way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvreplay.builds.spec import BuildSpec
+from kvreplay.families.tree.checker import TreeChecker
+from kvreplay.families.tree.runs import from_runs, runs_length, to_runs
+from kvreplay.replay.loop import ReplayLoop, plain
+from kvreplay.trace.format import Opaque, TopCall
+from kvreplay.trace.reader import TraceReader
+
+KV = "kv"  # the allocator's target in a trace
+TREE_METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict",
+                "available_size", "evictable_size", "protected_size")
+KV_METHODS = ("alloc", "free")
+# the trace's counter columns, as the tree's reads fill them
+COLUMNS = (("available", "available"), ("full_available", "evictable"), ("swa_available", "protected"))
+
+
+class TreeReplayer(ReplayLoop):
+    nested_args = True
+
+    def __init__(self, trace: str | Path, build: str | BuildSpec, *, mode: str = "strict", device: str = "auto",
+                 full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
+                 keep: int = 20, reader: TraceReader | None = None, checked: bool = False, **_: Any) -> None:
+        self._open(trace, build, mode=mode, device=device, stop_at_first=stop_at_first, keep=keep, reader=reader,
+                   checked=checked, whole="tree-owner")
+        self.pool = self._build(build, "cpu")
+        self.size = int(self.meta.ctor_args["size"])
+        self._log: list[tuple[str, list[int]]] = []
+        self._listen(self.pool.kv)
+        # recorded -> build's: slots, nodes and lock handles (remap mode)
+        self.maps: dict[str, dict[int, int]] | None = ({"slot": {}, "node": {}, "handle": {}}
+                                                       if self.mode == "remap" else None)
+        checker = TreeChecker(self.pool, full_check_every=full_check_every, keep=keep) if check else None
+        self._watch(checker, {KV: int(self.meta.ctor_args["size"])})
+        self._see = self.timeline.seer(KV)
+
+    def _listen(self, kv: Any) -> None:
+        """Log the allocator's calls (in slots) while the tree makes them."""
+        log, real_alloc, real_free = self._log, kv.alloc, kv.free
+
+        def alloc(need_size: int) -> Any:
+            got = real_alloc(need_size)
+            log.append(("alloc", from_runs(got) if got is not None else []))
+            return got
+
+        def free(runs: Any) -> None:
+            log.append(("free", from_runs(runs)))
+            return real_free(runs)
+
+        kv.alloc, kv.free = alloc, free
+
+    def calls_to_replay(self) -> Any:
+        return self.reader.top_calls(device="cpu", nested_args=self.nested_args)
+
+    def _fn(self, target: str, method: str) -> Callable[..., Any] | None:
+        if target == KV:
+            return getattr(self.pool.kv, method, None) if method in KV_METHODS else None
+        return getattr(self.pool, method, None) if method in TREE_METHODS else None
+
+    def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
+        c, n = tc.call, tc.number
+        self.calls += 1
+        fn = self._fn(c.target, c.method)
+        opaque = [k for k, v in c.args.items() if isinstance(v, Opaque)] if c.has_opaque else None
+        if fn is None or opaque:
+            why = (f"build {self.build_spec} has no method {c.method}" if fn is None else
+                   f"argument(s) {', '.join(opaque)} of {c.method} were not recorded losslessly")
+            return self._unsupported(n, c.method, why)
+        bad = self._bad_runs(tc)
+        if bad:
+            return self._unsupported(n, c.method, bad)
+        self._log.clear()
+        args = dict(c.args) if self.maps is None else self._translate(c.args)
+        result: Any = None
+        raised: BaseException | None = None
+        try:
+            result = fn(**args)
+        except Exception as exc:  # the build's own failure is what the replay compares
+            raised = exc
+        counters = self._counters()
+        self._see(n, counters["available"])
+        if raised is not None or c.exc_type is not None:
+            if type(raised).__name__ != c.exc_type:
+                self._diverge(n, c.method, "exception", c.exc_type, type(raised).__name__ if raised else None,
+                              f"the build raised {type(raised).__name__}: {str(raised)[:200]}" if raised
+                              else "the recording raised here; the build did not")
+            return result, raised
+        if self.maps is None:
+            self._compare(tc, result, counters)
+        else:
+            self._learn(tc, result)
+        if self.checker is not None:
+            method = c.method if c.target != KV else f"kv.{c.method}"
+            self.checker.after(n, method, args, result, list(self._log), counters)
+        return result, raised
+
+    def _bad_runs(self, tc: TopCall) -> str | None:
+        """Why a row's slot runs cannot be slots of this pool (damage: each run must lie in
+        the pool and a call cannot name more slots than the pool has), or None."""
+        size = self.size
+        c = tc.call
+        values = [c.args.get("runs"), *(x.args.get("runs") for x in tc.nested),
+                  *(x.result for x in tc.nested if x.method == "alloc")]
+        if c.method == "alloc" or c.method in ("match_prefix", "checkpoint") and isinstance(c.result, (tuple, list)):
+            values.append(c.result if c.method == "alloc" else c.result[3 if c.method == "checkpoint" else 2:])
+        for v in values:
+            if not isinstance(v, (tuple, list)):
+                continue
+            if len(v) % 2 or any(type(x) is not int for x in v):
+                return f"a slot run list of {c.method} is not (start, length) pairs of whole numbers"
+            if any(v[k] < 0 or v[k + 1] < 0 or v[k] + v[k + 1] > size + 1 for k in range(0, len(v), 2)) \
+                    or runs_length(v) > size:
+                return f"the slot runs of {c.method} name slots outside a pool of {size:,} (a damaged trace)"
+        return None
+
+    def _counters(self) -> dict[str, int]:
+        p = self.pool
+        return {"available": p.available_size(), "evictable": p.evictable_size(), "protected": p.protected_size()}
+
+    # -- strict -------------------------------------------------------------------------------------
+    def _compare(self, tc: TopCall, result: Any, counters: dict[str, int]) -> None:
+        c, n = tc.call, tc.number
+        if plain(c.result) != plain(result):
+            self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
+            return
+        want = [c.counters.get(col) for col, _ in COLUMNS]
+        got = [counters[name] for _, name in COLUMNS]
+        if all(w is not None for w in want) and want != got:
+            self._diverge(n, c.method, "counter", want, got, "free, evictable or protected size after the call differ")
+        if c.target == KV:
+            return
+        rec = [(x.method, plain(x.result if x.method == "alloc" else x.args.get("runs"))) for x in tc.nested]
+        got_calls = [(m, to_runs(s)) for m, s in self._log]
+        if [(m, tuple(r or ())) for m, r in rec] != got_calls:
+            first = next((i for i, (a, b) in enumerate(zip(rec, got_calls, strict=False)) if a != b),
+                         min(len(rec), len(got_calls)))
+            self._diverge(n, c.method, "nested", [f"kv.{m} -> {r}" for m, r in rec[first:first + 3]],
+                          [f"kv.{m} -> {r}" for m, r in got_calls[first:first + 3]],
+                          "the build's allocator calls differ from the recording")
+
+    # -- remap --------------------------------------------------------------------------------------
+    def _translate(self, args: dict[str, Any]) -> dict[str, Any]:
+        m = self.maps
+        assert m is not None
+        out = dict(args)
+        if type(out.get("node")) is int:
+            out["node"] = m["node"].get(out["node"], out["node"])
+        if type(out.get("handle")) is int:
+            out["handle"] = m["handle"].get(out["handle"], out["handle"])
+        if isinstance(out.get("runs"), (tuple, list)):
+            out["runs"] = to_runs(m["slot"].get(s, s) for s in from_runs(out["runs"]))
+        return out
+
+    def _learn(self, tc: TopCall, result: Any) -> None:
+        c, n = tc.call, tc.number
+        m = self.maps
+        assert m is not None
+        rec = c.result
+        if (rec is None) != (result is None) or type(rec) is not type(result) and not (
+                isinstance(rec, (tuple, list)) and isinstance(result, (tuple, list))):
+            self._diverge(n, c.method, "result", rec, result, "the build answered where the recording refused, "
+                                                              "or the reverse")
+            return
+        allocs = [x.result for x in tc.nested if x.method == "alloc"]
+        if c.target == KV and c.method == "alloc":
+            allocs.insert(0, rec)
+        got = [s for k, s in self._log if k == "alloc"]
+        for r_runs, g in zip(allocs, got, strict=False):
+            if isinstance(r_runs, (tuple, list)):
+                m["slot"].update(zip(from_runs(r_runs), g, strict=False))
+        if c.method in ("match_prefix", "checkpoint") and isinstance(rec, (tuple, list)) and len(rec) >= 2:
+            if rec[0] != result[0]:
+                self._diverge(n, c.method, "result", rec[0], result[0], "another length cached")
+            m["node"][int(rec[1])] = int(result[1])
+            if c.method == "checkpoint" and len(rec) >= 3:
+                m["handle"][int(rec[2])] = int(result[2])
+            m["slot"].update(zip(from_runs(rec[3 if c.method == "checkpoint" else 2:]),
+                                 from_runs(result[3 if c.method == "checkpoint" else 2:]), strict=False))
+        elif c.method == "lock" and type(rec) is int and type(result) is int:
+            m["handle"][rec] = result

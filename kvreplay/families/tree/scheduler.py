@@ -1,0 +1,177 @@
+"""sglang 0.5.23's scheduler as the tree sees it: the synth model of the tree family.
+
+Requests arrive on the workload's clock. Admission matches the prompt's prefix in the
+tree, locks its last node, and allocates the rest in chunks (``chunk`` tokens a step),
+caching each finished chunk (a checkpoint, sglang's ``cache_unfinished_req``). When
+the pool runs short the scheduler evicts from the tree, and when that is not enough
+it retracts the running request with the least progress (its row freed past the
+protected part, its lock released, back to the queue). Decoding allocates one slot per
+running request in one batched call. A finished request is released as sglang's
+``release_kv_cache``: checkpoint (the page-aligned part goes to the tree), free the
+rest of its row, unlock, give the row back; an aborted one skips the checkpoint.
+
+Page hashes come from the workload's prompt blocks (equal leading blocks, equal
+pages) and each request's own output; no token id is made up or kept."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvreplay.families.tree.runs import from_runs
+from kvreplay.workload.requests import Request
+from kvreplay.workload.server import SteppedModel
+
+_HASH_MASK = (1 << 62) - 1
+
+
+def page_hashes(req: Request, tokens: int, block_tokens: int, page_size: int) -> list[int]:
+    """Chained hashes of the full pages of a request's first ``tokens`` tokens: a prompt
+    token is (its block, its place in it), an output token the request's own."""
+    out, h = [], 0
+    for p in range(tokens // page_size):
+        content = []
+        for t in range(p * page_size, (p + 1) * page_size):
+            b = t // block_tokens
+            content.append((req.blocks[b], t % block_tokens) if t < req.input_len and b < len(req.blocks)
+                           else (-req.rid - 1, t))
+        h = hash((h, tuple(content))) & _HASH_MASK
+        out.append(h)
+    return out
+
+
+@dataclass
+class Running:
+    req: Request
+    number: int
+    target: int  # tokens when finished
+    pages: list[int]  # hashes of every page it will have
+    filled: int = 0  # tokens with a slot in its row
+    protected: int = 0
+    lock: int = 0
+    done_output: int = 0
+    abort_at: int = -1  # the token count it is aborted at (-1: never)
+
+
+class TreeServer(SteppedModel):
+    def __init__(self, tree: Any, requests: list[Request], *, block_tokens: int, max_running: int, chunk: int,
+                 aborts: float, seed: int, speedup: float, progress: Callable[[int, int], None] | None) -> None:
+        super().__init__(requests, max_running=max_running, speedup=speedup, progress=progress)
+        self.tree = tree
+        self.kv = tree.kv
+        self.ps = int(tree.page_size)
+        self.block_tokens = block_tokens
+        self.chunk = chunk
+        self.aborts = aborts
+        self.rng = random.Random(seed ^ 0x7EE)
+        self.numbers = 0
+
+    # -- admission and prefill ------------------------------------------------------------------
+    def step(self) -> None:
+        self.tree.available_size()  # the scheduler's look at room before it admits
+        before = list(self.running)
+        while self.waiting and len(self.running) < self.max_running:
+            req, done = self.waiting[0]
+            if not self.admit(req, done):
+                break
+            self.waiting.popleft()
+        prefilling = [lv for lv in before if lv.filled < lv.req.input_len + lv.done_output]
+        for lv in prefilling:
+            self.prefill(lv)
+        self.decode([lv for lv in before if lv not in prefilling and lv in self.running])
+        self.finish_done()
+
+    def admit(self, req: Request, done_output: int) -> bool:
+        self.numbers += 1
+        target = req.input_len + req.output_len
+        lv = Running(req, self.numbers, target, page_hashes(req, target, self.block_tokens, self.ps),
+                     done_output=done_output)
+        if self.rng.random() < self.aborts:
+            lv.abort_at = self.rng.randint(req.input_len, target)
+        have = req.input_len + done_output
+        # the last token is always computed, so a full hit still extends by one
+        got = self.tree.match_prefix(lv.number, tuple(lv.pages[: (have - 1) // self.ps]), have - 1)
+        lv.filled = lv.protected = int(got[0])
+        lv.lock = self.tree.lock(lv.number, int(got[1]))
+        self.stats.prefix_hit_tokens += lv.filled
+        self.running.append(lv)
+        if not self.prefill(lv):
+            self.leave(lv, cache=False)
+            self.running.remove(lv)
+            return False
+        return True
+
+    def room(self, need: int) -> tuple[int, ...] | None:
+        got = self.kv.alloc(need)
+        if got is None and self.tree.evictable_size() > 0:
+            self.tree.evict(need - self.tree.available_size())
+            self.stats.evictions += 1
+            got = self.kv.alloc(need)
+        return got
+
+    def prefill(self, lv: Running) -> bool:
+        have = lv.req.input_len + lv.done_output
+        n = min(self.chunk, have - lv.filled)
+        got = self.room(n)
+        if got is None:
+            self.stats.none_results += 1
+            return False
+        self.tree.extend(lv.number, got)
+        lv.filled += n
+        if lv.filled < have:  # a chunk of a longer prompt: cache what is done
+            self.checkpoint(lv, lv.filled)
+        return True
+
+    def checkpoint(self, lv: Running, up_to: int) -> None:
+        got = self.tree.checkpoint(lv.number, tuple(lv.pages[: up_to // self.ps]), up_to)
+        lv.protected, lv.lock = int(got[0]), int(got[2])
+
+    # -- decode and release ---------------------------------------------------------------------
+    def decode(self, batch: list[Running]) -> None:
+        if not batch:
+            return
+        for lv in list(batch):
+            if lv.filled == lv.abort_at:
+                self.leave(lv, cache=False)
+                self.running.remove(lv)
+                batch.remove(lv)
+                self.stats.requests_done += 1
+        while batch:
+            got = self.room(len(batch))
+            if got is not None:
+                break
+            self.stats.none_results += 1
+            victim = min(batch, key=lambda lv: (lv.filled - lv.req.input_len, -lv.req.input_len))
+            if len(self.running) == 1:
+                raise RuntimeError(f"request {victim.req.rid} ({victim.target} tokens) cannot fit an empty pool; "
+                                   "enlarge the pool (--full-size)")
+            self.leave(victim, cache=False)
+            self.running.remove(victim)
+            batch.remove(victim)
+            self.waiting.appendleft((victim.req, victim.filled - victim.req.input_len))
+            self.stats.retractions += 1
+        if not batch:
+            return
+        slots = from_runs(got)
+        for lv, s in zip(batch, slots, strict=True):
+            self.tree.extend(lv.number, (s, 1))
+            lv.filled += 1
+
+    def finish_done(self) -> None:
+        for lv in [lv for lv in self.running if lv.filled >= lv.target]:
+            self.leave(lv, cache=True)
+            self.running.remove(lv)
+            self.stats.requests_done += 1
+
+    def leave(self, lv: Running, *, cache: bool) -> None:
+        """sglang's release_kv_cache: cache the page-aligned part (a finished request),
+        free the rest of the row, unlock, give the row back."""
+        if cache and lv.filled >= self.ps:
+            self.checkpoint(lv, lv.filled)
+        if lv.filled > lv.protected:
+            self.tree.free_kv_row(lv.number, lv.protected, lv.filled)
+        self.tree.unlock(lv.number, lv.lock)
+        self.tree.release(lv.number)
+
