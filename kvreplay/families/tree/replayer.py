@@ -85,6 +85,8 @@ class TreeReplayer(ReplayLoop):
         if bad:
             return self._unsupported(n, c.method, bad)
         self._log.clear()
+        if self.checker is not None:
+            self.checker.before(n, c.method)
         args = dict(c.args) if self.maps is None else self._translate(c.args)
         result: Any = None
         raised: BaseException | None = None
@@ -116,8 +118,8 @@ class TreeReplayer(ReplayLoop):
         c = tc.call
         values = [c.args.get("runs"), *(x.args.get("runs") for x in tc.nested),
                   *(x.result for x in tc.nested if x.method == "alloc")]
-        if c.method == "alloc" or c.method in ("match_prefix", "checkpoint") and isinstance(c.result, (tuple, list)):
-            values.append(c.result if c.method == "alloc" else c.result[3 if c.method == "checkpoint" else 2:])
+        if c.method == "alloc":
+            values.append(c.result)
         for v in values:
             if not isinstance(v, (tuple, list)):
                 continue
@@ -189,7 +191,5 @@ class TreeReplayer(ReplayLoop):
             m["node"][int(rec[1])] = int(result[1])
             if c.method == "checkpoint" and len(rec) >= 3:
                 m["handle"][int(rec[2])] = int(result[2])
-            m["slot"].update(zip(from_runs(rec[3 if c.method == "checkpoint" else 2:]),
-                                 from_runs(result[3 if c.method == "checkpoint" else 2:]), strict=False))
         elif c.method == "lock" and type(rec) is int and type(result) is int:
             m["handle"][rec] = result

@@ -53,6 +53,7 @@ class Running:
     lock: int = 0
     done_output: int = 0
     abort_at: int = -1  # the token count it is aborted at (-1: never)
+    sent: int = 0  # pages the tree has been told of
 
 
 class TreeServer(SteppedModel):
@@ -67,7 +68,19 @@ class TreeServer(SteppedModel):
         self.aborts = aborts
         self.rng = random.Random(seed ^ 0x7EE)
         self.numbers = 0
+        self._pages: dict[int, list[int]] = {}  # a request's page hashes, made once
+        self._waiting_as: dict[int, int] = {}  # a waiting request's number (rid -> number)
+        self._told: dict[int, int] = {}  # pages the tree was told, by request number
 
+    RESERVE = 64  # decode tokens a request's admission keeps room for
+
+    def arrive(self, req: Request) -> None:
+        # sglang refuses a request longer than its context before it reaches the tree
+        if req.input_len + req.output_len + self.RESERVE > self.tree.kv.size:
+            self.stats.extra["too_long"] = self.stats.extra.get("too_long", 0) + 1
+            self.stats.requests_done += 1
+            return
+        super().arrive(req)
     # -- admission and prefill ------------------------------------------------------------------
     def step(self) -> None:
         self.tree.available_size()  # the scheduler's look at room before it admits
@@ -79,28 +92,44 @@ class TreeServer(SteppedModel):
             self.waiting.popleft()
         prefilling = [lv for lv in before if lv.filled < lv.req.input_len + lv.done_output]
         for lv in prefilling:
-            self.prefill(lv)
+            if not self.prefill(lv) and len(self.running) > 1:
+                self.retract(lv)
         self.decode([lv for lv in before if lv not in prefilling and lv in self.running])
         self.finish_done()
 
     def admit(self, req: Request, done_output: int) -> bool:
-        self.numbers += 1
+        number = self._waiting_as.get(req.rid)
+        if number is None:  # new, or back after a retraction: the tree has not heard of it
+            self.numbers += 1
+            number = self._waiting_as[req.rid] = self.numbers
         target = req.input_len + req.output_len
-        lv = Running(req, self.numbers, target, page_hashes(req, target, self.block_tokens, self.ps),
-                     done_output=done_output)
-        if self.rng.random() < self.aborts:
-            lv.abort_at = self.rng.randint(req.input_len, target)
+        pages = self._pages.get(req.rid)
+        if pages is None:
+            pages = self._pages[req.rid] = page_hashes(req, target, self.block_tokens, self.ps)
+        lv = Running(req, number, target, pages, done_output=done_output)
         have = req.input_len + done_output
+        # each round a waiting request is matched again; the tree keeps the pages it was told
+        known = self._told.get(number, 0)
+        lv.sent = max(known, have // self.ps)
         # the last token is always computed, so a full hit still extends by one
-        got = self.tree.match_prefix(lv.number, tuple(lv.pages[: (have - 1) // self.ps]), have - 1)
+        got = self.tree.match_prefix(number, tuple(pages[known:lv.sent]), have - 1)
+        self._told[number] = lv.sent
         lv.filled = lv.protected = int(got[0])
-        lv.lock = self.tree.lock(lv.number, int(got[1]))
-        self.stats.prefix_hit_tokens += lv.filled
-        self.running.append(lv)
+        # sglang's admission budget: the rest of the prompt and some room to decode must fit
+        # in what is free or evictable, or the request waits (holding nothing but its match)
+        need = have - lv.filled + min(req.output_len, self.RESERVE)
+        if need > self.tree.available_size() + self.tree.evictable_size():
+            return False
+        lv.lock = self.tree.lock(number, int(got[1]))
         if not self.prefill(lv):
             self.leave(lv, cache=False)
-            self.running.remove(lv)
+            del self._waiting_as[req.rid]
             return False
+        del self._waiting_as[req.rid]
+        if self.rng.random() < self.aborts:
+            lv.abort_at = self.rng.randint(req.input_len, target)
+        self.stats.prefix_hit_tokens += lv.protected
+        self.running.append(lv)
         return True
 
     def room(self, need: int) -> tuple[int, ...] | None:
@@ -125,7 +154,9 @@ class TreeServer(SteppedModel):
         return True
 
     def checkpoint(self, lv: Running, up_to: int) -> None:
-        got = self.tree.checkpoint(lv.number, tuple(lv.pages[: up_to // self.ps]), up_to)
+        new = lv.pages[lv.sent: up_to // self.ps]  # the tree keeps the key; a call names what is new
+        lv.sent += len(new)
+        got = self.tree.checkpoint(lv.number, tuple(new), up_to)
         lv.protected, lv.lock = int(got[0]), int(got[2])
 
     # -- decode and release ---------------------------------------------------------------------
@@ -147,17 +178,21 @@ class TreeServer(SteppedModel):
             if len(self.running) == 1:
                 raise RuntimeError(f"request {victim.req.rid} ({victim.target} tokens) cannot fit an empty pool; "
                                    "enlarge the pool (--full-size)")
-            self.leave(victim, cache=False)
-            self.running.remove(victim)
+            self.retract(victim)
             batch.remove(victim)
-            self.waiting.appendleft((victim.req, victim.filled - victim.req.input_len))
-            self.stats.retractions += 1
         if not batch:
             return
         slots = from_runs(got)
         for lv, s in zip(batch, slots, strict=True):
             self.tree.extend(lv.number, (s, 1))
             lv.filled += 1
+
+    def retract(self, lv: Running) -> None:
+        """Give back what the request holds past the tree and queue it again, first."""
+        self.leave(lv, cache=False)
+        self.running.remove(lv)
+        self.waiting.appendleft((lv.req, max(0, lv.filled - lv.req.input_len)))
+        self.stats.retractions += 1
 
     def finish_done(self) -> None:
         for lv in [lv for lv in self.running if lv.filled >= lv.target]:
@@ -174,4 +209,5 @@ class TreeServer(SteppedModel):
             self.tree.free_kv_row(lv.number, lv.protected, lv.filled)
         self.tree.unlock(lv.number, lv.lock)
         self.tree.release(lv.number)
+        self._told.pop(lv.number, None)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from kvreplay.families.tree.runs import from_runs, runs_length, to_runs
@@ -71,6 +72,7 @@ class Held:
     """What the tree reads of a running request (sglang's ``req.kv`` fields)."""
 
     row: list[int] = field(default_factory=list)  # KV slots by position; -1: freed
+    pages: list[int] = field(default_factory=list)  # its key so far: the hashes of its full pages
     protected: int = 0  # the leading part the tree owns (cache_protected_len)
     lock: int = 0  # the lock handle on its last node
     last_node: int = ROOT
@@ -89,6 +91,7 @@ class PrefixTree:
         self.by_id: dict[int, Node] = {ROOT: self.root}
         self.requests: dict[int, Held] = {}
         self.handles: dict[int, int] = {}  # lock handle -> node id
+        self.locked: set[Node] = set()  # nodes whose lock count is above zero
         self._next_node = 1
         self._next_handle = 1
         self._tick = 0
@@ -106,13 +109,18 @@ class PrefixTree:
         return self.protected_size_
 
     # -- the scheduler's calls ----------------------------------------------------------------------
-    def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, ...]:
-        """The longest cached prefix of a key: ``(tokens matched, last node, *slot runs)``.
-        The request's row starts as that prefix, all of it the tree's."""
-        key = tuple(pages[: int(length) // self.page_size])
-        node, slots = self._match(key)
-        self.requests[int(request)] = Held(row=list(slots), protected=len(slots), last_node=node.id)
-        return (len(slots), node.id, *to_runs(slots))
+    def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
+        """The longest cached prefix of the request's first ``length`` tokens, ``pages``
+        being the hashes of the full pages it gained since the tree last heard of it (a
+        request waiting for room is matched again each round, naming nothing new):
+        ``(tokens matched, last node)``. The request's row starts as that prefix, all of
+        it the tree's (``path_slots(node)``)."""
+        r = int(request)
+        known = self.requests[r].pages if r in self.requests else []
+        known.extend(pages)
+        node, slots = self._match(tuple(known[: int(length) // self.page_size]))
+        self.requests[r] = Held(row=list(slots), pages=known, protected=len(slots), last_node=node.id)
+        return (len(slots), node.id)
 
     def lock(self, request: int, node: int) -> int:
         """Protect ``node`` and its path from eviction for ``request``: a lock handle."""
@@ -133,13 +141,15 @@ class PrefixTree:
         self.requests.setdefault(int(request), Held()).row.extend(from_runs(runs))
 
     def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int) -> tuple[int, ...]:
-        """Cache the request's first ``up_to`` tokens (page-aligned), free the slots of
-        its row the tree already held, take the tree's slots into the row, and move the
-        request's lock to its new last node: ``(protected, last node, lock, *runs of the
-        tree's slots now in the row past the old protected length)``."""
+        """Cache the request's first ``up_to`` tokens (page-aligned), ``pages`` being the
+        hashes of the full pages it gained since its last call; free the slots of its
+        row the tree already held, take the tree's slots into the row, and move the
+        request's lock to its new last node: ``(protected, last node, lock)``; the row's
+        first ``protected`` slots are then the tree's (``path_slots(node)``)."""
         held = self.requests[int(request)]
+        held.pages.extend(pages)
         n_pages = int(up_to) // self.page_size
-        key = tuple(pages[:n_pages])
+        key = tuple(held.pages[:n_pages])
         prefix = self._insert(key, held.row[: n_pages * self.page_size])
         old = held.protected
         lo, hi = self._duplicates(held, prefix)
@@ -153,7 +163,7 @@ class PrefixTree:
         self._release_lock(held.lock)
         held.lock = self._lock(node)
         held.last_node = node.id
-        return (held.protected, node.id, held.lock, *to_runs(new))
+        return (held.protected, node.id, held.lock)
 
     def free_kv_row(self, request: int, start: int, end: int) -> None:
         """Free the request's row from ``start`` to ``end`` (its part the tree does not hold)."""
@@ -179,10 +189,29 @@ class PrefixTree:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
-    def nodes(self) -> dict[int, tuple[int, tuple[int, ...], int]]:
-        """Every node but the root: ``{id: (parent id, slots, lock count)}`` (the checker's view)."""
-        return {i: (n.parent.id if n.parent else ROOT, tuple(n.value), n.lock_ref)
-                for i, n in self.by_id.items() if i != ROOT}
+    # -- what the checker reads of the tree ---------------------------------------------------------
+    def path(self, node: int) -> list[tuple[int, int, int]]:
+        """``(id, lock count, slots held)`` of ``node`` and each node above it, the root
+        left out; empty for a node the tree does not have."""
+        out = []
+        n = self.by_id.get(int(node))
+        while n is not None and n is not self.root:
+            out.append((n.id, n.lock_ref, len(n.value)))
+            n = n.parent
+        return out
+
+    def path_slots(self, node: int) -> list[int]:
+        """The slots of the path from the root to ``node``, in key order."""
+        parts = []
+        n = self.by_id.get(int(node))
+        while n is not None and n is not self.root:
+            parts.append(n.value)
+            n = n.parent
+        return [s for part in reversed(parts) for s in part]
+
+    def locked_slots(self) -> set[int]:
+        """The slots of every locked node."""
+        return set(chain.from_iterable(n.value for n in self.locked if n.id in self.by_id))
 
     # -- hooks (a variant overrides one) ------------------------------------------------------------
     def _free_row(self, request: int, held: Held, start: int, end: int) -> None:
@@ -258,6 +287,8 @@ class PrefixTree:
         top.children[child.key[0]] = child
         parent.children[top.key[0]] = top
         self.by_id[top.id] = top
+        if top.lock_ref > 0:
+            self.locked.add(top)
         return top
 
     def _lock(self, node: Node) -> int:
@@ -269,12 +300,15 @@ class PrefixTree:
                 self.evictable_size_ -= len(node.value)
                 self.protected_size_ += len(node.value)
             node.lock_ref += 1
+            self.locked.add(node)
             node = node.parent
         return handle
 
     def _unlock(self, node: Node | None) -> None:
         while node is not None and node is not self.root:
             node.lock_ref -= 1
+            if node.lock_ref <= 0:
+                self.locked.discard(node)
             if node.lock_ref == 0:
                 self._unlocked(node)
             node = node.parent
