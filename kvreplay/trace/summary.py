@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvreplay.contract.registry import family
-from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD, GROUP_FOLD_METHODS
+from kvreplay.trace.format import CHECKPOINT_METHOD, GAP_METHOD, GAP_TARGET, GROUP_FOLD_METHODS
 from kvreplay.trace.location import CorpusTrace, corpus_traces, is_rotated_trace, local_path
 from kvreplay.trace.reader import TraceReader
 
-_COLUMNS = ["depth", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
+_COLUMNS = ["depth", "target", "method", "t_start_ns", "t_end_ns", "exc_type", "result", "args",
             "available", "full_available", "swa_available", "folded_reads", "folded_pattern", "folded_group_at",
             "folded_group_bounds"]
 
@@ -50,6 +50,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     meta = reader.meta
     sizes = family(meta.family).sizes_of(meta.ctor_args)
     methods: Counter[str] = Counter()
+    # the recorder's own rows (gaps, checkpoints), apart: a family may name a method "checkpoint" too
+    marks: Counter[str] = Counter()
     rows = top = exceptions = nones = indices = folded = groups = bounds = 0
     t_min: int | None = None
     t_max: int | None = None
@@ -60,7 +62,9 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         rows += batch.num_rows
         is_top = pc.equal(batch["depth"], 0)
         top += int(pc.sum(is_top).as_py() or 0)
-        methods.update(_value_counts(pc.filter(batch["method"], is_top)))
+        is_mark = pc.and_(is_top, pc.equal(batch["target"], GAP_TARGET))
+        marks.update(_value_counts(pc.filter(batch["method"], is_mark)))
+        methods.update(_value_counts(pc.filter(batch["method"], pc.and_(is_top, pc.invert(is_mark)))))
         for n, packed in _folds(batch):
             methods.update(reader.fold_methods(n, packed))
             folded += n
@@ -96,18 +100,20 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
                      "from the pool's snapshot there: the parts before it were retired or are not here")
     elif meta.initial_state is not None:
         notes.append("starts from a snapshot of a pool already in use (attach or flight-recorder dump)")
-    gaps = reader.gaps() if methods.get(GAP_METHOD) else []
+    if marks.get(GAP_METHOD):
+        methods[GAP_METHOD] = marks[GAP_METHOD]  # (gaps are listed with the calls, as they always were)
+    gaps = reader.gaps() if marks.get(GAP_METHOD) else []
     if gaps:
         lost = sum(max(0, g.args.get("lost_calls", 0)) for g in gaps)
         notes.append(f"{len(gaps)} gap(s): the recorder lost {lost or 'an unknown number of'} calls "
                      f"(last: {gaps[-1].args.get('reason', '?')}); replay with --after-gap")
-    checkpoints = methods.pop(CHECKPOINT_METHOD, 0)
+    checkpoints = marks.get(CHECKPOINT_METHOD, 0)
     if checkpoints:
         notes.append(f"{checkpoints} checkpoint(s): replay --jobs N replays the segments between them in parallel")
     size = reader.file_size
     return TraceSummary(
         path=reader.source, meta=asdict(meta), rows=rows,
-        calls=top + folded + 2 * groups + bounds - methods.get(GAP_METHOD, 0) - checkpoints, folded_reads=folded,
+        calls=top + folded + 2 * groups + bounds - marks.get(GAP_METHOD, 0) - checkpoints, folded_reads=folded,
         folded_groups=groups, folded_bounds=bounds,
         nested_rows=rows - top,
         calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
