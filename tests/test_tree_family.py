@@ -324,3 +324,16 @@ def test_damaged_runs_are_one_line_refusals(tmp_path: Any) -> None:
         tree.extend(1, (1, 64, 1, 64))  # each run in the pool, together twice the pool
     rep = replay(tmp_path / "many.parquet", "builtin:tree")
     assert rep.status == "unsupported" and "outside a pool of 64" in rep.message
+
+
+def test_every_rule_of_the_family_is_made_to_fire_here() -> None:
+    """Each rule id of the record is asserted by name in a test above (the union below
+    names them; a rule added without a test that fires it fails here)."""
+    from pathlib import Path
+
+    from kvreplay.families.tree import TREE
+
+    ids = {line.split("|")[0].strip() for line in TREE.rules.strip().splitlines()}
+    text = Path(__file__).read_text()
+    tested = {i for i in ids if f'"{i}"' in text}
+    assert ids - tested == set()

@@ -37,7 +37,7 @@ class TreeReplayer(ReplayLoop):
                  full_check_every: int = 1000, stop_at_first: bool = False, check: bool = True,
                  keep: int = 20, reader: TraceReader | None = None, checked: bool = False, **_: Any) -> None:
         self._open(trace, build, mode=mode, device=device, stop_at_first=stop_at_first, keep=keep, reader=reader,
-                   checked=checked, whole="tree-owner")
+                   checked=checked, whole="tree")
         self.pool = self._build(build, "cpu")
         self.size = int(self.meta.ctor_args["size"])
         self._log: list[tuple[str, list[int]]] = []
