@@ -23,7 +23,8 @@ LAYERS: list[list[str]] = [
     ["corpus"],
     ["jobs.bisect", "jobs.minimize", "jobs.demo", "jobs.matrix", "jobs.dashboard"],
     ["jobs.stored_replay", "jobs.reproducer", "report", "jobs.watch", "jobs"],
-    ["families.sglang", "families.vllm", "families.mamba", "families.tree", "families"],  # each family's own code, named by its record
+    # each family's own code, named by its record
+    ["families.sglang", "families.vllm", "families.mamba", "families.tree", "families"],
     ["workload"],
     ["recorder", "replay"],
     ["check", "store"],
