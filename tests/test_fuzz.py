@@ -59,6 +59,9 @@ def bases(tmp_path_factory):
     synthesize(SynthConfig(scenario="vllm-prefix", out=path, requests=6, block_tokens=16, full_size=1024,
                            max_running=4))
     made.append(("vllm-prefix", pq.read_table(path), "builtin:vllm"))
+    path = out / "prefix-tree.parquet"  # the tree family: requests, page hashes, slot runs, nodes, locks
+    synthesize(SynthConfig(scenario="prefix-tree", out=path, requests=8, full_size=256, page_size=4, max_running=4))
+    made.append(("prefix-tree", pq.read_table(path), "builtin:tree"))
     made.append(("none-leak", pq.read_table(CORPUS / "sglang-0.5.23-decode-none-leak.parquet"), "builtin:swa"))
     return made
 
@@ -82,7 +85,7 @@ def _fuzz_traces(cases: int, seed: int, bases, tmp_path: Path, cli, first: int =
         what = f"seed {seed} case {i} ({name}, {mutate_trace(rng, table, path)})"
         db = tmp_path / f"k-{i}.db"
         replays = [["replay", str(path), "-b", build, "--db", str(db), "--device", "cpu"]]
-        if name == "vllm-prefix":  # remap hands block ids from the trace to the build: damaged ones too
+        if name in ("vllm-prefix", "prefix-tree"):  # remap hands ids from the trace to the build: damaged ones too
             replays.append(["replay", str(path), "-b", build, "--mode", "remap", "--no-store"])
         for argv in (*replays, ["inspect", str(path)]):
             with deadline(CASE_TIMEOUT_S, what):

@@ -81,7 +81,7 @@ class TreeReplayer(ReplayLoop):
             why = (f"build {self.build_spec} has no method {c.method}" if fn is None else
                    f"argument(s) {', '.join(opaque)} of {c.method} were not recorded losslessly")
             return self._unsupported(n, c.method, why)
-        bad = self._bad_runs(tc)
+        bad = self._bad_kinds(tc) or self._bad_runs(tc)
         if bad:
             return self._unsupported(n, c.method, bad)
         self._log.clear()
@@ -110,6 +110,17 @@ class TreeReplayer(ReplayLoop):
             method = c.method if c.target != KV else f"kv.{c.method}"
             self.checker.after(n, method, args, result, list(self._log), counters)
         return result, raised
+
+    @staticmethod
+    def _bad_kinds(tc: TopCall) -> str | None:
+        """Why a row's arguments are not what the tree's wire speaks (whole numbers and
+        lists of them: a tensor or a text is damage), or None."""
+        for x in (tc.call, *tc.nested):
+            for k, v in x.args.items():
+                if type(v) is int or isinstance(v, (tuple, list)) and all(type(e) is int for e in v):
+                    continue
+                return f"argument {k} of {x.method} is a {type(v).__name__}, not what the tree's wire records"
+        return None
 
     def _bad_runs(self, tc: TopCall) -> str | None:
         """Why a row's slot runs cannot be slots of this pool (damage: each run must lie in
