@@ -243,7 +243,9 @@ class PrefixTree:
         self._tick += 1
         node.last_access = self._tick
 
-    def _match(self, key: tuple[int, ...]) -> tuple[Node, list[int]]:
+    def _walk(self, key: tuple[int, ...]) -> tuple[Node, int, list[int]]:
+        """Follow ``key`` down the tree, splitting the node it ends inside: the last node
+        reached, the pages matched and their slots."""
         node, slots, i = self.root, [], 0
         while i < len(key) and key[i] in node.children:
             child = node.children[key[i]]
@@ -253,19 +255,16 @@ class PrefixTree:
             self._touch(child)
             slots += child.value
             node, i = child, i + n
+        return node, i, slots
+
+    def _match(self, key: tuple[int, ...]) -> tuple[Node, list[int]]:
+        node, _, slots = self._walk(key)
         return node, slots
 
     def _insert(self, key: tuple[int, ...], values: list[int]) -> int:
         """Insert ``key`` with ``values``: the tokens it found cached already."""
         ps = self.page_size
-        node, i = self.root, 0
-        while i < len(key) and key[i] in node.children:
-            child = node.children[key[i]]
-            n = _common(child.key, key, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            self._touch(child)
-            node, i = child, i + n
+        node, i, _ = self._walk(key)
         if i < len(key):
             new = Node(self._next_node, node, key[i:], list(values[i * ps:len(key) * ps]))
             self._next_node += 1
