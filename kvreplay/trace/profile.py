@@ -146,7 +146,8 @@ def _profile_of(path: str, family_name: str, requests: int | None, methods: Coun
         notes.append("requests counted from alloc_extend (one prefix_lens entry each)")
     elif requests is None and f.request_ids:
         requests = len(f.request_ids)
-        notes.append("requests counted by id (vLLM's allocate_slots, the mamba family's alloc_reqs)")
+        notes.append("requests counted by the ids the family's calls name (one retracted, or refused room "
+                     "after its match, may count again)")
     return TraceProfile(
         path=path, family=family_name, requests=requests, calls=sum(methods.values()) + reads,
         counter_reads=reads, calls_by_method=dict(methods), extend_tokens=_quantiles(f.extend),

@@ -1,5 +1,7 @@
 """What a tree call adds to a trace's profile (``kvreplay profile``): requests by
-number, the prefix each match found, the slots each row extend and each free moves."""
+number, the prefix each request's first match found, the slots each row extend and each
+top-level free moves (a waiting request is matched again each round: only its first
+match counts toward the prefix-cache hit share)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from kvreplay.trace.profile import Figures
 def see(f: Figures, c: Any) -> None:
     args = c.args
     if c.method == "match_prefix":
-        f.request_ids.add(str(args.get("request")))
-        if isinstance(c.result, (tuple, list)) and c.result and type(args.get("length")) is int:
+        request = str(args.get("request"))
+        first = request not in f.request_ids
+        f.request_ids.add(request)
+        if first and isinstance(c.result, (tuple, list)) and c.result and type(args.get("length")) is int:
             f.prefix += int(c.result[0])
             f.seqs += int(args["length"]) + 1  # the last token, always computed
-            f.extended += 1
     elif c.method == "extend" and isinstance(args.get("runs"), (tuple, list)):
         f.extend.append(runs_length(args["runs"]))
     elif c.method == "free" and isinstance(args.get("runs"), (tuple, list)):
