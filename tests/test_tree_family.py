@@ -337,21 +337,3 @@ def test_every_rule_of_the_family_is_made_to_fire_here() -> None:
     text = Path(__file__).read_text()
     tested = {i for i in ids if f'"{i}"' in text}
     assert ids - tested == set()
-
-
-def test_a_release_of_another_engine_says_unsupported_without_starting_a_worker(traces: dict[str, Any],
-                                                                                monkeypatch: Any) -> None:
-    """The tree family has no engine yet: a release build of sglang is no build of it, said
-    at once (a worker would import the release only to say so)."""
-    from kvreplay.replay import dispatch
-
-    def no_worker(*a: Any, **k: Any) -> Any:
-        raise AssertionError("a worker was started")
-
-    monkeypatch.setattr(dispatch, "replay_in_worker", no_worker)
-    monkeypatch.setattr(dispatch, "replay_many_in_worker", no_worker)
-    ran = dispatch.run(traces["tree"].path, "sglang==0.5.23", mode="remap")
-    assert ran.report.status == "unsupported" and "no sglang allocator for pool family 'tree'" in ran.report.message
-    got: list[Any] = []
-    dispatch.run_many([traces["tree"].path], "sglang==0.5.22", lambda r, code: got.append((r.status, code)))
-    assert got == [("unsupported", "0.5.22")]

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvreplay.builds.spec import BuildSpec
-from kvreplay.contract.registry import family
 from kvreplay.fanout import run_units
-from kvreplay.replay.report import ReplayReport, untestable
+from kvreplay.replay.report import ReplayReport
 from kvreplay.replay.worker import replay_in_worker, replay_many_in_worker
 from kvreplay.trace.reader import TraceReader
 
@@ -43,9 +42,6 @@ def run(trace: str | Path, build: str | BuildSpec, *, jobs: int = 1, ray: str | 
     ``checked``: ``reader``'s rows were checked already (a worker reads the trace anew)."""
     spec = build if isinstance(build, BuildSpec) else BuildSpec.parse(build)
     checked = options.pop("checked", False)
-    foreign = _foreign(trace, spec, options)
-    if foreign is not None:
-        return Ran(foreign, spec.resolved(code_id=spec.version))
     if not spec.in_process:
         if ray is not None:  # the worker (and its build's environment) on a Ray node
             report, code_id = run_units(worker_unit, [(str(trace), spec.text, options)], ray=ray)[0]
@@ -72,32 +68,7 @@ def run_many(traces: list[str | Path], build: str | BuildSpec,
     """Replay each trace on a worker build in one worker (a fresh one after a crash or a
     timeout), handing ``on_report`` each report and the build's code id as it comes."""
     spec = build if isinstance(build, BuildSpec) else BuildSpec.parse(build)
-    mine = []
-    for trace in traces:
-        foreign = _foreign(trace, spec, options)
-        if foreign is None:
-            mine.append(trace)
-        else:
-            on_report(foreign, spec.version)
-    if mine:
-        replay_many_in_worker(mine, spec.text, on_report=on_report, **options)
-
-
-def _foreign(trace: str | Path, spec: BuildSpec, options: dict[str, Any]) -> ReplayReport | None:
-    """The report of a release build of an engine whose API the trace's family does not
-    speak (a tree trace on sglang==X, a vLLM trace on an sglang release): unsupported,
-    said here, without a worker that would import the release only to say so; None for
-    any other pair, and for a trace whose header cannot be read (the worker says why)."""
-    if spec.kind != "release" or not spec.engine:
-        return None
-    try:
-        fam = family(TraceReader(trace).meta.family)
-    except Exception:  # damage of any kind is the worker's to report, as it always was
-        return None
-    if fam.engine == spec.engine:
-        return None
-    return untestable(str(trace), spec.text, str(options.get("mode", "strict")), str(options.get("device", "cpu")),
-                      "unsupported", f"no {spec.engine} allocator for pool family {fam.name!r}", 0.0)
+    replay_many_in_worker(traces, spec.text, on_report=on_report, **options)
 
 
 def worker_unit(unit: tuple[str, str, dict[str, Any]]) -> tuple[ReplayReport, str]:
