@@ -226,9 +226,6 @@ class TreeChecker:
         self.rows.pop(r, None)
         self.protected.pop(r, None)
 
-    def _on_evict(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
-        pass  # the allocator's frees above, and the node check after, say what eviction did
-
     def _let_go(self, call: int, method: str, r: int, what: str) -> None:
         left = [s for s in self.rows.get(r, ()) if s >= 0 and self.owner.get(s) == r]
         if left:

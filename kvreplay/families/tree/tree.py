@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from kvreplay.families.tree.runs import from_runs, runs_length, to_runs
+from kvreplay.families.tree.runs import from_runs, to_runs
 
 ROOT = 0  # the root node's id; no lock handle is 0 (``unlock(r, 0)`` is a no-op, as sglang's unlock(None))
 
@@ -332,4 +332,4 @@ def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
     return cls(int(ctor["size"]), int(ctor.get("page_size") or 1), "cpu")
 
 
-__all__ = ["KvSlots", "PrefixTree", "construct", "runs_length"]
+__all__ = ["KvSlots", "PrefixTree", "construct"]
