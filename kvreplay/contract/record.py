@@ -166,6 +166,9 @@ class Family:
     base_classes: tuple[str, ...] = ()  # MODULE:CLASS: a class deriving from one is of this family
     class_words: tuple[str, ...] = ()  # words in an engine class's names that say this family
     release_classes: tuple[str, ...] = ()  # MODULE:CLASS in an engine release, newest layout first
+    # a recorded server records its release_classes unless told which (--class); False: only
+    # when named (a family whose recording costs a row per request and step, as the tree's)
+    recorded_by_default: bool = True
     sub_allocators: tuple[tuple[str, str], ...] = ()  # (target in traces, attribute): calls recorded nested
     slots: bool = True  # calls name token slots (minimize shrinks them), else ids of the family's own
     snapshots: bool = True  # a live pool's state can be taken: each recorded part starts from one

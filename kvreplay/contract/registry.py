@@ -226,4 +226,4 @@ SCENARIOS: Mapping[str, Scenario] = LiveView(lambda: {s.name: s for f in familie
 
 def record_classes() -> tuple[str, ...]:
     """The engine classes a recorder patches in a running server, every family's."""
-    return tuple(p for f in families() for p in f.release_classes)
+    return tuple(p for f in families() if f.recorded_by_default for p in f.release_classes)

@@ -329,6 +329,10 @@ def _common(a: tuple[int, ...], key: tuple[int, ...], at: int) -> int:
 
 
 def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
+    if cls.__module__.split(".")[0] == "sglang":  # a release's tree, behind the wire
+        from kvreplay.families.tree.release import release_tree
+
+        return release_tree(cls, ctor)
     return cls(int(ctor["size"]), int(ctor.get("page_size") or 1), "cpu")
 
 

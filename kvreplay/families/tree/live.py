@@ -1,0 +1,350 @@
+"""The live face of the tree family: a running sglang server's prefix cache
+(``UnifiedRadixCache``, 0.5.22 and later), recorded in the wire's plain values.
+
+The server's scheduler hands its tree Request objects, token ids, lock objects and
+node handles; none of them goes into a trace. The wire here numbers requests (from
+the first call that names one; a retracted request that comes back is a new number),
+nodes (in the order a result first names them; the root is 0) and locks (in the order
+they are taken), and turns a request's token ids into page hashes keyed with a secret
+drawn per process, so that equal prefixes hash alike inside the trace and no prompt can
+be read back out of it, not even a page of one token by trying every token id.
+
+What it records, besides the tree's own calls (``match_prefix`` with a request,
+``lock``, ``unlock``, ``checkpoint``, ``free_kv_row``, ``evict_for_alloc``):
+- ``extend``: the scheduler writing newly allocated slots at the end of a request's row
+  (the request-to-token pool's ``write``);
+- ``release``: the request pool's ``free``, where a request gives its row back;
+- the token allocator's ``alloc`` and ``free`` as rows of target ``kv``: nested under
+  the tree call that made them, top-level where the scheduler made them.
+
+sglang holds the frees of a batch's results in a free group and gives them to the
+allocator at the group's end. The wire records each free where it is asked for, and
+counts what a group holds as free (``available_size``): the books a replay keeps free
+at once. The group's end gives back what was recorded already, and is not recorded.
+
+Only a token allocator (page size 1) is recorded; a paged server's tree is left alone
+(one line on stderr), as are servers whose tree has no ``checkpoint`` (before 0.5.22)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import struct
+import sys
+from typing import Any
+
+from kvreplay.families.tree.release import TREE_CLASS
+from kvreplay.families.tree.runs import to_runs
+from kvreplay.families.tree.tree import ROOT
+
+_TAG = "_kvreplay_tree_request"
+_MASK = (1 << 63) - 1
+
+
+def _slots(index: Any) -> list[int]:
+    return [int(s) for s in index.reshape(-1).tolist()]
+
+
+class _LiveSlots:
+    """The token allocator's calls in the wire's form: the recorder wraps these, and
+    they call the server's allocator with the server's own tensors."""
+
+    def __init__(self, wire: LiveTreeWire) -> None:
+        self._wire = wire
+
+    def alloc(self, need_size: int) -> tuple[int, ...] | None:
+        got = self._wire._alloc_real(int(need_size))
+        self._wire._alloc_got = got
+        return None if got is None else to_runs(_slots(got))
+
+    def free(self, runs: tuple[int, ...]) -> None:
+        self._wire._free_real(self._wire._free_given)
+
+
+class LiveTreeWire:
+    """The wire in front of a running server's tree."""
+
+    prefix_tree = True
+
+    def __init__(self, tree: Any) -> None:
+        alloc = tree.token_to_kv_pool_allocator
+        self.tree, self.allocator, self.rows = tree, alloc, tree.req_to_token_pool
+        self.ctor_args = {"size": int(alloc.size), "page_size": int(tree.page_size), "device": "cpu",
+                          "need_sort": bool(getattr(alloc, "need_sort", False))}
+        self.recorded_class = TREE_CLASS
+        self.kv = _LiveSlots(self)
+        self._secret = os.urandom(16)
+        self._numbers = itertools.count(1)
+        self._by_kv: dict[int, int] = {}  # id(req.kv) -> request number (ReqKvInfo has no __dict__)
+        self._by_row: dict[int, int] = {}  # req_pool_idx -> request number
+        self._hashes: dict[int, list[int]] = {}  # request -> the page hashes sent for it
+        self._row_len: dict[int, int] = {}  # request -> the row's length as the wire knows it
+        self._nodes: dict[int, int] = {int(tree.root_node_handle()): ROOT}
+        self._locks: dict[int, tuple[Any, int, int]] = {}  # id(lock) -> (lock, handle, request)
+        self._handles = itertools.count(1)
+        self._inside = False  # a wire call is running: the tree's calls on itself are its own
+        self._realizing = False  # a free group's end: its frees were recorded when asked for
+        self._call: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
+        self._result: Any = None
+        self._alloc_got: Any = None
+        self._free_given: Any = None
+        real = {name: getattr(tree, name) for name in ("match_prefix", "lock", "unlock", "checkpoint",
+                                                        "free_kv_row", "evict_for_alloc")}
+        self._real = real
+        self._alloc_real, self._free_real = alloc.alloc, alloc.free
+        self._group_end = alloc.free_group_end
+        self._row_write, self._row_free, self._row_alloc = self.rows.write, self.rows.free, self.rows.alloc
+        tree.match_prefix = self._shim("match_prefix", self._match_args)
+        tree.lock = self._shim("lock", self._lock_args)
+        tree.unlock = self._shim("unlock", self._unlock_args)
+        tree.checkpoint = self._shim("checkpoint", self._checkpoint_args)
+        tree.free_kv_row = self._free_row_shim
+        tree.evict_for_alloc = self._shim("evict", self._evict_args, real="evict_for_alloc")
+        alloc.alloc, alloc.free, alloc.free_group_end = self._alloc_shim, self._free_shim, self._group_end_shim
+        self.rows.write, self.rows.free, self.rows.alloc = self._write_shim, self._release_shim, self._rows_shim
+
+    # -- numbers and hashes -----------------------------------------------------------------------
+    def _request(self, req: Any) -> int:
+        n = req.__dict__.get(_TAG)
+        if n is None:
+            n = req.__dict__[_TAG] = next(self._numbers)
+            self._hashes[n], self._row_len[n] = [], 0
+        self._by_kv[id(req.kv)] = n
+        if req.kv.req_pool_idx is not None:
+            self._by_row[int(req.kv.req_pool_idx)] = n
+        return n
+
+    def _node(self, node_id: Any) -> int:
+        n = self._nodes.get(int(node_id))
+        if n is None:
+            n = self._nodes[int(node_id)] = len(self._nodes)
+        return n
+
+    def _pages(self, n: int, tokens: Any, upto: int) -> tuple[int, ...]:
+        """Hashes of the request's full pages below ``upto`` tokens not sent before."""
+        sent, ps = self._hashes[n], int(self.ctor_args["page_size"])
+        new = []
+        prev = sent[-1] if sent else 0
+        for p in range(len(sent), int(upto) // ps):
+            page = tokens[p * ps:(p + 1) * ps]
+            h = hashlib.blake2b(struct.pack(f"<q{len(page)}q", prev, *page), digest_size=8, key=self._secret)
+            prev = int.from_bytes(h.digest(), "little") & _MASK
+            new.append(prev)
+        sent.extend(new)
+        return tuple(new)
+
+    # -- the shims: the server's calls, recorded as the wire's ------------------------------------
+    def _shim(self, wire_name: str, wire_args: Any, real: str | None = None) -> Any:
+        original = self._real[real or wire_name]
+
+        def live(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:
+                return original(*args, **kwargs)
+            wire = wire_args(args, kwargs)
+            if wire is None:  # not a call the wire records (a match for no request, an unlock of None)
+                return original(*args, **kwargs)
+            self._call, self._result = (args, kwargs), None
+            self._inside = True
+            try:
+                getattr(self, wire_name)(**wire)  # looked up per call: the recorder wraps it
+            finally:
+                self._inside = False
+            return self._result
+
+        live.__wrapped__ = original  # type: ignore[attr-defined]
+        return live
+
+    def _match_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        params = args[0] if args else kwargs["params"]
+        req = getattr(params, "req", None)
+        if req is None:
+            return None
+        n = self._request(req)
+        length = len(params.key)
+        return {"request": n, "pages": self._pages(n, params.key.token_ids, length), "length": length}
+
+    def _lock_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        node = args[0] if args else kwargs["node_id"]
+        req = _caller_request(sys._getframe(2))
+        return {"request": 0 if req is None else self._request(req), "node": self._node(node)}
+
+    def _unlock_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        lock = args[0] if args else kwargs.get("lock")
+        held = None if lock is None else self._locks.get(id(lock))
+        if held is None:
+            return None
+        return {"request": held[2], "handle": held[1]}
+
+    def _checkpoint_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        req = args[0] if args else kwargs["req"]
+        up_to = int(kwargs["up_to"]) if "up_to" in kwargs else int(args[1])
+        n = self._request(req)
+        return {"request": n, "pages": self._pages(n, req.full_untruncated_fill_ids, up_to), "up_to": up_to}
+
+    def _evict_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        params = args[0] if args else kwargs["params"]
+        return {"num_tokens": int(params.num_tokens)}
+
+    def _free_row_shim(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        original = self._real["free_kv_row"]
+        n = self._by_kv.get(id(kv))
+        if self._inside or n is None:
+            return original(kv, ranges)
+        for start, end in ranges:
+            self._call = ((kv, [(start, end)]), {})
+            self._inside = True
+            try:
+                self.free_kv_row(request=n, start=int(start), end=int(end))
+            finally:
+                self._inside = False
+        return None
+
+    def _alloc_shim(self, need_size: int, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self._alloc_real(need_size, *args, **kwargs)
+        self._alloc_got = None
+        self.kv.alloc(need_size=int(need_size))
+        return self._alloc_got
+
+    def _free_shim(self, index: Any) -> None:
+        if self._realizing or index.numel() == 0:
+            return self._free_real(index)
+        self._free_given = index
+        self.kv.free(runs=to_runs(_slots(index)))
+        self._free_given = None
+        return None
+
+    def _group_end_shim(self) -> None:
+        self._realizing = True
+        try:
+            self._group_end()
+        finally:
+            self._realizing = False
+
+    def _rows_shim(self, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+        got = self._row_alloc(reqs, *args, **kwargs)
+        if got is not None:
+            for req in reqs:  # the rows the scheduler writes next belong to these requests
+                if getattr(req, "kv", None) is not None and req.kv.req_pool_idx is not None:
+                    self._request(req)
+        return got
+
+    def _write_shim(self, indices: Any, values: Any) -> None:
+        self._row_write(indices, values)
+        if self._inside:  # a checkpoint rewriting the row with the tree's slots
+            return
+        rows, where = indices
+        if isinstance(where, slice):  # a prefill: (row, slice(start, end))
+            self._extend_at(int(rows), int(where.start or 0), _slots(values))
+        else:  # a decode step: (rows, positions), one slot each
+            for row, pos, slot in zip(_slots(rows), _slots(where), _slots(values), strict=False):
+                self._extend_at(row, pos, [slot])
+
+    def _extend_at(self, row: int, start: int, slots: list[int]) -> None:
+        n = self._by_row.get(row)
+        if n is None or not slots or start != self._row_len[n]:
+            return  # a row the wire does not know, or the matched prefix written again
+        self._row_len[n] = start + len(slots)
+        self.extend(request=n, runs=to_runs(slots))
+
+    def _release_shim(self, req: Any) -> None:
+        n = req.__dict__.pop(_TAG, None)
+        self._call = ((req,), {})
+        if n is None:
+            return self._row_free(req)
+        self._by_row.pop(int(req.kv.req_pool_idx), None) if req.kv.req_pool_idx is not None else None
+        self._by_kv.pop(id(req.kv), None)
+        self._hashes.pop(n, None)
+        self._row_len.pop(n, None)
+        self.release(request=n)
+        return None
+
+    # -- the wire's calls, served by the server's own objects -------------------------------------
+    def _pass(self, name: str) -> Any:
+        args, kwargs = self._call
+        self._result = self._real[name](*args, **kwargs)
+        return self._result
+
+    def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
+        got = self._pass("match_prefix")
+        self._row_len[request] = int(got.device_prefix_len)
+        return (int(got.device_prefix_len), self._node(got.last_device_node))
+
+    def lock(self, request: int, node: int) -> int:
+        lock = self._pass("lock")
+        if lock is None:
+            return 0
+        handle = next(self._handles)
+        self._locks[id(lock)] = (lock, handle, request)
+        return handle
+
+    def unlock(self, request: int, handle: int) -> None:
+        args, _ = self._call
+        self._locks.pop(id(args[0] if args else None), None)
+        self._pass("unlock")
+
+    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int) -> tuple[int, int, int]:
+        args, kwargs = self._call
+        req = args[0] if args else kwargs["req"]
+        old = req.lock
+        self._pass("checkpoint")
+        if req.lock is not old:
+            self._locks.pop(id(old), None)
+            if req.lock is not None:
+                self._locks[id(req.lock)] = (req.lock, next(self._handles), request)
+        held = self._locks.get(id(req.lock)) if req.lock is not None else None
+        node = self._node(req.last_node) if req.last_node is not None else ROOT
+        return (int(req.kv.cache_protected_len), node, 0 if held is None else held[1])
+
+    def extend(self, request: int, runs: tuple[int, ...]) -> None:
+        """Recorded only: the scheduler already wrote the row."""
+
+    def free_kv_row(self, request: int, start: int, end: int) -> None:
+        self._pass("free_kv_row")
+
+    def release(self, request: int) -> None:
+        args, _ = self._call
+        self._row_free(args[0])
+
+    def evict(self, num_tokens: int) -> int:
+        return int(self._pass("evict_for_alloc").num_tokens_evicted)
+
+    # -- the counters a row carries ---------------------------------------------------------------
+    def available_size(self) -> int:
+        pending = self.allocator.free_group or ()
+        return int(self.allocator.available_size()) + sum(int(t.numel()) for t in pending)
+
+    def evictable_size(self) -> int:
+        return int(self.tree.evictable_size())
+
+    def protected_size(self) -> int:
+        return int(self.tree.protected_size())
+
+
+def _caller_request(frame: Any) -> Any:
+    """The Request the scheduler is locking a node for: sglang's ``lock`` takes a node,
+    and the scheduler's admission holds the request in a local named ``req``."""
+    for _ in range(4):
+        if frame is None:
+            return None
+        req = frame.f_locals.get("req")
+        if req is not None and hasattr(req, "kv") and hasattr(req, "__dict__"):
+            return req
+        frame = frame.f_back
+    return None
+
+
+def wire_for(obj: Any) -> LiveTreeWire | None:
+    """What a recording of an engine object records: the wire before sglang's tree."""
+    cls = type(obj)
+    if f"{cls.__module__}:{cls.__qualname__}" != TREE_CLASS:
+        return None
+    if not hasattr(obj, "checkpoint") or int(getattr(obj, "page_size", 1)) != 1:
+        print(f"kvreplay: not recording the prefix cache in process {os.getpid()}: the tree wire records "
+              "sglang 0.5.22+ with page size 1 only", file=sys.stderr, flush=True)
+        return None
+    return LiveTreeWire(obj)
+
+
+__all__ = ["LiveTreeWire", "wire_for"]

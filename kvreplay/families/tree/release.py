@@ -1,0 +1,300 @@
+"""sglang's own prefix cache as a build of the tree family: a release's
+``UnifiedRadixCache`` (0.5.22 and later: ``checkpoint``, ``free_kv_row``, lock handles)
+over its token allocator, spoken to in the wire's plain values.
+
+The wire names requests by number and keys by page hashes; sglang's tree takes Request
+objects and token ids. Each request number gets a stand-in holding what the tree reads
+of a request (its ``ReqKvInfo``, its lock, its last node, its token ids). A page hash
+becomes a token id here (``page_size`` 1: one token per page), the same hash the same
+id, so equal prefixes stay equal and a match finds what the recording's found; no
+token id of the recording exists to be found. Nodes and lock handles are numbered in
+the order the wire first names them, as the live wire numbers the server's
+(live.py), so a correct release answers a recording of itself number for number.
+
+The tree is built with sglang's Python tree core (the server's default core is Rust,
+whose nodes cannot be read): the two keep the same books, and the checker reads the
+build's nodes (``path``, ``path_slots``, ``locked_slots``)."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from array import array
+from typing import Any
+
+import torch
+
+from kvreplay.errors import BuildUnsupported
+from kvreplay.families.tree.runs import from_runs, to_runs
+
+TREE_CLASS = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+ROOT = 0  # the wire's root node, as tree.py numbers it (tree.py builds this module's trees: no import back)
+_UNNAMED = 1 << 48  # path() ids of nodes the wire never named: apart from every number
+
+
+class _Rows:
+    """The request-to-token table the tree reads and writes, one growing row per request
+    (a release's ReqToTokenPool holds rows x context length up front)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[int]] = {}
+        self.req_to_token = self
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        row, part = key if isinstance(key, tuple) else (key, slice(None))
+        return torch.tensor(self.rows[int(row)], dtype=torch.int64)[part]
+
+    def write(self, where: tuple[Any, slice], values: torch.Tensor) -> None:
+        row_at, part = where
+        row = self.rows[int(row_at)]
+        vals = [int(v) for v in values.reshape(-1).tolist()]
+        start = part.start or 0
+        if len(row) < start + len(vals):
+            row.extend([0] * (start + len(vals) - len(row)))
+        row[start:start + len(vals)] = vals
+
+
+class _Request:
+    """What sglang's tree reads of a request."""
+
+    extra_key = cache_salt = session_id = session = kv_rotation_base = None
+    priority = 0
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.lock: Any = None
+        self.last_node: Any = None
+        self.pages: list[int] = []
+        self.prompt = 0  # tokens of the prompt: the match's limit is the prompt less one
+        self.full_untruncated_fill_ids = array("q")
+        self.origin_input_ids = array("q")
+
+    def finished(self) -> bool:
+        return False
+
+
+class ReleaseTree:
+    """A release's tree behind the wire (``--build sglang``, ``sglang==X``)."""
+
+    prefix_tree = True
+
+    def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
+        if int(ctor.get("page_size") or 1) != 1:
+            raise BuildUnsupported("sglang's tree replays with page size 1 only (pages of 16 tokens are freed "
+                                   "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
+        try:
+            self._sg = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in
+                        ("allocator.token", "cache_init_params", "base_prefix_cache", "radix_cache",
+                         "unified_cache.components")}
+            batch = importlib.import_module("sglang.srt.managers.schedule_batch")
+        except ModuleNotFoundError as exc:
+            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: this release has no {exc.name} "
+                                   "(the tree's wire speaks sglang 0.5.22 and later)") from None
+        if not hasattr(cls, "checkpoint") or not hasattr(batch, "ReqKvInfo"):
+            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__} has no checkpoint (came in sglang 0.5.22)")
+        self._kv_info = batch.ReqKvInfo
+        size = int(ctor["size"])
+        self.page_size = 1
+        self.ctor_args = {"size": size, "page_size": 1, "device": "cpu",
+                          "need_sort": bool(ctor.get("need_sort", True))}
+        token = self._sg["allocator.token"].TokenToKVPoolAllocator
+        self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
+        self.rows = _Rows()
+        params = self._sg["cache_init_params"].CacheInitParams(
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator, page_size=1,
+            tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,), tree_core_backend="python")
+        self.tree = cls(params)
+        self.kv = _Slots(self.allocator)
+        self.requests: dict[int, _Request] = {}
+        self._row_ids = itertools.count(1)
+        self._node_number: dict[int, int] = {int(self.tree.root_node_handle()): ROOT}
+        self._node_id: dict[int, int] = {ROOT: int(self.tree.root_node_handle())}
+        self._locks: dict[int, Any] = {}  # handle -> the release's TreeLock
+        self._next_handle = 1
+
+    # -- numbers ----------------------------------------------------------------------------------
+    def _number(self, node_id: Any) -> int:
+        n = self._node_number.get(int(node_id))
+        if n is None:
+            n = self._node_number[int(node_id)] = len(self._node_number)
+            self._node_id[n] = int(node_id)
+        return n
+
+    def _handle(self, lock: Any) -> int:
+        if lock is None:
+            return 0
+        handle = self._next_handle
+        self._next_handle += 1
+        self._locks[handle] = lock
+        return handle
+
+    def _handle_of(self, lock: Any) -> int:
+        return next((h for h, lk in self._locks.items() if lk is lock), 0)
+
+    def _request(self, number: int) -> _Request:
+        req = self.requests.get(number)
+        if req is None:
+            req = self.requests[number] = _Request(self._kv_info())
+        return req
+
+    def _learn(self, req: _Request, pages: tuple[int, ...]) -> None:
+        """The request's key grows by ``pages``: a page hash stands as its token id."""
+        req.pages.extend(int(p) for p in pages)
+        req.full_untruncated_fill_ids = array("q", req.pages)
+        req.origin_input_ids = req.full_untruncated_fill_ids[:req.prompt]
+
+    def _row(self, req: _Request) -> list[int]:
+        if req.kv.req_pool_idx is None:
+            req.kv.req_pool_idx = next(self._row_ids)
+            self.rows.rows[req.kv.req_pool_idx] = []
+        return self.rows.rows[req.kv.req_pool_idx]
+
+    # -- counters ---------------------------------------------------------------------------------
+    def available_size(self) -> int:
+        return int(self.allocator.available_size())
+
+    def evictable_size(self) -> int:
+        return int(self.tree.evictable_size())
+
+    def protected_size(self) -> int:
+        return int(self.tree.protected_size())
+
+    # -- the wire's calls -------------------------------------------------------------------------
+    def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
+        req = self._request(int(request))
+        if not req.prompt:
+            req.prompt = int(length) + 1
+        self._learn(req, pages)
+        sg = self._sg
+        key = sg["radix_cache"].RadixKey(req.full_untruncated_fill_ids, limit=int(length))
+        got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req))
+        matched = int(got.device_prefix_len)
+        req.last_node = got.last_device_node
+        req.kv.cache_protected_len = matched
+        row = self._row(req)
+        row[:] = self.tree.path_device_indices(got.last_device_node).tolist()[:matched]
+        return (matched, self._number(got.last_device_node))
+
+    def lock(self, request: int, node: int) -> int:
+        node_id = self._node_id.get(int(node))
+        if node_id is None:
+            raise ValueError(f"node {node} was never named")
+        handle = self._handle(self.tree.lock(node_id))
+        req = self.requests.get(int(request))
+        if req is not None:
+            req.lock = self._locks.get(handle)
+        return handle
+
+    def unlock(self, request: int, handle: int) -> None:
+        lock = self._locks.pop(int(handle), None)
+        if lock is None:
+            return
+        self.tree.unlock(lock)
+        req = self.requests.get(int(request))
+        if req is not None and req.lock is lock:
+            req.lock = None
+
+    def extend(self, request: int, runs: tuple[int, ...]) -> None:
+        req = self._request(int(request))
+        row = self._row(req)
+        row.extend(from_runs(runs))
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = len(row)
+
+    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int) -> tuple[int, int, int]:
+        req = self._request(int(request))
+        self._learn(req, pages)
+        old = req.lock
+        self.tree.checkpoint(req, up_to=int(up_to))
+        if req.lock is not old:
+            self._locks.pop(self._handle_of(old), None)
+            handle = self._handle(req.lock)
+        else:
+            handle = self._handle_of(old)
+        return (int(req.kv.cache_protected_len), self._number(req.last_node), handle)
+
+    def free_kv_row(self, request: int, start: int, end: int) -> None:
+        req = self._request(int(request))
+        self._row(req)
+        if int(end) > int(start):
+            self.tree.free_kv_row(req.kv, [(int(start), int(end))])
+
+    def release(self, request: int) -> None:
+        req = self.requests.pop(int(request), None)
+        if req is not None and req.kv.req_pool_idx is not None:
+            self.rows.rows.pop(req.kv.req_pool_idx, None)
+
+    def evict(self, num_tokens: int) -> int:
+        got = self.tree.evict_for_alloc(self._sg["base_prefix_cache"].EvictParams(num_tokens=int(num_tokens)))
+        return int(got.num_tokens_evicted)
+
+    # -- what the checker reads -------------------------------------------------------------------
+    def _node(self, number: int) -> Any:
+        node_id = self._node_id.get(int(number))
+        if node_id is None:
+            return None
+        try:
+            return self.tree.tree_core.node_by_id(node_id)
+        except (KeyError, LookupError, ValueError, NotImplementedError):
+            return None
+
+    def _full(self, node: Any) -> Any:
+        return node.component_data[self._sg["unified_cache.components"].ComponentType.FULL]
+
+    def path(self, node: int) -> list[tuple[int, int, int]]:
+        out = []
+        n = self._node(node)
+        while n is not None and n.parent is not None:
+            full = self._full(n)
+            ident = self._node_number.get(int(n.id), _UNNAMED + int(n.id))
+            out.append((ident, int(full.lock_ref), 0 if full.value is None else len(full.value)))
+            n = n.parent
+        return out
+
+    def path_slots(self, node: int) -> list[int]:
+        node_id = self._node_id.get(int(node))
+        return [] if node_id is None else [int(s) for s in self.tree.path_device_indices(node_id).tolist()]
+
+    def locked_slots(self) -> set[int]:
+        out: set[int] = set()
+        stack = [self.tree.tree_core.root_node]
+        while stack:
+            n = stack.pop()
+            full = self._full(n)
+            if n.parent is not None and full.lock_ref > 0 and full.value is not None:
+                out.update(int(s) for s in full.value.tolist())
+            stack.extend(n.children.values())
+        return out
+
+
+class _Slots:
+    """The allocator's calls in the wire's form (target ``kv``): the replayer listens
+    here, and the tree's own frees reach the allocator through it."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+        self.size = int(allocator.size)
+        self._free = allocator.free
+        allocator.free = self._tree_free  # the tree's frees, as the wire's
+
+    def _tree_free(self, index: torch.Tensor) -> None:
+        if index.numel():
+            self.free(to_runs([int(s) for s in index.reshape(-1).tolist()]))
+
+    def available_size(self) -> int:
+        return int(self.allocator.available_size())
+
+    def alloc(self, need_size: int) -> tuple[int, ...] | None:
+        got = self.allocator.alloc(int(need_size))
+        return None if got is None else to_runs([int(s) for s in got.tolist()])
+
+    def free(self, runs: tuple[int, ...]) -> None:
+        slots = from_runs(runs)
+        if slots:
+            self._free(torch.tensor(slots, dtype=torch.int64))
+
+
+def release_tree(cls: type, ctor: dict[str, Any]) -> ReleaseTree:
+    return ReleaseTree(cls, ctor)
+
+
+__all__ = ["TREE_CLASS", "ReleaseTree", "release_tree"]
