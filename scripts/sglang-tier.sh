@@ -62,4 +62,4 @@ fi
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
 # One server at a time (each takes a core); bounded as a whole.
-timeout "${KVREPLAY_LIVE_BUDGET_S:-1800}" "$PY" -m pytest -m "live and not mamba" -n 0 tests/test_live_server.py
+timeout "${KVREPLAY_LIVE_BUDGET_S:-1800}" "$PY" -m pytest -m "live and not mamba" -n 0 tests/test_live_server.py tests/test_live_tree.py

@@ -39,7 +39,7 @@ from kvreplay.trace.format import GAP_METHOD, GAP_TARGET, TraceMeta
 
 MAX_BEHIND = 262_144  # rows waiting for the checker before it gives up (the recorder's own queue bound)
 HOLE = object()  # in the checker's queue: batches were left out here
-REQUEST_ARGS = ("request_id", "req_id", "rid")
+REQUEST_ARGS = ("request_id", "req_id", "rid", "request")  # "request": a wire's request number
 
 
 def watch_build(meta: TraceMeta) -> str:
