@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvreplay.families.tree.runs import from_runs
+from kvreplay.families.tree.runs import from_runs, to_runs
 from kvreplay.workload.requests import Request
 from kvreplay.workload.server import SteppedModel
 
@@ -54,6 +54,7 @@ class Running:
     done_output: int = 0
     abort_at: int = -1  # the token count it is aborted at (-1: never)
     sent: int = 0  # pages the tree has been told of
+    need: int = 0  # what its admission took of the step's budget
 
 
 class TreeServer(SteppedModel):
@@ -85,11 +86,18 @@ class TreeServer(SteppedModel):
     def step(self) -> None:
         self.tree.available_size()  # the scheduler's look at room before it admits
         before = list(self.running)
-        while self.waiting and len(self.running) < self.max_running:
+        admitted: list[Running] = []
+        budget = 0  # what the admitted requests' prefill and decode room takes of the pool
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
             req, done = self.waiting[0]
-            if not self.admit(req, done):
+            lv = self.admit(req, done, budget)
+            if lv is None:
                 break
             self.waiting.popleft()
+            admitted.append(lv)
+            budget += lv.need
+        if admitted:
+            self.prefill_batch(admitted)
         prefilling = [lv for lv in before if lv.filled < lv.req.input_len + lv.done_output]
         for lv in prefilling:
             if not self.prefill(lv) and len(self.running) > 1:
@@ -97,7 +105,9 @@ class TreeServer(SteppedModel):
         self.decode([lv for lv in before if lv not in prefilling and lv in self.running])
         self.finish_done()
 
-    def admit(self, req: Request, done_output: int) -> bool:
+    def admit(self, req: Request, done_output: int, budget: int) -> Running | None:
+        """Match and lock a waiting request, if the rest of its prompt and some room to
+        decode fit beside what this step admitted already (``budget``); None: it waits."""
         number = self._waiting_as.get(req.rid)
         if number is None:  # new, or back after a retraction: the tree has not heard of it
             self.numbers += 1
@@ -115,22 +125,42 @@ class TreeServer(SteppedModel):
         got = self.tree.match_prefix(number, tuple(pages[known:lv.sent]), have - 1)
         self._told[number] = lv.sent
         lv.filled = lv.protected = int(got[0])
-        # sglang's admission budget: the rest of the prompt and some room to decode must fit
-        # in what is free or evictable, or the request waits (holding nothing but its match)
-        need = have - lv.filled + min(req.output_len, self.RESERVE)
-        if need > self.tree.available_size() + self.tree.evictable_size():
-            return False
+        # sglang's admission locks the match while it budgets (a lock of its own, released once
+        # the request holds its lock), so an eviction cannot take the prefix it counts on
+        hold = self.tree.lock(number, int(got[1]))
+        lv.need = have - lv.filled + min(req.output_len, self.RESERVE)
+        if budget + lv.need > self.tree.available_size() + self.tree.evictable_size():
+            self.tree.unlock(number, hold)
+            return None
         lv.lock = self.tree.lock(number, int(got[1]))
-        if not self.prefill(lv):
-            self.leave(lv, cache=False)
-            del self._waiting_as[req.rid]
-            return False
-        del self._waiting_as[req.rid]
-        if self.rng.random() < self.aborts:
-            lv.abort_at = self.rng.randint(req.input_len, target)
-        self.stats.prefix_hit_tokens += lv.protected
-        self.running.append(lv)
-        return True
+        self.tree.unlock(number, hold)
+        return lv
+
+    def prefill_batch(self, batch: list[Running]) -> None:
+        """The admitted requests' first chunks, in one allocation as sglang's prefill batch
+        takes them; a batch that finds no room goes one request at a time, and a request
+        that finds none gives back its match and waits again, first."""
+        sizes = [min(self.chunk, lv.req.input_len + lv.done_output - lv.filled) for lv in batch]
+        got = self.room(sum(sizes))
+        if got is None:
+            self.stats.none_results += 1
+        slots = from_runs(got) if got is not None else []
+        back = []
+        for lv, n in zip(batch, sizes, strict=True):
+            if got is not None:
+                mine, slots = slots[:n], slots[n:]
+                self._write_row(lv, to_runs(mine), n)
+            elif not self.prefill(lv):
+                self.leave(lv, cache=False)
+                del self._waiting_as[lv.req.rid]
+                back.append((lv.req, lv.done_output))
+                continue
+            del self._waiting_as[lv.req.rid]
+            if self.rng.random() < self.aborts:
+                lv.abort_at = self.rng.randint(lv.req.input_len, lv.target)
+            self.stats.prefix_hit_tokens += lv.protected
+            self.running.append(lv)
+        self.waiting.extendleft(reversed(back))
 
     def room(self, need: int) -> tuple[int, ...] | None:
         got = self.kv.alloc(need)
@@ -147,11 +177,17 @@ class TreeServer(SteppedModel):
         if got is None:
             self.stats.none_results += 1
             return False
-        self.tree.extend(lv.number, got)
-        lv.filled += n
-        if lv.filled < have:  # a chunk of a longer prompt: cache what is done
-            self.checkpoint(lv, lv.filled)
+        self._write_row(lv, got, n)
         return True
+
+    def _write_row(self, lv: Running, runs: tuple[int, ...], n: int) -> None:
+        """``n`` new slots written at the end of the request's row."""
+        self.tree.extend(lv.number, runs)
+        lv.filled += n
+        # each prefill chunk is cached once it is computed, the last one too (sglang 0.5.22's
+        # result processing checkpoints every request that is not finished)
+        if lv.filled < lv.target:
+            self.checkpoint(lv, lv.filled)
 
     def checkpoint(self, lv: Running, up_to: int) -> None:
         new = lv.pages[lv.sent: up_to // self.ps]  # the tree keeps the key; a call names what is new
@@ -205,8 +241,8 @@ class TreeServer(SteppedModel):
         free the rest of the row, unlock, give the row back."""
         if cache and lv.filled >= self.ps:
             self.checkpoint(lv, lv.filled)
-        if lv.filled > lv.protected:
-            self.tree.free_kv_row(lv.number, lv.protected, lv.filled)
+        # called even when the range is empty (a whole row cached), as release_kv_cache does
+        self.tree.free_kv_row(lv.number, lv.protected, max(lv.protected, lv.filled))
         self.tree.unlock(lv.number, lv.lock)
         self.tree.release(lv.number)
         self._told.pop(lv.number, None)
