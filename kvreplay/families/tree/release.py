@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvreplay.errors import BuildUnsupported
+from kvreplay.errors import BuildUnloadable, BuildUnsupported
 from kvreplay.families.tree.runs import from_runs, to_runs
 
 TREE_CLASS = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
@@ -88,8 +88,13 @@ class ReleaseTree:
                          "unified_cache.components")}
             batch = importlib.import_module("sglang.srt.managers.schedule_batch")
         except ModuleNotFoundError as exc:
-            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: this release has no {exc.name} "
-                                   "(the tree's wire speaks sglang 0.5.22 and later)") from None
+            if (exc.name or "").startswith("sglang"):
+                raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: this release has no {exc.name} "
+                                       "(the tree's wire speaks sglang 0.5.22 and later)") from None
+            raise BuildUnloadable(f"sglang's tree does not import here: it needs {exc.name}, which this "
+                                  "environment lacks (run kvreplay beside sglang's dependencies)") from None
+        except Exception as exc:  # a release that exists but fails to import in this environment
+            raise BuildUnloadable(f"sglang's tree does not import here ({type(exc).__name__}: {exc})") from None
         if not hasattr(cls, "checkpoint") or not hasattr(batch, "ReqKvInfo"):
             raise BuildUnsupported(f"{cls.__module__}.{cls.__name__} has no checkpoint (came in sglang 0.5.22)")
         self._kv_info = batch.ReqKvInfo
