@@ -275,3 +275,37 @@ def finished_traces(out: Path) -> list[Path]:
     """The traces a recording left in ``out``, none of them unfinished."""
     assert not list(out.glob("*.tmp")) and not list(out.glob("*/*.tmp")), "a trace was left unfinished"
     return sorted(out.glob("kvreplay-*.parquet"))
+
+
+# The project's way to load a bug into a real server: a sitecustomize of the user's, which
+# kvreplay record's own start-up runs after itself. The finder below lets MODULE import as
+# it is, then runs the patch with ``module`` bound to it, before anything else sees it.
+_ON_IMPORT = '''
+import importlib.abc, importlib.util, os, sys
+
+class _Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != {module!r}:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        sys.meta_path.insert(0, self)
+        inner = spec.loader
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, s):
+                return inner.create_module(s)
+
+            def exec_module(self, module):
+                inner.exec_module(module)
+                _patch(module)
+        spec.loader = Loader()
+        return spec
+
+sys.meta_path.insert(0, _Patch())
+'''
+
+
+def sitecustomize_patching(module: str, patch: str) -> str:
+    """A sitecustomize that, when ``module`` is imported, calls ``patch``'s ``_patch(module)``."""
+    return patch + _ON_IMPORT.format(module=module)

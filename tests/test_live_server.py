@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from servers import RecordedServer, finished_traces, pids, run_page_block
+from servers import RecordedServer, finished_traces, pids, run_page_block, sitecustomize_patching
 
 pytest.importorskip("sglang.srt.mem_cache.allocator.swa", reason="sglang not installed")
 
@@ -247,43 +247,21 @@ def test_the_recording_page_block_runs_as_written(tmp_path):
     assert len(replays) == 2 and all("clean" in out for out in replays), replays
 
 
-# The project's way to load a bug into a real server: a sitecustomize of the user's,
-# which kvreplay record's own start-up runs after itself. This one makes sglang's paged
-# allocator give every 25th released page list back twice (a double free).
-DOUBLE_FREE = '''
-import importlib.abc, importlib.machinery, sys
+# This bug makes sglang's paged allocator give every 25th released page list back twice
+# (a double free), loaded as a sitecustomize of the user's (servers.sitecustomize_patching).
+DOUBLE_FREE = sitecustomize_patching("sglang.srt.mem_cache.allocator.paged", '''
+def _patch(module):
+    cls = module.PagedTokenToKVPoolAllocator
+    release = cls._release_page_ids
+    seen = [0]
 
-class _Patch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "sglang.srt.mem_cache.allocator.paged":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        sys.meta_path.insert(0, self)
-        inner = spec.loader
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, s):
-                return inner.create_module(s)
-
-            def exec_module(self, module):
-                inner.exec_module(module)
-                cls = module.PagedTokenToKVPoolAllocator
-                release = cls._release_page_ids
-                seen = [0]
-
-                def twice(self, page_ids):
-                    release(self, page_ids)
-                    seen[0] += 1
-                    if seen[0] % 25 == 0 and len(page_ids):
-                        release(self, page_ids)
-                cls._release_page_ids = twice
-        spec.loader = Loader()
-        return spec
-
-import importlib.util
-sys.meta_path.insert(0, _Patch())
-'''
+    def twice(self, page_ids):
+        release(self, page_ids)
+        seen[0] += 1
+        if seen[0] % 25 == 0 and len(page_ids):
+            release(self, page_ids)
+    cls._release_page_ids = twice
+''')
 
 
 def test_watch_names_a_patched_allocators_double_free_within_a_second(models, tmp_path):

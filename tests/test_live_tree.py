@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from servers import finished_traces
+from servers import finished_traces, sitecustomize_patching
 from test_live_server import Server, _tiny
 
 pytest.importorskip("sglang.srt.mem_cache.unified_radix_cache", reason="sglang not installed")
@@ -28,40 +28,22 @@ TREE = ("--class", "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache")
 # exists, so the node's path stays protected for ever. (A tree that forgets a row free, the issue's server, shows only
 # with pages of 16: with page size 1 a finished request's checkpoint caches its whole row,
 # and the row free after it is empty.)
-KEEPS_LOCK = '''
-import importlib.abc, importlib.util, os, sys
+KEEPS_LOCK = sitecustomize_patching("sglang.srt.mem_cache.unified_radix_cache", '''
+import os
 
-class _Patch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "sglang.srt.mem_cache.unified_radix_cache":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        sys.meta_path.insert(0, self)
-        inner = spec.loader
+def _patch(module):
+    cls = module.UnifiedRadixCache
+    unlock = cls.unlock
+    seen = [0]
 
-        class Loader(importlib.abc.Loader):
-            def create_module(self, s):
-                return inner.create_module(s)
-
-            def exec_module(self, module):
-                inner.exec_module(module)
-                cls = module.UnifiedRadixCache
-                unlock = cls.unlock
-                seen = [0]
-
-                def keeps(self, lock):
-                    if lock is not None and os.path.exists(ARM):
-                        seen[0] += 1
-                        if seen[0] % 10 == 0:
-                            return None
-                    return unlock(self, lock)
-                cls.unlock = keeps
-        spec.loader = Loader()
-        return spec
-
-sys.meta_path.insert(0, _Patch())
-'''
+    def keeps(self, lock):
+        if lock is not None and os.path.exists(ARM):
+            seen[0] += 1
+            if seen[0] % 10 == 0:
+                return None
+        return unlock(self, lock)
+    cls.unlock = keeps
+''')
 
 
 @pytest.fixture(scope="module")
