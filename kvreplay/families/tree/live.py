@@ -253,7 +253,8 @@ class LiveTreeWire:
         self._call = ((req,), {})
         if n is None:
             return self._row_free(req)
-        self._by_row.pop(int(req.kv.req_pool_idx), None) if req.kv.req_pool_idx is not None else None
+        if req.kv.req_pool_idx is not None:
+            self._by_row.pop(int(req.kv.req_pool_idx), None)
         self._by_kv.pop(id(req.kv), None)
         self._hashes.pop(n, None)
         self._row_len.pop(n, None)
