@@ -29,6 +29,8 @@ MARKERS: dict[str, tuple[str, str]] = {
     "mamba": (ENGINE, "the state pools of hybrid models on a real engine (sglang's releases and servers, vLLM's "
                       "Mamba group): the mamba tier, scripts/mamba-tier.sh"),
     "slow": (OWN_TIER, "long checks (big corpus traces, crash timing); .ci/run runs them with pytest -m slow"),
+    "quiet": (OWN_TIER, "holds a wall-clock promise (the watch's second): .ci/run runs it with pytest -m quiet, "
+                        "alone on the machine, before the soak and the two-worker slow tier start"),
     "browser": (OWN_TIER, "drives headless Chromium (Debian's chromium package and Playwright; skips without them "
                           "outside .ci/run)"),
     "ray": (ANYWHERE, "starts a local Ray instance (needs the ray extra; .ci/run installs it)"),
@@ -62,6 +64,7 @@ TIERS: dict[str, Callable[[set[str]], bool]] = {
     "fast": in_fast_tier,
     # an engine's slow tests are its tier's: the slow tier's interpreter has no engine
     "slow": lambda m: "slow" in m and not m & ENGINES,
+    "quiet": lambda m: "quiet" in m,
     "browser": lambda m: "browser" in m,
     "ray": lambda m: "ray" in m,
     "gpu": lambda m: "gpu" in m,
