@@ -55,11 +55,11 @@ step=${1:-all}
 if [ "$step" != live ]; then
     # What this tier holds, collected where its engine is installed (scripts/tiers.py).
     "$PY" scripts/tiers.py | grep -E "^(sglang|live|soak|mamba) "
-    "$PY" -m pytest -m "sglang and not mamba" -n 2 tests/test_docs_sglang.py tests/test_sglang_releases.py \
+    "$PY" -m pytest -m "sglang and not mamba" -n 2 --durations=15 --durations-min=15 tests/test_docs_sglang.py tests/test_sglang_releases.py \
         tests/test_sglang_parity.py || exit 1
 fi
 [ "$step" != releases ] || exit 0
 # The live tier: real sglang servers on CPU under kvreplay record, driven with Mooncake
 # requests, stopped by Ctrl-C, SIGTERM and a SIGKILL of the scheduler, then replayed.
 # One server at a time (each takes a core); bounded as a whole.
-timeout "${KVREPLAY_LIVE_BUDGET_S:-1800}" "$PY" -m pytest -m "live and not mamba" -n 0 tests/test_live_server.py tests/test_live_tree.py
+timeout "${KVREPLAY_LIVE_BUDGET_S:-1800}" "$PY" -m pytest -m "live and not mamba" -n 0 --durations=15 --durations-min=15 tests/test_live_server.py tests/test_live_tree.py
