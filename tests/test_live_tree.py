@@ -25,9 +25,7 @@ TREE = ("--class", "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache")
 
 # sglang's own tree, made to keep a lock: a sitecustomize of the user's (kvreplay record
 # runs it after its own start-up) makes every tenth unlock do nothing once the file ARM
-# exists, so the node's path stays protected for ever. (A tree that forgets a row free, the issue's server, shows only
-# with pages of 16: with page size 1 a finished request's checkpoint caches its whole row,
-# and the row free after it is empty.)
+# exists, so the node's path stays protected for ever.
 KEEPS_LOCK = sitecustomize_patching("sglang.srt.mem_cache.unified_radix_cache", '''
 import os
 
@@ -140,3 +138,60 @@ def test_watch_names_a_tree_that_keeps_a_lock_at_its_call_within_a_second(llama,
     offline = replay(trace, "sglang", device="cpu")
     assert offline.status != "clean" and offline.first_divergence.call >= first["call"], offline.first_divergence
     assert offline.first_divergence.kind == "counter", offline.first_divergence
+
+
+
+# sglang's own tree, made to forget a row: once ARM exists, a row free that has slots to
+# give back gives back nothing. With page size 1 a finished request's checkpoint caches its
+# whole row, so its row free is empty; a retracted request's is not (its decoded tail is
+# not cached), and sglang's SGLANG_TEST_RETRACT retracts on a schedule.
+FORGETS_ROW = sitecustomize_patching("sglang.srt.mem_cache.unified_radix_cache", '''
+import os
+
+def _patch(module):
+    cls = module.UnifiedRadixCache
+    free_kv_row = cls.free_kv_row
+
+    def forgets(self, kv, ranges):
+        if os.path.exists(ARM) and any(end > start for start, end in ranges):
+            return None
+        return free_kv_row(self, kv, ranges)
+    cls.free_kv_row = forgets
+''')
+RETRACTS = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
+
+
+def test_watch_names_a_tree_that_forgets_a_row_at_its_call_and_replay_reports_the_leak(llama, tmp_path):
+    bug = tmp_path / "bug"
+    bug.mkdir()
+    arm = tmp_path / "arm"
+    (bug / "sitecustomize.py").write_text(f"ARM = {str(arm)!r}\n" + FORGETS_ROW)
+    out = tmp_path / "out"
+    server = Server(llama, out, 1, env={"PYTHONPATH": str(bug), **RETRACTS}, record_args=(*TREE, "--watch"))
+    try:
+        warm = _warm(server, out)
+        arm.touch()
+        served = server.drive(32, output_scale=1.0)
+        time.sleep(2)
+    finally:
+        server.stop(signal.SIGINT)
+    assert served.ok == 32, served.error_kinds
+    findings = [json.loads(line) for line in (out / "kvreplay-watch.jsonl").read_text().splitlines()]
+    assert findings and all(f["call"] > warm for f in findings), (warm, findings)
+    trace = out / findings[0]["trace"]
+    calls = {tc.number: tc.call for tc in TraceReader(trace).top_calls() if tc.number}
+    # named at the row free that let go of the slots, with how many, within a second
+    first = findings[0]
+    assert first["rule"] == "tree-owner/row-leak" and calls[first["call"]].method == "free_kv_row", first
+    args = calls[first["call"]].args
+    size = args["end"] - args["start"]
+    assert f"left {size} slot(s)" in first["message"], first
+    assert {f["rule"] for f in findings if f["call"] == first["call"]} == {"tree-owner/row-leak", "tree-books/lost"}
+    for f in findings:
+        assert f["t"] - calls[f["call"]].t_end_ns / 1e9 < 1.0, f
+    # the release, unpatched here, frees what the recording kept: the replay parts from it at
+    # that call, by that many free slots, and says it is a leak
+    offline = replay(trace, "sglang", device="cpu")
+    d = offline.first_divergence
+    assert d is not None and d.call == first["call"] and d.kind == "counter", d
+    assert d.actual[0] - d.expected[0] == size and f"lost {size} slot(s)" in d.message and "leak" in d.message, d

@@ -154,7 +154,7 @@ class TreeReplayer(ReplayLoop):
         want = [c.counters.get(col) for col, _ in COLUMNS]
         got = [counters[name] for _, name in COLUMNS]
         if all(w is not None for w in want) and want != got:
-            self._diverge(n, c.method, "counter", want, got, "free, evictable or protected size after the call differ")
+            self._diverge(n, c.method, "counter", want, got, _books_gap(want, got))
         if c.target == KV:
             return
         rec = [(x.method, plain(x.result if x.method == "alloc" else x.args.get("runs"))) for x in tc.nested]
@@ -204,3 +204,18 @@ class TreeReplayer(ReplayLoop):
                 m["handle"][int(rec[2])] = int(result[2])
         elif c.method == "lock" and type(rec) is int and type(result) is int:
             m["handle"][rec] = result
+
+
+def _books_gap(recorded: list[int], here: list[int]) -> str:
+    """What a counter divergence says of the pool's books: which sizes part, and whether
+    the recording lost slots this build keeps (a leak) or counts slots it does not have."""
+    parts = ", ".join(f"{name} {w:,} recorded, {g:,} here"
+                      for name, w, g in zip(("free", "evictable", "protected"), recorded, here, strict=True) if w != g)
+    gap = sum(here) - sum(recorded)
+    if gap > 0:
+        return f"{parts}: the recording lost {gap:,} slot(s) at this call that this build keeps on its books (a leak)"
+    if gap < 0:
+        return (f"{parts}: the recording counts {-gap:,} slot(s) at this call that this build does not have "
+                "(counted twice)")
+    return f"{parts}: slots moved between the sizes, none lost"
+
