@@ -89,6 +89,11 @@ class PrefixTree:
         self.kv = KvSlots(int(size))
         self.root = Node(ROOT, None, (), [], lock_ref=1)
         self.by_id: dict[int, Node] = {ROOT: self.root}
+        # A node's number on the wire: given in the order results first name nodes, as a
+        # live server's wire numbers them, so that a node made and never named (the upper
+        # half of a split an insert makes) takes no number a later node would have had.
+        self.names: dict[int, int] = {ROOT: ROOT}  # node id -> its number on the wire
+        self.by_name: dict[int, Node] = {ROOT: self.root}
         self.requests: dict[int, Held] = {}
         self.handles: dict[int, int] = {}  # lock handle -> node id
         self.locked: set[Node] = set()  # nodes whose lock count is above zero
@@ -119,12 +124,12 @@ class PrefixTree:
         known = self.requests[r].pages if r in self.requests else []
         known.extend(pages)
         node, slots = self._match(tuple(known[: int(length) // self.page_size]))
-        self.requests[r] = Held(row=list(slots), pages=known, protected=len(slots), last_node=node.id)
-        return (len(slots), node.id)
+        self.requests[r] = Held(row=list(slots), pages=known, protected=len(slots), last_node=self._name(node))
+        return (len(slots), self._name(node))
 
     def lock(self, request: int, node: int) -> int:
         """Protect ``node`` and its path from eviction for ``request``: a lock handle."""
-        handle = self._lock(self.by_id[int(node)])
+        handle = self._lock(self.by_name[int(node)])
         held = self.requests.get(int(request))
         if held is not None:
             held.lock = handle
@@ -162,8 +167,8 @@ class PrefixTree:
         held.protected = len(slots)
         self._release_lock(held.lock)
         held.lock = self._lock(node)
-        held.last_node = node.id
-        return (held.protected, node.id, held.lock)
+        held.last_node = self._name(node)
+        return (held.protected, held.last_node, held.lock)
 
     def free_kv_row(self, request: int, start: int, end: int) -> None:
         """Free the request's row from ``start`` to ``end`` (its part the tree does not hold)."""
@@ -194,16 +199,16 @@ class PrefixTree:
         """``(id, lock count, slots held)`` of ``node`` and each node above it, the root
         left out; empty for a node the tree does not have."""
         out = []
-        n = self.by_id.get(int(node))
+        n = self.by_name.get(int(node))
         while n is not None and n is not self.root:
-            out.append((n.id, n.lock_ref, len(n.value)))
+            out.append((self.names.get(n.id, -n.id), n.lock_ref, len(n.value)))
             n = n.parent
         return out
 
     def path_slots(self, node: int) -> list[int]:
         """The slots of the path from the root to ``node``, in key order."""
         parts = []
-        n = self.by_id.get(int(node))
+        n = self.by_name.get(int(node))
         while n is not None and n is not self.root:
             parts.append(n.value)
             n = n.parent
@@ -239,6 +244,13 @@ class PrefixTree:
         self.protected_size_ -= len(node.value)
 
     # -- the tree -----------------------------------------------------------------------------------
+    def _name(self, node: Node) -> int:
+        name = self.names.get(node.id)
+        if name is None:
+            name = self.names[node.id] = len(self.names)
+            self.by_name[name] = node
+        return name
+
     def _touch(self, node: Node) -> None:
         self._tick += 1
         node.last_access = self._tick
@@ -317,6 +329,7 @@ class PrefixTree:
         assert parent is not None
         parent.children.pop(node.key[0], None)
         self.by_id.pop(node.id, None)
+        self.by_name.pop(self.names.get(node.id, -1), None)
         self.evictable_size_ -= len(node.value)
 
 
