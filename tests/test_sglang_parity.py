@@ -34,6 +34,16 @@ def test_builtin_pools_choose_the_same_slots_as_sglang(trace):
     assert r.status == "clean", (r.first_divergence, r.first_violation)
 
 
+@pytest.mark.parametrize("trace", ["live-sglang-0.5.23-tree-mooncake60", "live-sglang-0.5.23-tree-retract32"])
+def test_the_live_tree_traces_replay_strict_clean_on_sglangs_tree_and_the_builtin(trace):
+    """sglang's own UnifiedRadixCache and kvreplay's tree hand out the same slots, nodes and
+    lock handles through a server's traffic, retraction included."""
+    for build in ("sglang", "builtin:tree"):
+        r = replay(CORPUS / f"{trace}.parquet", build, mode="strict", device="cpu")
+        assert r.status == "clean", (build, r.first_divergence, r.first_violation)
+        assert r.calls_replayed > 1000
+
+
 def test_the_sglang_build_is_the_installed_release_of_the_trace_family():
     assert sglang_adapter.spec_for("swa").endswith("allocator.swa:SWATokenToKVPoolAllocator")
     assert sglang_adapter.spec_for("paged").endswith(":PagedTokenToKVPoolAllocator")
