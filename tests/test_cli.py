@@ -369,3 +369,20 @@ def test_radix_swa_speculating_allocates_draft_slots_in_batched_extends(tmp_path
                 draft += all(b % 4 == 0 for a, b in rows if b > a)
         assert draft > calls["alloc_extend"] // 2, (draft, calls["alloc_extend"])
     assert steps["1"] < steps["0"]  # three tokens a step instead of one
+
+
+def test_inspect_gives_the_peak_of_a_counter_that_counts_what_is_held(cli):
+    """The tree's evictable and protected sizes count what the tree holds: their peak use
+    is their largest value, not the pool's size less their smallest."""
+    from kvreplay.contract.registry import family
+    from kvreplay.trace.reader import TraceReader
+
+    trace = Path(__file__).resolve().parents[1] / "traces" / "live-sglang-0.5.23-tree-retract32.parquet"
+    got = json.loads(cli("inspect", str(trace), "--json").stdout)["peak_used"]
+    calls = [tc.call for tc in TraceReader(trace).top_calls()]
+    cols = family("tree").counter_of
+    for sub in ("evictable", "protected"):
+        col = cols[sub]
+        most = max(c.counters.get(col) or 0 for c in calls)
+        assert got[sub] == most < 65536, (sub, got)
+    assert got["kv"] == 65536 - min(c.counters["available"] for c in calls if c.counters.get("available") is not None)

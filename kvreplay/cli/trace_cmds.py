@@ -334,8 +334,9 @@ def profile(
             row(t, f"{m} per request", v)
         for name, q in (("extend tokens per request", a.extend_tokens), ("requests per decode step", a.decode_batch),
                         ("slots per free", a.freed_per_free)):
-            row(t, name, f"mean {q['mean']}, p50 {q['p50']:g}, p90 {q['p90']:g}, max {q['max']:g}")
-        row(t, "frees per free group", a.frees_per_group)
+            row(t, name, f"mean {q['mean']}, p50 {q['p50']:g}, p90 {q['p90']:g}, max {q['max']:g}" if q["n"]
+                else "- (no such call in this trace)")
+        row(t, "frees per free group", a.frees_per_group if a.free_groups else "- (no free group in this trace)")
         row(t, "prefix-cache hit share", "-" if a.prefix_hit is None else a.prefix_hit)
         row(t, "occupancy (10 points)", " ".join(f"{x:.2f}" for x in a.occupancy))
         out.print(t)

@@ -169,6 +169,9 @@ class Family:
     # a recorded server records its release_classes unless told which (--class); False: only
     # when named (a family whose recording costs a row per request and step, as the tree's)
     recorded_by_default: bool = True
+    # sub-pools whose counter counts what they hold (the tree's evictable and protected
+    # sizes), not what is free: their peak use is the counter's largest value
+    held_counters: frozenset[str] = frozenset()
     sub_allocators: tuple[tuple[str, str], ...] = ()  # (target in traces, attribute): calls recorded nested
     slots: bool = True  # calls name token slots (minimize shrinks them), else ids of the family's own
     snapshots: bool = True  # a live pool's state can be taken: each recorded part starts from one

@@ -57,6 +57,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     t_max: int | None = None
     min_avail: dict[str, int] = {}
     counter_col = family(meta.family).counter_of
+    held = family(meta.family).held_counters
+    max_held: dict[str, int] = {}
     void = pa.array(sorted(family(meta.family).void_methods), pa.string())
     for batch in reader.iter_batches(columns=_COLUMNS):
         rows += batch.num_rows
@@ -88,6 +90,11 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         t_max = hi if t_max is None else max(t_max, hi)
         for sub, col in counter_col.items():
             if sub in sizes:
+                if sub in held:  # counts what it holds: its peak is the largest count
+                    m = pc.max(batch[col]).as_py()
+                    if m is not None:
+                        max_held[sub] = max(max_held.get(sub, m), m)
+                    continue
                 m = pc.min(batch[col]).as_py()
                 if m is not None:
                     min_avail[sub] = min(min_avail.get(sub, m), m)
@@ -118,7 +125,8 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         nested_rows=rows - top,
         calls_per_method=dict(methods.most_common()), exceptions=exceptions, none_results=nones,
         time_span_s=((t_max or 0) - (t_min or 0)) / 1e9,
-        peak_used={k: sizes[k] - v for k, v in min_avail.items()},
+        peak_used={k: max_held[k] if k in held else sizes[k] - min_avail[k]
+                   for k in counter_col if k in min_avail or k in max_held},
         file_bytes=size, recorded_indices=indices,
         bytes_per_index=(size / indices) if indices else None, notes=notes,
     )

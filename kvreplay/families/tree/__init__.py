@@ -95,6 +95,7 @@ TREE = Family(
     detect=lambda pool: getattr(pool, "prefix_tree", False),
     ctor_of=lambda pool: dict(pool.ctor_args),
     sizes_of=lambda ctor: {"kv": int(ctor["size"]), "evictable": int(ctor["size"]), "protected": int(ctor["size"])},
+    held_counters=frozenset({"evictable", "protected"}),
     construct=_AT + "tree:construct",
     specificity=30,
     base_classes=(_AT + "tree:PrefixTree",),

@@ -1,6 +1,6 @@
 """What a tree call adds to a trace's profile (``kvreplay profile``): requests by
-number, the prefix each request's first match found, the slots each row extend and each
-top-level free moves (a waiting request is matched again each round: only its first
+number, the prefix each request's first match found, the slots each row extend, each row
+free and each top-level free moves (a waiting request is matched again each round: only its first
 match counts toward the prefix-cache hit share)."""
 
 from __future__ import annotations
@@ -24,3 +24,5 @@ def see(f: Figures, c: Any) -> None:
         f.extend.append(runs_length(args["runs"]))
     elif c.method == "free" and isinstance(args.get("runs"), (tuple, list)):
         f.freed.append(runs_length(args["runs"]))
+    elif c.method == "free_kv_row" and type(args.get("start")) is int and type(args.get("end")) is int:
+        f.freed.append(max(0, args["end"] - args["start"]))  # a row free: what the tree did not cache
