@@ -245,9 +245,16 @@ class RecordedServer:
                 pytest.fail(f"server exited with {self.proc.returncode} while starting: {self.tail()}")
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2).read()
-                return
             except OSError:
                 time.sleep(1)
+                continue
+            if b"No module named 'kvreplay'" in self.log_path.read_bytes():
+                # the engine's environment has no kvreplay (an editable install of a checkout
+                # since removed): nothing is recorded, and every check after would say only that
+                self.kill()
+                pytest.fail(f"kvreplay is not importable in the server's environment ({sys.executable}): "
+                            "install this checkout there (pip install -e .)")
+            return
         self.kill()
         pytest.fail(f"server not up within {start_s:.0f} s: {self.tail()}")
 

@@ -103,13 +103,19 @@ def _warm(server: Server, out: Path, tries: int = 60) -> int:
     pytest.fail(f"the watch did not catch up with the recording: {_metrics(out)}")
 
 
-def test_watch_names_a_tree_that_keeps_a_lock_at_its_call_within_a_second(llama, tmp_path):
+def _bugged_server(llama: Path, tmp_path: Path, patch: str, **env: str) -> tuple[Server, Path, Path]:
+    """A watched server whose tree carries ``patch`` (a sitecustomize), armed when the
+    returned ARM file is made: the server, that file, the recording's directory."""
     bug = tmp_path / "bug"
     bug.mkdir()
     arm = tmp_path / "arm"
-    (bug / "sitecustomize.py").write_text(f"ARM = {str(arm)!r}\n" + KEEPS_LOCK)
+    (bug / "sitecustomize.py").write_text(f"ARM = {str(arm)!r}\n" + patch)
     out = tmp_path / "out"
-    server = Server(llama, out, 1, env={"PYTHONPATH": str(bug)}, record_args=(*TREE, "--watch"))
+    return Server(llama, out, 1, env={"PYTHONPATH": str(bug), **env}, record_args=(*TREE, "--watch")), arm, out
+
+
+def test_watch_names_a_tree_that_keeps_a_lock_at_its_call_within_a_second(llama, tmp_path):
+    server, arm, out = _bugged_server(llama, tmp_path, KEEPS_LOCK)
     try:
         # The watch's build is sglang's tree, imported in the writer's process when the
         # server builds its tree (about ten seconds on this machine, at the end of the
@@ -162,12 +168,7 @@ RETRACTS = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "20"}
 
 
 def test_watch_names_a_tree_that_forgets_a_row_at_its_call_and_replay_reports_the_leak(llama, tmp_path):
-    bug = tmp_path / "bug"
-    bug.mkdir()
-    arm = tmp_path / "arm"
-    (bug / "sitecustomize.py").write_text(f"ARM = {str(arm)!r}\n" + FORGETS_ROW)
-    out = tmp_path / "out"
-    server = Server(llama, out, 1, env={"PYTHONPATH": str(bug), **RETRACTS}, record_args=(*TREE, "--watch"))
+    server, arm, out = _bugged_server(llama, tmp_path, FORGETS_ROW, **RETRACTS)
     try:
         warm = _warm(server, out)
         arm.touch()

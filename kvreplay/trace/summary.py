@@ -45,6 +45,21 @@ class TraceSummary:
         return asdict(self)
 
 
+def _extremes(batch: pa.RecordBatch, counter_col: dict[str, str], held: frozenset[str], min_avail: dict[str, int],
+              max_held: dict[str, int]) -> None:
+    """Fold a batch into each sub-pool's least free count, or, for a counter that counts
+    what it holds, its largest count."""
+    for sub, col in counter_col.items():
+        if sub in held:
+            m = pc.max(batch[col]).as_py()
+            if m is not None:
+                max_held[sub] = max(max_held.get(sub, m), m)
+            continue
+        m = pc.min(batch[col]).as_py()
+        if m is not None:
+            min_avail[sub] = min(min_avail.get(sub, m), m)
+
+
 def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     reader = TraceReader(path)
     meta = reader.meta
@@ -88,16 +103,7 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
         lo, hi = pc.min(batch["t_start_ns"]).as_py(), pc.max(batch["t_end_ns"]).as_py()
         t_min = lo if t_min is None else min(t_min, lo)
         t_max = hi if t_max is None else max(t_max, hi)
-        for sub, col in counter_col.items():
-            if sub in sizes:
-                if sub in held:  # counts what it holds: its peak is the largest count
-                    m = pc.max(batch[col]).as_py()
-                    if m is not None:
-                        max_held[sub] = max(max_held.get(sub, m), m)
-                    continue
-                m = pc.min(batch[col]).as_py()
-                if m is not None:
-                    min_avail[sub] = min(min_avail.get(sub, m), m)
+        _extremes(batch, {k: v for k, v in counter_col.items() if k in sizes}, held, min_avail, max_held)
     notes = []
     if rows == 0:
         notes.append("trace holds no calls")
