@@ -63,7 +63,8 @@ def _extremes(batch: pa.RecordBatch, counter_col: dict[str, str], held: frozense
 def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     reader = TraceReader(path)
     meta = reader.meta
-    sizes = family(meta.family).sizes_of(meta.ctor_args)
+    fam = family(meta.family)
+    sizes = fam.sizes_of(meta.ctor_args)
     methods: Counter[str] = Counter()
     # the recorder's own rows (gaps, checkpoints), apart: a family may name a method "checkpoint" too
     marks: Counter[str] = Counter()
@@ -71,10 +72,10 @@ def summarize(path: str | os.PathLike[str]) -> TraceSummary:
     t_min: int | None = None
     t_max: int | None = None
     min_avail: dict[str, int] = {}
-    counter_col = family(meta.family).counter_of
-    held = family(meta.family).held_counters
+    counter_col = fam.counter_of
+    held = fam.held_counters
     max_held: dict[str, int] = {}
-    void = pa.array(sorted(family(meta.family).void_methods), pa.string())
+    void = pa.array(sorted(fam.void_methods), pa.string())
     for batch in reader.iter_batches(columns=_COLUMNS):
         rows += batch.num_rows
         is_top = pc.equal(batch["depth"], 0)

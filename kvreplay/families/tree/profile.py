@@ -1,7 +1,7 @@
 """What a tree call adds to a trace's profile (``kvreplay profile``): requests by
 number, the prefix each request's first match found, the slots each row extend, each row
-free and each top-level free moves (a waiting request is matched again each round: only its first
-match counts toward the prefix-cache hit share)."""
+free and each top-level free moves (a waiting request is matched again each round: only
+its first match counts toward the prefix-cache hit share)."""
 
 from __future__ import annotations
 

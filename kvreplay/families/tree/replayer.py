@@ -218,4 +218,3 @@ def _books_gap(recorded: list[int], here: list[int]) -> str:
         return (f"{parts}: the recording counts {-gap:,} slot(s) at this call that this build does not have "
                 "(counted twice)")
     return f"{parts}: slots moved between the sizes, none lost"
-

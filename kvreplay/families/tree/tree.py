@@ -124,8 +124,9 @@ class PrefixTree:
         known = self.requests[r].pages if r in self.requests else []
         known.extend(pages)
         node, slots = self._match(tuple(known[: int(length) // self.page_size]))
-        self.requests[r] = Held(row=list(slots), pages=known, protected=len(slots), last_node=self._name(node))
-        return (len(slots), self._name(node))
+        name = self._name(node)
+        self.requests[r] = Held(row=list(slots), pages=known, protected=len(slots), last_node=name)
+        return (len(slots), name)
 
     def lock(self, request: int, node: int) -> int:
         """Protect ``node`` and its path from eviction for ``request``: a lock handle."""
