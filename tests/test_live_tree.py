@@ -73,6 +73,10 @@ def test_a_servers_tree_replays_strict_clean_on_the_release_that_recorded_it(lla
     counts = {m: n for m, n in _methods(trace).items()}
     for method in ("match_prefix", "lock", "checkpoint", "free_kv_row", "unlock", "release", "extend"):
         assert counts.get(method, 0) >= 60, (method, counts)
+    # a finished request's checkpoint carries its output count (releases before 0.5.6 need it)
+    finished = [tc.call.args["outputs"] for tc in TraceReader(trace).top_calls()
+                if tc.call.method == "checkpoint" and "outputs" in tc.call.args]
+    assert len(finished) >= 60 and min(finished) >= 1, finished[:10]
 
 
 def _methods(trace: Path) -> dict[str, int]:

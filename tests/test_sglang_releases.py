@@ -207,3 +207,51 @@ def test_bisect_fixed_names_0_5_13_for_the_stale_tracking_pair(tmp_path):
     res = bisect(MAMBA_STALE, old, order, db=str(tmp_path / "b.db"), device="cpu", mode="remap",
                  failure=Failure.parse(STALE_RULE), fixed=True)
     assert res.verdict == "found" and res.first_bad.spec == "sglang==0.5.13", res.steps
+
+
+NO_OUTPUT = CORPUS / "sglang-0.5.3-tree-no-output-leak.parquet"
+LIVE_TREES = [CORPUS / "live-sglang-0.5.23-tree-mooncake60.parquet",
+              CORPUS / "live-sglang-0.5.23-tree-retract32.parquet"]
+
+
+def test_sglang_0_5_3_post1_leaks_the_last_prompt_slot_of_a_request_with_no_output():
+    """Up to 0.5.3.post1 cache_finished_req cached (origin_input_ids + output_ids)[:-1]:
+    a request that asked for no output token (max_new_tokens=0) kept one prompt slot
+    neither cached nor freed. The checkpoint parts from the recording there, and the
+    request gives its row back holding the slot. (0.5.3.post2 clean: the manifest's
+    expectation, below; the bisect that names it: docs/tree.md, run by the docs test.)"""
+    bad = replay(NO_OUTPUT, "sglang==0.5.3.post1", device="cpu")
+    d = bad.first_divergence
+    assert (d.kind, d.method, d.call) == ("result", "checkpoint", 125) and "1 fewer cached" in d.message, d
+    v = bad.first_violation
+    assert (v.invariant, v.rule, v.method, v.call) == ("tree-owner", "row-leak", "release", 128), v
+    assert bad.violation_counts["quiescence/tree-idle"] == 1, bad.violation_counts
+
+
+def test_the_corpus_holds_on_sglang_releases_as_the_manifest_says():
+    from kvreplay.corpus.expectations import check_report
+    from kvreplay.corpus.manifest import load_manifest
+
+    cases = [(e, x, m) for e in load_manifest(CORPUS) for x in e.expect if x.build.startswith("sglang==")
+             for m in x.modes]
+    assert len(cases) >= 4
+    for e, x, mode in cases:
+        assert check_report(replay(e.file, x.build, mode=mode, device="cpu"), x) == [], (e.name, x.build)
+
+
+@pytest.mark.parametrize("release", ["0.5.1"])  # keys are token lists there; 0.5.3 on, key objects
+def test_the_live_tree_traces_replay_strict_clean_on_a_release_before_checkpoint(release):
+    """A trace recorded before the wire carried a finished request's output count
+    replays every checkpoint as a chunk's (cache_unfinished_req): the same books."""
+    for trace in LIVE_TREES:
+        r = replay(trace, f"sglang=={release}", device="cpu")
+        assert r.status == "clean", (trace.name, r.status, r.first_divergence, r.first_violation, r.message)
+
+
+@pytest.mark.parametrize(("release", "status", "why"), [
+    ("0.5.12", "unsupported", "speaks sglang 0.5.1 to 0.5.5 (cache_finished_req) and 0.5.22 and later"),
+    # 0.5.6 to 0.5.10's tree module imports sgl_kernel, whose CPU build names every place it looked
+    ("0.5.8", "unloadable", "sglang does not import here")])
+def test_a_tree_release_outside_the_wires_eras_says_why_in_one_line(release, status, why):
+    r = replay(NO_OUTPUT, f"sglang=={release}", device="cpu")
+    assert r.status == status and why in r.message and "\n" not in r.message, (r.status, r.message)

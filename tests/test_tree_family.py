@@ -306,6 +306,33 @@ def test_a_server_that_forgets_rows_replays_clean_yet_is_named(traces: dict[str,
     assert "lost" in idle["message"] and f"first broke at call {first['call']} (free_kv_row" in idle["message"]
 
 
+def test_a_finished_requests_checkpoint_carries_its_output_count(tmp_path: Any) -> None:
+    """Releases before 0.5.6 work out what a finished request caches from its output
+    tokens, so the wire gives them: the row less the prompt, plus the last token (which has
+    no slot), and 0 for a request that asked for none (``score_share``). A chunk's
+    checkpoint carries none."""
+    from kvreplay.replay.dispatch import replay
+    from kvreplay.trace.reader import TraceReader
+
+    cfg = SynthConfig(scenario="prefix-tree", out=tmp_path / "s.parquet", requests=40, full_size=65536,
+                      page_size=1, max_running=8, build="builtin:tree", params={"score_share": 0.5, "chunk": 64})
+    synthesize(cfg)
+    outputs, chunks, rows = [], 0, {}
+    for tc in TraceReader(cfg.out).top_calls():
+        c = tc.call
+        if c.method == "match_prefix":  # the row starts as the matched prefix
+            rows[c.args["request"]] = c.result[0]
+        elif c.method == "extend":
+            rows[c.args["request"]] = rows.get(c.args["request"], 0) + sum(c.args["runs"][1::2])
+        elif c.method == "checkpoint" and "outputs" in c.args:
+            outputs.append(c.args["outputs"])
+            assert c.args["outputs"] == 0 or c.args["up_to"] == rows[c.args["request"]], c.args
+        elif c.method == "checkpoint":
+            chunks += 1
+    assert chunks > 0 and 0 in outputs and any(n > 1 for n in outputs), (chunks, outputs)
+    assert replay(cfg.out, "builtin:tree").status == "clean"
+
+
 def test_damaged_runs_are_one_line_refusals(tmp_path: Any) -> None:
     from kvreplay import record
     from kvreplay.errors import TraceFormatError

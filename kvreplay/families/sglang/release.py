@@ -49,6 +49,15 @@ def _absent(module: str, exc: BaseException) -> bool:
     return isinstance(exc, ModuleNotFoundError) and name is not None and module.startswith(name)
 
 
+def _one_line(exc: BaseException) -> str:
+    """An import failure in a line: some packages raise pages (sgl_kernel's names every
+    place it looked); the first line that says something, and the last, which says why."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else "(no message)"
+    return f"{lines[0]} ... {lines[-1]}"
+
+
 def _first(paths: tuple[str, ...], what: str = "") -> tuple[str, Any]:
     broken = []
     missing = set()  # packages sglang imports that this environment lacks
@@ -57,7 +66,7 @@ def _first(paths: tuple[str, ...], what: str = "") -> tuple[str, Any]:
             return path, _load(path)
         except Exception as exc:  # an old release may fail to import in any way; say how
             if not _absent(path.partition(":")[0], exc):
-                broken.append(f"{path}: {type(exc).__name__}: {exc}")
+                broken.append(f"{path}: {type(exc).__name__}: {_one_line(exc)}")
                 name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
                 if name and not name.startswith(ENGINE):
                     missing.add(name.split(".")[0])

@@ -51,7 +51,7 @@ def _value_bounds(ctor: dict[str, Any]) -> dict[str, Bound]:
         "pages": Bound(0, MAX_HASH, longest=MAX_POOL_SLOTS, what="a page hash"),
         # (start, length) pairs of slots: each in the pool; their total is checked per call
         "runs": Bound(0, size, longest=2 * size, what="a slot run"),
-        "length": tokens, "up_to": tokens, "start": tokens, "end": tokens,
+        "length": tokens, "up_to": tokens, "outputs": tokens, "start": tokens, "end": tokens,
         "need_size": Bound(0, size, what="slots to allocate"),
         "num_tokens": Bound(0, MAX_POOL_SLOTS, what="tokens to evict"),
     }
@@ -100,7 +100,9 @@ TREE = Family(
     specificity=30,
     base_classes=(_AT + "tree:PrefixTree",),
     class_words=("radixcache",),  # sglang's trees: RadixCache, UnifiedRadixCache
-    release_classes=("sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache",),
+    # the wire's own era (0.5.22 and later), then the tree the releases before it had
+    release_classes=("sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache",
+                     "sglang.srt.mem_cache.radix_cache:RadixCache"),
     recorded_by_default=False,  # a row per request and decode step: recorded when named (--class)
     wire=_AT + "live:wire_for",
     slots=False,
@@ -143,7 +145,9 @@ quiescence/tree-idle | leaks | at idle, free + evictable + protected is not the 
                  server=_AT + "scenarios:server", ctor=_AT + "scenarios:pool_ctor", check=_AT + "scenarios:check",
                  params=(Param("chunk", 256, "the prefill chunk, in tokens (sglang's --chunked-prefill-size)", 1,
                                1 << 20),
-                         Param("abort_share", 0.05, "the share of requests aborted while they decode", 0.0, 1.0))),
+                         Param("abort_share", 0.05, "the share of requests aborted while they decode", 0.0, 1.0),
+                         Param("score_share", 0.0, "the share of requests that ask for no output token "
+                               "(max_new_tokens=0: scoring a prompt)", 0.0, 1.0))),
     ),
 )
 

@@ -180,7 +180,11 @@ class LiveTreeWire:
         req = args[0] if args else kwargs["req"]
         up_to = int(kwargs["up_to"]) if "up_to" in kwargs else int(args[1])
         n = self._request(req)
-        return {"request": n, "pages": self._pages(n, req.full_untruncated_fill_ids, up_to), "up_to": up_to}
+        out = {"request": n, "pages": self._pages(n, req.full_untruncated_fill_ids, up_to), "up_to": up_to}
+        # a finished request's output count: a release before 0.5.6 derives what it caches from it
+        if req.finished():
+            out["outputs"] = len(req.output_ids)
+        return out
 
     def _evict_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         params = args[0] if args else kwargs["params"]
@@ -285,7 +289,8 @@ class LiveTreeWire:
         self._locks.pop(id(args[0] if args else None), None)
         self._pass("unlock")
 
-    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int) -> tuple[int, int, int]:
+    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
+                   outputs: int | None = None) -> tuple[int, int, int]:
         args, kwargs = self._call
         req = args[0] if args else kwargs["req"]
         old = req.lock

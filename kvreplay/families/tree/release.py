@@ -29,6 +29,9 @@ from kvreplay.families.tree.runs import from_runs, to_runs
 
 TREE_CLASS = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 ROOT = 0  # the wire's root node, as tree.py numbers it (tree.py builds this module's trees: no import back)
+# what an unsupported release is told: the method eras the wire has an adapter for
+ERAS = ("the tree's wire speaks sglang 0.5.1 to 0.5.5 (cache_finished_req) and 0.5.22 and later (checkpoint), "
+        "not this release's era")
 _UNNAMED = 1 << 48  # path() ids of nodes the wire never named: apart from every number
 
 
@@ -52,6 +55,10 @@ class _Rows:
         if len(row) < start + len(vals):
             row.extend([0] * (start + len(vals) - len(row)))
         row[start:start + len(vals)] = vals
+
+    def free(self, row: Any) -> None:
+        """A release before 0.5.6 frees the row inside ``cache_finished_req``; the wire's
+        ``release`` drops it, after the row free that follows."""
 
 
 class _Request:
@@ -96,7 +103,7 @@ class ReleaseTree:
         except Exception as exc:  # a release that exists but fails to import in this environment
             raise BuildUnloadable(f"sglang's tree does not import here ({type(exc).__name__}: {exc})") from None
         if not hasattr(cls, "checkpoint") or not hasattr(batch, "ReqKvInfo"):
-            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__} has no checkpoint (came in sglang 0.5.22)")
+            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
         self._kv_info = batch.ReqKvInfo
         size = int(ctor["size"])
         self.page_size = 1
@@ -205,7 +212,8 @@ class ReleaseTree:
         row.extend(from_runs(runs))
         req.kv.kv_allocated_len = req.kv.kv_committed_len = len(row)
 
-    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int) -> tuple[int, int, int]:
+    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
+                   outputs: int | None = None) -> tuple[int, int, int]:
         req = self._request(int(request))
         self._learn(req, pages)
         old = req.lock

@@ -149,7 +149,7 @@ class TreeReplayer(ReplayLoop):
     def _compare(self, tc: TopCall, result: Any, counters: dict[str, int]) -> None:
         c, n = tc.call, tc.number
         if plain(c.result) != plain(result):
-            self._diverge(n, c.method, "result", c.result, result, "result differs from the recording")
+            self._diverge(n, c.method, "result", c.result, result, _result_gap(c.method, c.result, result))
             return
         want = [c.counters.get(col) for col, _ in COLUMNS]
         got = [counters[name] for _, name in COLUMNS]
@@ -204,6 +204,18 @@ class TreeReplayer(ReplayLoop):
                 m["handle"][int(rec[2])] = int(result[2])
         elif c.method == "lock" and type(rec) is int and type(result) is int:
             m["handle"][rec] = result
+
+
+def _result_gap(method: str, recorded: Any, here: Any) -> str:
+    """What a result divergence says: for a match or a checkpoint, how the prefix the
+    request holds of the tree differs."""
+    if (method in ("match_prefix", "checkpoint") and isinstance(recorded, (tuple, list))
+            and isinstance(here, (tuple, list)) and recorded and here and recorded[0] != here[0]):
+        verb = "matched" if method == "match_prefix" else "cached"
+        diff = int(here[0]) - int(recorded[0])
+        return (f"the request holds {int(here[0]):,} token(s) of the tree here, {int(recorded[0]):,} in the "
+                f"recording: {abs(diff):,} {'more' if diff > 0 else 'fewer'} {verb}")
+    return "result differs from the recording"
 
 
 def _books_gap(recorded: list[int], here: list[int]) -> str:

@@ -29,5 +29,6 @@ def server(tree: Any, reqs: Any, cfg: Any, progress: Callable[[int, int], None] 
     # (a configuration made without synth's validation carries no params: the declared defaults)
     params = {p.name: p.default for p in TREE.scenarios[0].params} | dict(cfg.params)
     return TreeServer(tree, reqs, block_tokens=cfg.block_tokens, max_running=cfg.max_running,
-                      chunk=int(params["chunk"]), aborts=float(params["abort_share"]), seed=cfg.seed,
+                      chunk=int(params["chunk"]), aborts=float(params["abort_share"]),
+                      scores=float(params["score_share"]), seed=cfg.seed,
                       speedup=cfg.speedup, progress=progress)

@@ -59,7 +59,8 @@ class Running:
 
 class TreeServer(SteppedModel):
     def __init__(self, tree: Any, requests: list[Request], *, block_tokens: int, max_running: int, chunk: int,
-                 aborts: float, seed: int, speedup: float, progress: Callable[[int, int], None] | None) -> None:
+                 aborts: float, seed: int, speedup: float, progress: Callable[[int, int], None] | None,
+                 scores: float = 0.0) -> None:
         super().__init__(requests, max_running=max_running, speedup=speedup, progress=progress)
         self.tree = tree
         self.kv = tree.kv
@@ -67,6 +68,8 @@ class TreeServer(SteppedModel):
         self.block_tokens = block_tokens
         self.chunk = chunk
         self.aborts = aborts
+        self.scores = scores
+        self._scoring: set[int] = set()  # requests that ask for no output token (max_new_tokens=0)
         self.rng = random.Random(seed ^ 0x7EE)
         self.numbers = 0
         self._pages: dict[int, list[int]] = {}  # a request's page hashes, made once
@@ -81,6 +84,9 @@ class TreeServer(SteppedModel):
             self.stats.extra["too_long"] = self.stats.extra.get("too_long", 0) + 1
             self.stats.requests_done += 1
             return
+        # drawn only when asked for, so that a trace made without scoring requests stays as it was
+        if self.scores and self.rng.random() < self.scores:
+            self._scoring.add(req.rid)
         super().arrive(req)
     # -- admission and prefill ------------------------------------------------------------------
     def step(self) -> None:
@@ -112,7 +118,7 @@ class TreeServer(SteppedModel):
         if number is None:  # new, or back after a retraction: the tree has not heard of it
             self.numbers += 1
             number = self._waiting_as[req.rid] = self.numbers
-        target = req.input_len + req.output_len
+        target = req.input_len + (0 if req.rid in self._scoring else req.output_len)
         pages = self._pages.get(req.rid)
         if pages is None:
             pages = self._pages[req.rid] = page_hashes(req, target, self.block_tokens, self.ps)
@@ -189,10 +195,11 @@ class TreeServer(SteppedModel):
         if lv.filled < lv.target:
             self.checkpoint(lv, lv.filled)
 
-    def checkpoint(self, lv: Running, up_to: int) -> None:
+    def checkpoint(self, lv: Running, up_to: int, outputs: int | None = None) -> None:
         new = lv.pages[lv.sent: up_to // self.ps]  # the tree keeps the key; a call names what is new
         lv.sent += len(new)
-        got = self.tree.checkpoint(lv.number, tuple(new), up_to)
+        got = self.tree.checkpoint(lv.number, tuple(new), up_to, **({} if outputs is None else
+                                                                     {"outputs": outputs}))
         lv.protected, lv.lock = int(got[0]), int(got[2])
 
     # -- decode and release ---------------------------------------------------------------------
@@ -240,7 +247,10 @@ class TreeServer(SteppedModel):
         """sglang's release_kv_cache: cache the page-aligned part (a finished request),
         free the rest of the row, unlock, give the row back."""
         if cache and lv.filled >= self.ps:
-            self.checkpoint(lv, lv.filled)
+            # its output tokens, as the request counts them: the last one has no slot yet, and a
+            # request that asked for none has none
+            scoring = lv.target == lv.req.input_len
+            self.checkpoint(lv, lv.filled, 0 if scoring else lv.filled - lv.req.input_len + 1)
         # called even when the range is empty (a whole row cached), as release_kv_cache does
         self.tree.free_kv_row(lv.number, lv.protected, max(lv.protected, lv.filled))
         self.tree.unlock(lv.number, lv.lock)

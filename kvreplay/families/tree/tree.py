@@ -146,12 +146,17 @@ class PrefixTree:
         """The scheduler wrote newly allocated slots at the end of the request's row."""
         self.requests.setdefault(int(request), Held()).row.extend(from_runs(runs))
 
-    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int) -> tuple[int, ...]:
+    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
+                   outputs: int | None = None) -> tuple[int, ...]:
         """Cache the request's first ``up_to`` tokens (page-aligned), ``pages`` being the
         hashes of the full pages it gained since its last call; free the slots of its
         row the tree already held, take the tree's slots into the row, and move the
         request's lock to its new last node: ``(protected, last node, lock)``; the row's
-        first ``protected`` slots are then the tree's (``path_slots(node)``)."""
+        first ``protected`` slots are then the tree's (``path_slots(node)``).
+
+        ``outputs`` is given on a finished request's release only: its output tokens.
+        This tree does not need it (it caches what ``up_to`` says); releases before
+        0.5.6 derive the cached length from it (release_radix.py)."""
         held = self.requests[int(request)]
         held.pages.extend(pages)
         n_pages = int(up_to) // self.page_size
@@ -344,6 +349,10 @@ def _common(a: tuple[int, ...], key: tuple[int, ...], at: int) -> int:
 
 def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
     if cls.__module__.split(".")[0] == "sglang":  # a release's tree, behind the wire
+        if not hasattr(cls, "checkpoint") and hasattr(cls, "cache_finished_req"):  # an era before the wire's
+            from kvreplay.families.tree.release_radix import RadixRelease
+
+            return RadixRelease(cls, ctor)
         from kvreplay.families.tree.release import release_tree
 
         return release_tree(cls, ctor)

@@ -29,10 +29,11 @@ class KeepsOldLock(PrefixTree):
 
     _in_checkpoint = False
 
-    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int) -> tuple[int, ...]:
+    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
+                   outputs: int | None = None) -> tuple[int, ...]:
         self._in_checkpoint = True
         try:
-            return super().checkpoint(request, pages, up_to)
+            return super().checkpoint(request, pages, up_to, outputs)
         finally:
             self._in_checkpoint = False
 

@@ -1,0 +1,239 @@
+"""A release's ``RadixCache`` from before the wire's era (sglang 0.5.1 to 0.5.5) as a
+build of the tree family, spoken to in the wire's plain values.
+
+Those releases have no ``checkpoint``, ``free_kv_row`` or lock handles. A finished
+request is released in one call, ``cache_finished_req``: insert the row, free the
+duplicates, drop the lock. A prefill chunk is ``cache_unfinished_req``: insert, free
+the duplicates, match again and move the lock to the new last node. Locks are
+``inc_lock_ref`` and ``dec_lock_ref`` on a node. The wire's calls map onto them:
+
+- ``lock`` and ``unlock`` are ``inc_lock_ref`` and ``dec_lock_ref`` on the node the
+  handle was taken on (handles are this build's, numbered as the wire numbers them);
+- a ``checkpoint`` without ``outputs`` is a chunk's, ``cache_unfinished_req``;
+- a ``checkpoint`` with ``outputs`` is a finished request's, ``cache_finished_req``.
+  These releases work out what to cache from the request's token lists
+  (``origin_input_ids + output_ids``), so the request is given ``outputs`` output
+  tokens. The wire's era then moves the request's lock to its new last node until the
+  ``unlock`` that follows; this build does the same after ``cache_finished_req`` (a
+  match and an ``inc_lock_ref``), so that the sizes read after each call mean what they
+  mean in the recording;
+- ``free_kv_row`` frees that part of the request's row, as the scheduler did.
+
+A trace recorded before the wire carried ``outputs`` replays every checkpoint as a
+chunk's: the books are the same on a correct release, but ``cache_finished_req`` (and
+a bug in it) is not reached."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+from typing import Any
+
+import torch
+
+from kvreplay.errors import BuildUnloadable, BuildUnsupported
+from kvreplay.families.tree.release import _UNNAMED, ERAS, ROOT, _Rows, _Slots
+from kvreplay.families.tree.runs import from_runs
+
+FILLER = -1  # the last output token: it has no slot and is never keyed (the release drops it)
+
+
+class _Request:
+    """What a RadixCache of these releases reads of a request."""
+
+    extra_key = None
+    last_matched_prefix_len = 0
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # the page hashes the wire named, one a token
+        self.origin_input_ids: list[int] = []
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []
+        self.req_pool_idx: int | None = None
+        self.prefix_indices = torch.empty((0,), dtype=torch.int64)
+        self.last_node: Any = None
+        self.handle = 0
+        self.protected = 0
+
+
+class RadixRelease:
+    """sglang 0.5.1 to 0.5.5's ``RadixCache`` behind the wire (``sglang==X``)."""
+
+    prefix_tree = True
+
+    def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
+        if int(ctor.get("page_size") or 1) != 1:
+            raise BuildUnsupported("sglang's tree replays with page size 1 only (pages of 16 tokens are freed "
+                                   "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
+        params = list(inspect.signature(cls.__init__).parameters)
+        if not hasattr(cls, "cache_finished_req") or "req_to_token_pool" not in params:
+            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
+        try:
+            token = importlib.import_module("sglang.srt.mem_cache.allocator").TokenToKVPoolAllocator
+            module = importlib.import_module(cls.__module__)
+        except ModuleNotFoundError as exc:
+            raise BuildUnloadable(f"sglang's tree does not import here: it needs {exc.name}, which this "
+                                  "environment lacks (run kvreplay beside sglang's dependencies)") from None
+        self._key = getattr(module, "RadixKey", None)  # a key object from 0.5.3; a token list before
+        size = int(ctor["size"])
+        self.page_size = 1
+        self.ctor_args = {"size": size, "page_size": 1, "device": "cpu",
+                          "need_sort": bool(ctor.get("need_sort", True))}
+        self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
+        self.rows = _Rows()
+        self.tree = cls(req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator, page_size=1)
+        self.kv = _Slots(self.allocator)
+        self.requests: dict[int, _Request] = {}
+        self._row_ids = itertools.count(1)
+        root = self.tree.root_node
+        self._node_number: dict[int, int] = {int(root.id): ROOT}
+        self._nodes: dict[int, Any] = {ROOT: root}
+        self._locks: dict[int, Any] = {}  # handle -> the node it locked
+        self._handles = itertools.count(1)
+
+    # -- numbers ----------------------------------------------------------------------------------
+    def _number(self, node: Any) -> int:
+        n = self._node_number.get(int(node.id))
+        if n is None:
+            n = self._node_number[int(node.id)] = len(self._node_number)
+            self._nodes[n] = node
+        return n
+
+    def _lock(self, req: _Request, node: Any) -> int:
+        self.tree.inc_lock_ref(node)
+        handle = next(self._handles)
+        self._locks[handle] = node
+        req.handle, req.last_node = handle, node
+        return handle
+
+    def _request(self, number: int) -> _Request:
+        req = self.requests.get(number)
+        if req is None:
+            req = self.requests[number] = _Request()
+        return req
+
+    def _row(self, req: _Request) -> list[int]:
+        if req.req_pool_idx is None:
+            req.req_pool_idx = next(self._row_ids)
+            self.rows.rows[req.req_pool_idx] = []
+        return self.rows.rows[req.req_pool_idx]
+
+    def _k(self, tokens: list[int]) -> Any:
+        return list(tokens) if self._key is None else self._key(list(tokens), None)
+
+    def _match(self, tokens: list[int]) -> tuple[list[int], Any]:
+        got = self.tree.match_prefix(self._k(tokens))
+        return [int(s) for s in got.device_indices.tolist()], got.last_device_node
+
+    # -- counters ---------------------------------------------------------------------------------
+    def available_size(self) -> int:
+        return int(self.allocator.available_size())
+
+    def evictable_size(self) -> int:
+        return int(self.tree.evictable_size())
+
+    def protected_size(self) -> int:
+        return int(self.tree.protected_size())
+
+    # -- the wire's calls -------------------------------------------------------------------------
+    def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
+        req = self._request(int(request))
+        req.tokens.extend(int(p) for p in pages)
+        slots, node = self._match(req.tokens[:int(length)])
+        req.last_node, req.protected = node, len(slots)
+        req.prefix_indices = torch.tensor(slots, dtype=torch.int64)
+        req.last_matched_prefix_len = len(slots)
+        self._row(req)[:] = slots
+        return (len(slots), self._number(node))
+
+    def lock(self, request: int, node: int) -> int:
+        at = self._nodes.get(int(node))
+        if at is None:
+            raise ValueError(f"node {node} was never named")
+        return self._lock(self._request(int(request)), at)
+
+    def unlock(self, request: int, handle: int) -> None:
+        node = self._locks.pop(int(handle), None)
+        if node is None:
+            return
+        self.tree.dec_lock_ref(node)
+        req = self.requests.get(int(request))
+        if req is not None and req.handle == int(handle):
+            req.handle = 0
+
+    def extend(self, request: int, runs: tuple[int, ...]) -> None:
+        self._row(self._request(int(request))).extend(from_runs(runs))
+
+    def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
+                   outputs: int | None = None) -> tuple[int, int, int]:
+        req = self._request(int(request))
+        req.tokens.extend(int(p) for p in pages)
+        row, up_to = self._row(req), int(up_to)
+        tokens = req.tokens[:up_to]
+        req.prefix_indices = torch.tensor(row[:req.protected], dtype=torch.int64)
+        self._locks.pop(req.handle, None)  # both calls drop the request's lock themselves
+        if outputs is None:
+            req.fill_ids = tokens
+            self.tree.cache_unfinished_req(req)
+            req.protected = len(req.prefix_indices)
+            handle = next(self._handles)
+            self._locks[handle] = req.last_node
+            req.handle = handle
+            return (req.protected, self._number(req.last_node), handle)
+        # the request's token lists, from its output count: the last output token has no slot
+        prompt = up_to if int(outputs) == 0 else min(up_to, max(0, up_to - int(outputs) + 1))
+        req.origin_input_ids = tokens[:prompt]
+        req.output_ids = tokens[prompt:] + ([FILLER] if int(outputs) > 0 else [])
+        self.tree.cache_finished_req(req)
+        slots, node = self._match(tokens)
+        row[:len(slots)] = slots
+        req.protected = len(slots)
+        return (req.protected, self._number(node), self._lock(req, node))
+
+    def free_kv_row(self, request: int, start: int, end: int) -> None:
+        row = self._row(self._request(int(request)))
+        slots = row[int(start):int(end)]
+        if slots:
+            self.allocator.free(torch.tensor(slots, dtype=torch.int64))
+
+    def release(self, request: int) -> None:
+        req = self.requests.pop(int(request), None)
+        if req is not None and req.req_pool_idx is not None:
+            self.rows.rows.pop(req.req_pool_idx, None)
+
+    def evict(self, num_tokens: int) -> int:
+        before = self.available_size()
+        self.tree.evict(int(num_tokens))
+        return self.available_size() - before
+
+    # -- what the checker reads -------------------------------------------------------------------
+    def path(self, node: int) -> list[tuple[int, int, int]]:
+        out = []
+        n = self._nodes.get(int(node))
+        while n is not None and n.parent is not None:
+            ident = self._node_number.get(int(n.id), _UNNAMED + int(n.id))
+            out.append((ident, int(n.lock_ref), len(n.value)))
+            n = n.parent
+        return out
+
+    def path_slots(self, node: int) -> list[int]:
+        n = self._nodes.get(int(node))
+        parts = []
+        while n is not None and n.parent is not None:
+            parts.append([int(s) for s in n.value.tolist()])
+            n = n.parent
+        return [s for part in reversed(parts) for s in part]
+
+    def locked_slots(self) -> set[int]:
+        out: set[int] = set()
+        stack = [self.tree.root_node]
+        while stack:
+            n = stack.pop()
+            if n.parent is not None and n.lock_ref > 0:
+                out.update(int(s) for s in n.value.tolist())
+            stack.extend(n.children.values())
+        return out
+
+
+__all__ = ["RadixRelease"]
