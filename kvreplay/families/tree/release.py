@@ -80,10 +80,26 @@ class _Request:
         return False
 
 
-class ReleaseTree:
-    """A release's tree behind the wire (``--build sglang``, ``sglang==X``)."""
+class BehindTheWire:
+    """What every release's tree behind the wire shares: its three counters, read from
+    the release's own allocator and tree."""
 
     prefix_tree = True
+    allocator: Any
+    tree: Any
+
+    def available_size(self) -> int:
+        return int(self.allocator.available_size())
+
+    def evictable_size(self) -> int:
+        return int(self.tree.evictable_size())
+
+    def protected_size(self) -> int:
+        return int(self.tree.protected_size())
+
+
+class ReleaseTree(BehindTheWire):
+    """A release's tree behind the wire (``--build sglang``, ``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
         if int(ctor.get("page_size") or 1) != 1:
@@ -160,16 +176,6 @@ class ReleaseTree:
             req.kv.req_pool_idx = next(self._row_ids)
             self.rows.rows[req.kv.req_pool_idx] = []
         return self.rows.rows[req.kv.req_pool_idx]
-
-    # -- counters ---------------------------------------------------------------------------------
-    def available_size(self) -> int:
-        return int(self.allocator.available_size())
-
-    def evictable_size(self) -> int:
-        return int(self.tree.evictable_size())
-
-    def protected_size(self) -> int:
-        return int(self.tree.protected_size())
 
     # -- the wire's calls -------------------------------------------------------------------------
     def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
@@ -310,4 +316,4 @@ def release_tree(cls: type, ctor: dict[str, Any]) -> ReleaseTree:
     return ReleaseTree(cls, ctor)
 
 
-__all__ = ["TREE_CLASS", "ReleaseTree", "release_tree"]
+__all__ = ["TREE_CLASS", "BehindTheWire", "ReleaseTree", "release_tree"]

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.families.tree.release import _UNNAMED, ERAS, ROOT, _Rows, _Slots
+from kvreplay.families.tree.release import _UNNAMED, ERAS, ROOT, BehindTheWire, _Rows, _Slots
 from kvreplay.families.tree.runs import from_runs
 
 FILLER = -1  # the last output token: it has no slot and is never keyed (the release drops it)
@@ -57,10 +57,8 @@ class _Request:
         self.protected = 0
 
 
-class RadixRelease:
+class RadixRelease(BehindTheWire):
     """sglang 0.5.1 to 0.5.5's ``RadixCache`` behind the wire (``sglang==X``)."""
-
-    prefix_tree = True
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
         if int(ctor.get("page_size") or 1) != 1:
@@ -125,16 +123,6 @@ class RadixRelease:
     def _match(self, tokens: list[int]) -> tuple[list[int], Any]:
         got = self.tree.match_prefix(self._k(tokens))
         return [int(s) for s in got.device_indices.tolist()], got.last_device_node
-
-    # -- counters ---------------------------------------------------------------------------------
-    def available_size(self) -> int:
-        return int(self.allocator.available_size())
-
-    def evictable_size(self) -> int:
-        return int(self.tree.evictable_size())
-
-    def protected_size(self) -> int:
-        return int(self.tree.protected_size())
 
     # -- the wire's calls -------------------------------------------------------------------------
     def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
