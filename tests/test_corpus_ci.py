@@ -228,3 +228,23 @@ def test_corpus_add_takes_a_recordings_directory_of_one_part_and_refuses_many(tm
     with pytest.raises(BadInput, match="rotated trace of 2 parts|says it is part 0 of its recording"):
         add_trace(one, "two", corpus)
     assert not (corpus / "two.parquet").exists()
+
+
+def test_a_worker_build_that_cannot_replay_a_trace_skips_it_unless_the_manifest_expects_otherwise(monkeypatch):
+    """A release build answers "unsupported" in its report (a release before the pool
+    kind existed), where a build in this process raises: both are a skip, not a
+    failure. A case with an expectation is still held to it."""
+    from kvreplay.corpus import ci
+    from kvreplay.corpus.manifest import Expectation
+    from kvreplay.jobs.stored_replay import StoredReplay
+    from kvreplay.replay.report import untestable
+
+    report = untestable("t.parquet", "sglang==0.5.3", "strict", "cpu", "unsupported",
+                        "the tree's wire speaks sglang 0.5.1 to 0.5.5", 0.1)
+    monkeypatch.setattr(ci, "replay_and_store", lambda *a, **k: StoredReplay(report=report, run_id=None))
+    case = ci.Case("t", "t.parquet", "", "sglang==0.5.3", "strict", None)
+    got = ci._run_case(case, "cpu", 0.0).result
+    assert got.outcome == "skip" and "0.5.1 to 0.5.5" in got.problems[0], got
+    expected = ci._run_case(ci.Case("t", "t.parquet", "", "sglang==0.5.3", "strict",
+                                    Expectation(build="sglang==0.5.3", status="clean")), "cpu", 0.0).result
+    assert expected.outcome == "fail", expected
