@@ -102,6 +102,8 @@ def _runs_as_written(stage, page, words):
     assert r.returncode in (0, 1), (page, " ".join(words), said[-3000:])
     if words[0] == "replay" and "sglang==0.5.12" in words:
         assert r.returncode == 1 and "tail-prealloc-nontail-mapped" in said  # "exit 1: the seed bug"
+    if words[0] == "ci":
+        assert r.returncode == 0, said[-3000:]  # "every expectation holds"
     if words[0] == "bisect" and "--fixed" in words:
         fix = FIXED_IN[Path(words[1]).name]
         assert f"first fixed build: sglang=={fix}\n" in r.stdout, said[-3000:]  # "names" the fix
