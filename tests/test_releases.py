@@ -315,3 +315,50 @@ def test_a_release_whose_manager_checks_the_whole_sequence_itself_is_asked_first
     manager.asked.clear()
     assert wire.allocate_slots(**{**call, "full_sequence_must_fit": False}) == (-1,)  # no check asked for
     assert manager.asked == [("allocate_slots", "a", 8)]
+
+
+HOST_KERNEL_USER = """
+from sgl_kernel.kvcacheio import transfer_kv_direct
+{more}
+
+class Pool:
+    copy = staticmethod(transfer_kv_direct)
+"""
+
+
+@pytest.fixture
+def kernel_user(tmp_path, monkeypatch):
+    """A pool module that imports sglang's host kernels (as 0.5.6 to 0.5.10's tree module
+    does, through the host pool), where sgl_kernel is absent."""
+    import sys
+
+    for name in ("sgl_kernel", "sgl_kernel.kvcacheio", "kernel_user_ok", "kernel_user_more"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "kernel_user_ok.py").write_text(HOST_KERNEL_USER.format(more=""))
+    (tmp_path / "kernel_user_more.py").write_text(HOST_KERNEL_USER.format(more="import kvreplay_no_such_package"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield sys.modules
+    for name in ("sgl_kernel", "sgl_kernel.kvcacheio"):
+        sys.modules.pop(name, None)
+
+
+def test_a_pool_module_that_imports_absent_host_kernels_loads_with_a_stand_in_that_refuses_to_run(kernel_user):
+    from kvreplay.families.sglang.release import _load
+
+    try:
+        import sgl_kernel.kvcacheio  # noqa: F401
+        pytest.skip("sgl_kernel's host kernels import here: no stand-in is needed")
+    except Exception:
+        pass
+    Pool = _load("kernel_user_ok:Pool")
+    with pytest.raises(RuntimeError, match="sgl_kernel does not load here"):
+        Pool.copy()
+
+
+def test_a_pool_module_that_lacks_more_than_the_host_kernels_names_what_it_first_lacked(kernel_user):
+    from kvreplay.families.sglang.release import _load
+
+    with pytest.raises(ModuleNotFoundError) as got:
+        _load("kernel_user_more:Pool")
+    assert got.value.name == "sgl_kernel"  # the first failure, not the stand-in's
+    assert "sgl_kernel" not in kernel_user and "sgl_kernel.kvcacheio" not in kernel_user  # taken out again

@@ -238,7 +238,8 @@ def test_sglang_0_5_3_post1_leaks_the_last_prompt_slot_of_a_request_with_no_outp
     assert reports["sglang==0.5.3.post2"].status == "clean"
 
 
-@pytest.mark.parametrize("release", ["0.5.1"])  # keys are token lists there; 0.5.3 on, key objects
+# 0.5.1: keys are token lists (key objects from 0.5.3); 0.5.10: parameter objects, lock results as objects
+@pytest.mark.parametrize("release", ["0.5.1", "0.5.10"])
 def test_the_live_tree_traces_replay_strict_clean_on_a_release_before_checkpoint(release):
     """A trace recorded before the wire carried a finished request's output count
     replays every checkpoint as a chunk's (cache_unfinished_req): the same books."""
@@ -247,10 +248,35 @@ def test_the_live_tree_traces_replay_strict_clean_on_a_release_before_checkpoint
         assert r.status == "clean", (trace.name, r.status, r.first_divergence, r.first_violation, r.message)
 
 
+DECODE_NOT_CACHED = CORPUS / "sglang-0.5.8-tree-decode-not-cached.parquet"
+
+
+def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0_5_9_its_decode_too():
+    """0.5.6 to 0.5.8.post1 keyed a finished request's insert by fill_ids (its last
+    prefill): the decoded slots were freed as the unaligned tail, not cached. Nothing is
+    lost, so no rule fires; the checkpoint caches fewer tokens than the recording (in
+    remap mode, which follows the build's node names after that parting). The era's
+    adapter meets CacheInitParams (0.5.6), MatchPrefixParams (0.5.8) and EvictParams
+    (0.5.9); the release imports sgl_kernel's host kernels, stood in for here."""
+    from kvreplay.corpus.expectations import check_report
+    from kvreplay.corpus.manifest import load_manifest
+
+    entry = next(e for e in load_manifest(CORPUS) if e.file == DECODE_NOT_CACHED)
+    reports = {}
+    for x in entry.expect:
+        if x.build.startswith("sglang=="):
+            for mode in x.modes:
+                reports[x.build, mode] = replay(DECODE_NOT_CACHED, x.build, device="cpu", mode=mode)
+                assert check_report(reports[x.build, mode], x) == [], (x.build, mode)
+    bad = reports["sglang==0.5.8.post1", "remap"]
+    d = bad.first_divergence
+    assert (d.kind, d.method, d.call) == ("result", "checkpoint", 263) and "8 fewer cached" in d.message, d
+    assert bad.violation_counts == {} and bad.status == "divergence", bad.violation_counts
+    assert {m for b, m in reports if b == "sglang==0.5.9"} == {"strict", "remap"}
+
+
 @pytest.mark.parametrize(("release", "status", "why"), [
-    ("0.5.12", "unsupported", "speaks sglang 0.5.1 to 0.5.5 (cache_finished_req) and 0.5.22 and later"),
-    # 0.5.6 to 0.5.10's tree module imports sgl_kernel, whose CPU build names every place it looked
-    ("0.5.8", "unloadable", "sglang does not import here")])
+    ("0.5.12", "unsupported", "speaks sglang 0.5.1 to 0.5.10 (cache_finished_req) and 0.5.22 and later")])
 def test_a_tree_release_outside_the_wires_eras_says_why_in_one_line(release, status, why):
     r = replay(NO_OUTPUT, f"sglang=={release}", device="cpu")
     assert r.status == status and why in r.message and "\n" not in r.message, (r.status, r.message)

@@ -193,6 +193,17 @@ def test_unlock_by_no_holder_and_by_another_request() -> None:
     assert b.rules()["tree-lock/unheld"] == 2
 
 
+def test_the_release_of_a_lock_the_build_failed_to_take_is_that_failures_echo_not_a_new_fault() -> None:
+    """Where the build raised at a lock the recording took (an exception divergence,
+    reported there), the recording's later release of that handle is no one's fault."""
+    b = Bench(PrefixTree(64, page_size=2))
+    b.n += 1
+    b.checker.raised(b.n, "lock", 7)
+    b("unlock", request=1, handle=7)
+    b("unlock", request=1, handle=7)  # a second release of it is a fault again
+    assert b.rules()["tree-lock/unheld"] == 1
+
+
 class UnlocksTwice(PrefixTree):
     def _release_lock(self, handle: int) -> None:
         node = self.handles.get(handle)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import types
 from typing import Any
 
 from kvreplay.contract.record import Family
@@ -35,9 +36,60 @@ _BASE_SWA_KV = ("sglang.srt.mem_cache.base_swa_memory_pool:BaseSWAKVPool",
 _standins: dict[type, type] = {}
 
 
+# The hierarchical cache's host<->device copy kernels. sglang 0.5.6 to 0.5.10 import them
+# wherever their prefix tree is imported (through the host pool's module), also on a
+# machine where the compiled package is absent or cannot load (a CPU-only install ships
+# sgl_kernel without its CPU library). No replay calls them: the host tier is not
+# replayed. There, the import gets a stand-in whose names raise when called.
+HOST_KERNELS = "sgl_kernel.kvcacheio"
+
+
+class _AbsentKernels(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def absent(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{self.__name__}.{name} was called, but sgl_kernel does not load here: "
+                               "kvreplay stood in for it because a pool module imports it, not to run it")
+        return absent
+
+
+def _kernels_standing_in() -> list[str]:
+    """Put stand-ins for the host kernels in place where they do not import; the names
+    put in place (none: they import, or stand in already)."""
+    if HOST_KERNELS in sys.modules:
+        return []
+    try:
+        importlib.import_module(HOST_KERNELS)
+        return []
+    except Exception:  # absent, or present and failing to load its compiled library
+        pass
+    top = HOST_KERNELS.partition(".")[0]
+    names = [HOST_KERNELS]
+    sys.modules[HOST_KERNELS] = _AbsentKernels(HOST_KERNELS)
+    if top not in sys.modules:
+        package = sys.modules[top] = _AbsentKernels(top)
+        package.__path__ = []
+        names.append(top)
+    return names
+
+
 def _load(path: str) -> Any:
     module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        first = exc
+        standing = _kernels_standing_in()
+        if not standing:
+            raise
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception:  # it needs more than the host kernels: say what it first lacked
+        for name in standing:
+            sys.modules.pop(name, None)
+        raise first from None
 
 
 def _absent(module: str, exc: BaseException) -> bool:

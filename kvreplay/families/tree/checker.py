@@ -54,6 +54,7 @@ class TreeChecker:
         self.first_break: tuple[int, str, int] | None = None  # (call, method, gap)
         self._locked: set[int] = set()  # slots of locked nodes, read before an eviction
         self._watch: set[int] = set()  # nodes off the held locks' paths to read again (orphans, unlocked now)
+        self._void: set[int] = set()  # handles the recording took where the build raised instead
         self._orphaned = 0  # slots of orphaned nodes no longer read again (_WATCH_MOST)
         self._flagged: set[tuple[str, int]] = set()
         self._size_gap = (0, 0)
@@ -88,6 +89,13 @@ class TreeChecker:
             self._locked = self.tree.locked_slots()
 
     # -- per call -----------------------------------------------------------------------------------
+    def raised(self, call: int, method: str, recorded: Any) -> None:
+        """Told when the build raised at a call the recording returned from: the handle the
+        recording took there is not the build's, so its release later is that divergence's
+        consequence (already reported), not a lock released by no one."""
+        if method == "lock" and type(recorded) is int:
+            self._void.add(recorded)
+
     def after(self, call: int, method: str, args: dict[str, Any], result: Any,
               nested: list[tuple[str, Any]], counters: dict[str, int | None]) -> None:
         """Check call ``call``: ``nested`` the allocator calls it made, in order
@@ -152,7 +160,8 @@ class TreeChecker:
 
     def _on_unlock(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
         r, h = int(args["request"]), int(args["handle"])
-        if h == 0:
+        if h == 0 or h in self._void:
+            self._void.discard(h)
             return
         holder = self.handles.pop(h, None)
         if holder is not None:

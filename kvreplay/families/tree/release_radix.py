@@ -1,4 +1,4 @@
-"""A release's ``RadixCache`` from before the wire's era (sglang 0.5.1 to 0.5.5) as a
+"""A release's ``RadixCache`` from before the wire's era (sglang 0.5.1 to 0.5.10) as a
 build of the tree family, spoken to in the wire's plain values.
 
 Those releases have no ``checkpoint``, ``free_kv_row`` or lock handles. A finished
@@ -21,7 +21,15 @@ the duplicates, match again and move the lock to the new last node. Locks are
 
 A trace recorded before the wire carried ``outputs`` replays every checkpoint as a
 chunk's: the books are the same on a correct release, but ``cache_finished_req`` (and
-a bug in it) is not reached."""
+a bug in it) is not reached.
+
+The releases' signatures moved in steps, each met here by what the release offers:
+0.5.6 builds the tree from a ``CacheInitParams`` and reads the request's
+``cache_protected_len`` and ``pop_committed_kv_cache()``; 0.5.8 matches with a
+``MatchPrefixParams``; 0.5.9 evicts with an ``EvictParams``; 0.5.10's lock calls return
+objects (unread here). A request's ``fill_ids`` are what its last prefill covered, which
+this build takes to be its prompt: 0.5.6 to 0.5.8.post1 keyed a finished request's
+insert by them."""
 
 from __future__ import annotations
 
@@ -44,6 +52,7 @@ class _Request:
 
     extra_key = None
     last_matched_prefix_len = 0
+    priority = 0
 
     def __init__(self) -> None:
         self.tokens: list[int] = []  # the page hashes the wire named, one a token
@@ -55,18 +64,20 @@ class _Request:
         self.last_node: Any = None
         self.handle = 0
         self.protected = 0
+        self.cache_protected_len = 0  # 0.5.6 on: what of the row the tree already holds
+        self.kv_committed_len = 0
+
+    def pop_committed_kv_cache(self) -> int:
+        return self.kv_committed_len
 
 
 class RadixRelease(BehindTheWire):
-    """sglang 0.5.1 to 0.5.5's ``RadixCache`` behind the wire (``sglang==X``)."""
+    """sglang 0.5.1 to 0.5.10's ``RadixCache`` behind the wire (``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
         if int(ctor.get("page_size") or 1) != 1:
             raise BuildUnsupported("sglang's tree replays with page size 1 only (pages of 16 tokens are freed "
                                    "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
-        params = list(inspect.signature(cls.__init__).parameters)
-        if not hasattr(cls, "cache_finished_req") or "req_to_token_pool" not in params:
-            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
         try:
             token = importlib.import_module("sglang.srt.mem_cache.allocator").TokenToKVPoolAllocator
             module = importlib.import_module(cls.__module__)
@@ -74,13 +85,23 @@ class RadixRelease(BehindTheWire):
             raise BuildUnloadable(f"sglang's tree does not import here: it needs {exc.name}, which this "
                                   "environment lacks (run kvreplay beside sglang's dependencies)") from None
         self._key = getattr(module, "RadixKey", None)  # a key object from 0.5.3; a token list before
+        # the era's parameter objects, as the tree's module imported them (0.5.8, 0.5.9)
+        self._match_params = _takes_params(cls.match_prefix) and getattr(module, "MatchPrefixParams", None)
+        self._evict_params = _takes_params(cls.evict) and getattr(module, "EvictParams", None)
+        init = list(inspect.signature(cls.__init__).parameters)
+        if cls.__name__ != "RadixCache" or ("req_to_token_pool" not in init and not hasattr(module, "CacheInitParams")):
+            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
         size = int(ctor["size"])
         self.page_size = 1
         self.ctor_args = {"size": size, "page_size": 1, "device": "cpu",
                           "need_sort": bool(ctor.get("need_sort", True))}
         self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
         self.rows = _Rows()
-        self.tree = cls(req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator, page_size=1)
+        pools = {"req_to_token_pool": self.rows, "token_to_kv_pool_allocator": self.allocator, "page_size": 1}
+        if "req_to_token_pool" in init:
+            self.tree = cls(**pools)
+        else:  # 0.5.6 on: one parameter object
+            self.tree = cls(module.CacheInitParams(disable=False, **pools))
         self.kv = _Slots(self.allocator)
         self.requests: dict[int, _Request] = {}
         self._row_ids = itertools.count(1)
@@ -121,7 +142,8 @@ class RadixRelease(BehindTheWire):
         return list(tokens) if self._key is None else self._key(list(tokens), None)
 
     def _match(self, tokens: list[int]) -> tuple[list[int], Any]:
-        got = self.tree.match_prefix(self._k(tokens))
+        key = self._k(tokens)
+        got = self.tree.match_prefix(self._match_params(key=key) if self._match_params else key)
         return [int(s) for s in got.device_indices.tolist()], got.last_device_node
 
     # -- the wire's calls -------------------------------------------------------------------------
@@ -160,6 +182,7 @@ class RadixRelease(BehindTheWire):
         row, up_to = self._row(req), int(up_to)
         tokens = req.tokens[:up_to]
         req.prefix_indices = torch.tensor(row[:req.protected], dtype=torch.int64)
+        req.cache_protected_len = req.protected
         self._locks.pop(req.handle, None)  # both calls drop the request's lock themselves
         if outputs is None:
             req.fill_ids = tokens
@@ -171,8 +194,9 @@ class RadixRelease(BehindTheWire):
             return (req.protected, self._number(req.last_node), handle)
         # the request's token lists, from its output count: the last output token has no slot
         prompt = up_to if int(outputs) == 0 else min(up_to, max(0, up_to - int(outputs) + 1))
-        req.origin_input_ids = tokens[:prompt]
+        req.origin_input_ids = req.fill_ids = tokens[:prompt]
         req.output_ids = tokens[prompt:] + ([FILLER] if int(outputs) > 0 else [])
+        req.kv_committed_len = up_to
         self.tree.cache_finished_req(req)
         slots, node = self._match(tokens)
         row[:len(slots)] = slots
@@ -192,7 +216,7 @@ class RadixRelease(BehindTheWire):
 
     def evict(self, num_tokens: int) -> int:
         before = self.available_size()
-        self.tree.evict(int(num_tokens))
+        self.tree.evict(self._evict_params(num_tokens=int(num_tokens)) if self._evict_params else int(num_tokens))
         return self.available_size() - before
 
     # -- what the checker reads -------------------------------------------------------------------
@@ -222,6 +246,11 @@ class RadixRelease(BehindTheWire):
                 out.update(int(s) for s in n.value.tolist())
             stack.extend(n.children.values())
         return out
+
+
+def _takes_params(method: Any) -> bool:
+    """Does this tree method take one parameter object (``params``), as from 0.5.8?"""
+    return list(inspect.signature(method).parameters)[1:2] == ["params"]
 
 
 __all__ = ["RadixRelease"]

@@ -101,6 +101,8 @@ class TreeReplayer(ReplayLoop):
                 self._diverge(n, c.method, "exception", c.exc_type, type(raised).__name__ if raised else None,
                               f"the build raised {type(raised).__name__}: {str(raised)[:200]}" if raised
                               else "the recording raised here; the build did not")
+            if self.checker is not None and raised is not None and c.exc_type is None:
+                self.checker.raised(n, c.method, c.result)
             return result, raised
         if self.maps is None:
             self._compare(tc, result, counters)
@@ -198,7 +200,7 @@ class TreeReplayer(ReplayLoop):
                 m["slot"].update(zip(from_runs(r_runs), g, strict=False))
         if c.method in ("match_prefix", "checkpoint") and isinstance(rec, (tuple, list)) and len(rec) >= 2:
             if rec[0] != result[0]:
-                self._diverge(n, c.method, "result", rec[0], result[0], "another length cached")
+                self._diverge(n, c.method, "result", rec[0], result[0], _result_gap(c.method, rec, result))
             m["node"][int(rec[1])] = int(result[1])
             if c.method == "checkpoint" and len(rec) >= 3:
                 m["handle"][int(rec[2])] = int(result[2])
