@@ -238,8 +238,9 @@ def test_sglang_0_5_3_post1_leaks_the_last_prompt_slot_of_a_request_with_no_outp
     assert reports["sglang==0.5.3.post2"].status == "clean"
 
 
-# 0.5.1: keys are token lists (key objects from 0.5.3); 0.5.10: parameter objects, lock results as objects
-@pytest.mark.parametrize("release", ["0.5.1", "0.5.10"])
+# 0.5.1: keys are token lists (key objects from 0.5.3); 0.5.10: parameter objects, lock results as
+# objects; 0.5.18: get_fill_ids(), kv_len_to_handle, cache_salt, and the unified tree beside RadixCache
+@pytest.mark.parametrize("release", ["0.5.1", "0.5.10", "0.5.18"])
 def test_the_live_tree_traces_replay_strict_clean_on_a_release_before_checkpoint(release):
     """A trace recorded before the wire carried a finished request's output count
     replays every checkpoint as a chunk's (cache_unfinished_req): the same books."""
@@ -276,7 +277,7 @@ def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0
 
 
 @pytest.mark.parametrize(("release", "status", "why"), [
-    ("0.5.12", "unsupported", "speaks sglang 0.5.1 to 0.5.10 (cache_finished_req) and 0.5.22 and later")])
+    ("0.5.19", "unsupported", "speaks sglang 0.5.1 to 0.5.18 (cache_finished_req) and 0.5.22 and later")])
 def test_a_tree_release_outside_the_wires_eras_says_why_in_one_line(release, status, why):
     r = replay(NO_OUTPUT, f"sglang=={release}", device="cpu")
     assert r.status == status and why in r.message and "\n" not in r.message, (r.status, r.message)

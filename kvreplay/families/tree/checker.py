@@ -91,10 +91,13 @@ class TreeChecker:
     # -- per call -----------------------------------------------------------------------------------
     def raised(self, call: int, method: str, recorded: Any) -> None:
         """Told when the build raised at a call the recording returned from: the handle the
-        recording took there is not the build's, so its release later is that divergence's
-        consequence (already reported), not a lock released by no one."""
+        recording took there (a lock's, a checkpoint's) is not the build's, so its release
+        later is that divergence's consequence (already reported), not a lock released by
+        no one."""
         if method == "lock" and type(recorded) is int:
             self._void.add(recorded)
+        elif method == "checkpoint" and isinstance(recorded, (tuple, list)) and len(recorded) >= 3:
+            self._void.add(int(recorded[2]))
 
     def after(self, call: int, method: str, args: dict[str, Any], result: Any,
               nested: list[tuple[str, Any]], counters: dict[str, int | None]) -> None:

@@ -1,4 +1,4 @@
-"""A release's ``RadixCache`` from before the wire's era (sglang 0.5.1 to 0.5.10) as a
+"""A release's ``RadixCache`` from before the wire's era (sglang 0.5.1 to 0.5.18) as a
 build of the tree family, spoken to in the wire's plain values.
 
 Those releases have no ``checkpoint``, ``free_kv_row`` or lock handles. A finished
@@ -27,7 +27,10 @@ The releases' signatures moved in steps, each met here by what the release offer
 0.5.6 builds the tree from a ``CacheInitParams`` and reads the request's
 ``cache_protected_len`` and ``pop_committed_kv_cache()``; 0.5.8 matches with a
 ``MatchPrefixParams``; 0.5.9 evicts with an ``EvictParams``; 0.5.10's lock calls return
-objects (unread here). A request's ``fill_ids`` are what its last prefill covered, which
+objects (unread here); 0.5.14 asks the request for ``get_fill_ids()``; 0.5.16 tells
+``cache_finished_req`` how much of the row to handle. From 0.5.11 the release also has
+the unified tree, but a plain model's server ran ``RadixCache`` up to 0.5.18, and so does
+this build. A request's ``fill_ids`` are what its last prefill covered, which
 this build takes to be its prompt: 0.5.6 to 0.5.8.post1 keyed a finished request's
 insert by them."""
 
@@ -39,6 +42,7 @@ import itertools
 from typing import Any
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
 from kvreplay.families.tree.release import _UNNAMED, ERAS, ROOT, BehindTheWire, _Rows, _Slots
@@ -50,7 +54,7 @@ FILLER = -1  # the last output token: it has no slot and is never keyed (the rel
 class _Request:
     """What a RadixCache of these releases reads of a request."""
 
-    extra_key = None
+    extra_key = cache_salt = session_id = None  # cache_salt keys the tree from 0.5.18
     last_matched_prefix_len = 0
     priority = 0
 
@@ -70,9 +74,12 @@ class _Request:
     def pop_committed_kv_cache(self) -> int:
         return self.kv_committed_len
 
+    def get_fill_ids(self) -> list[int]:  # 0.5.14 on
+        return self.fill_ids
+
 
 class RadixRelease(BehindTheWire):
-    """sglang 0.5.1 to 0.5.10's ``RadixCache`` behind the wire (``sglang==X``)."""
+    """sglang 0.5.1 to 0.5.18's ``RadixCache`` behind the wire (``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
         if int(ctor.get("page_size") or 1) != 1:
@@ -80,6 +87,7 @@ class RadixRelease(BehindTheWire):
                                    "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
         try:
             token = importlib.import_module("sglang.srt.mem_cache.allocator").TokenToKVPoolAllocator
+            cls = _plain_tree(cls)
             module = importlib.import_module(cls.__module__)
         except ModuleNotFoundError as exc:
             raise BuildUnloadable(f"sglang's tree does not import here: it needs {exc.name}, which this "
@@ -88,6 +96,8 @@ class RadixRelease(BehindTheWire):
         # the era's parameter objects, as the tree's module imported them (0.5.8, 0.5.9)
         self._match_params = _takes_params(cls.match_prefix) and getattr(module, "MatchPrefixParams", None)
         self._evict_params = _takes_params(cls.evict) and getattr(module, "EvictParams", None)
+        # 0.5.16 on: the caller says how much of the row a finished request's release handles
+        self._kv_len = "kv_len_to_handle" in inspect.signature(cls.cache_finished_req).parameters
         init = list(inspect.signature(cls.__init__).parameters)
         if cls.__name__ != "RadixCache" or ("req_to_token_pool" not in init and not hasattr(module, "CacheInitParams")):
             raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
@@ -197,7 +207,10 @@ class RadixRelease(BehindTheWire):
         req.origin_input_ids = req.fill_ids = tokens[:prompt]
         req.output_ids = tokens[prompt:] + ([FILLER] if int(outputs) > 0 else [])
         req.kv_committed_len = up_to
-        self.tree.cache_finished_req(req)
+        if self._kv_len:
+            self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
+        else:
+            self.tree.cache_finished_req(req)
         slots, node = self._match(tokens)
         row[:len(slots)] = slots
         req.protected = len(slots)
@@ -246,6 +259,22 @@ class RadixRelease(BehindTheWire):
                 out.update(int(s) for s in n.value.tolist())
             stack.extend(n.children.values())
         return out
+
+
+def _plain_tree(cls: type) -> type:
+    """The release's tree for a plain model: from 0.5.11 the release also has the unified
+    tree (the family's first choice), but a plain model's server ran ``RadixCache`` up to
+    0.5.18; from 0.5.19 it runs the unified tree, whose era this build does not speak."""
+    if cls.__name__ == "RadixCache":
+        return cls
+    release = str(getattr(importlib.import_module("sglang"), "__version__", ""))
+    try:
+        plain = Version(release) < Version("0.5.19")
+    except InvalidVersion:
+        plain = False
+    if not plain or hasattr(cls, "checkpoint"):
+        raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
+    return importlib.import_module("sglang.srt.mem_cache.radix_cache").RadixCache
 
 
 def _takes_params(method: Any) -> bool:
