@@ -88,6 +88,12 @@ class BehindTheWire:
     allocator: Any
     tree: Any
 
+    @staticmethod
+    def pages_of_one_token(ctor: dict[str, Any]) -> None:
+        if int(ctor.get("page_size") or 1) != 1:
+            raise BuildUnsupported("sglang's tree replays with page size 1 only (pages of 16 tokens are freed "
+                                   "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
+
     def available_size(self) -> int:
         return int(self.allocator.available_size())
 
@@ -102,9 +108,7 @@ class ReleaseTree(BehindTheWire):
     """A release's tree behind the wire (``--build sglang``, ``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
-        if int(ctor.get("page_size") or 1) != 1:
-            raise BuildUnsupported("sglang's tree replays with page size 1 only (pages of 16 tokens are freed "
-                                   "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
+        self.pages_of_one_token(ctor)
         try:
             self._sg = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in
                         ("allocator.token", "cache_init_params", "base_prefix_cache", "radix_cache",

@@ -82,9 +82,7 @@ class RadixRelease(BehindTheWire):
     """sglang 0.5.1 to 0.5.18's ``RadixCache`` behind the wire (``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
-        if int(ctor.get("page_size") or 1) != 1:
-            raise BuildUnsupported("sglang's tree replays with page size 1 only (pages of 16 tokens are freed "
-                                   "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
+        self.pages_of_one_token(ctor)
         try:
             token = importlib.import_module("sglang.srt.mem_cache.allocator").TokenToKVPoolAllocator
             cls = _plain_tree(cls)
