@@ -255,8 +255,8 @@ DECODE_NOT_CACHED = CORPUS / "sglang-0.5.8-tree-decode-not-cached.parquet"
 def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0_5_9_its_decode_too():
     """0.5.6 to 0.5.8.post1 keyed a finished request's insert by fill_ids (its last
     prefill): the decoded slots were freed as the unaligned tail, not cached. Nothing is
-    lost, so no rule fires; the checkpoint caches fewer tokens than the recording (in
-    remap mode, which follows the build's node names after that parting). The era's
+    lost, so no rule fires; the checkpoint caches fewer tokens than the recording, and
+    both modes follow the build's node names after that parting. The era's
     adapter meets CacheInitParams (0.5.6), MatchPrefixParams (0.5.8) and EvictParams
     (0.5.9); the release imports sgl_kernel's host kernels, stood in for here."""
     from kvreplay.corpus.expectations import check_report
@@ -269,10 +269,11 @@ def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0
             for mode in x.modes:
                 reports[x.build, mode] = replay(DECODE_NOT_CACHED, x.build, device="cpu", mode=mode)
                 assert check_report(reports[x.build, mode], x) == [], (x.build, mode)
-    bad = reports["sglang==0.5.8.post1", "remap"]
-    d = bad.first_divergence
-    assert (d.kind, d.method, d.call) == ("result", "checkpoint", 263) and "8 fewer cached" in d.message, d
-    assert bad.violation_counts == {} and bad.status == "divergence", bad.violation_counts
+    for mode in ("strict", "remap"):
+        bad = reports["sglang==0.5.8.post1", mode]
+        d = bad.first_divergence
+        assert (d.kind, d.method, d.call) == ("result", "checkpoint", 263) and "8 fewer cached" in d.message, d
+        assert bad.violation_counts == {} and bad.status == "divergence", (mode, bad.violation_counts)
     assert {m for b, m in reports if b == "sglang==0.5.9"} == {"strict", "remap"}
 
 

@@ -375,3 +375,46 @@ def test_every_rule_of_the_family_is_made_to_fire_here() -> None:
     text = Path(__file__).read_text()
     tested = {i for i in ids if f'"{i}"' in text}
     assert ids - tested == set()
+
+
+PROMPT_ONLY = '''
+from kvreplay.families.tree.runs import to_runs
+from kvreplay.families.tree.tree import PrefixTree
+
+
+class CachesPromptOnly(PrefixTree):
+    """0.5.6 to 0.5.8.post1's mistake: a finished request's tree takes its prompt only and
+    frees the decoded slots itself."""
+
+    def checkpoint(self, request, pages, up_to, outputs=None):
+        if not outputs:
+            return super().checkpoint(request, pages, up_to, outputs)
+        held = self.requests[int(request)]
+        prompt = max(0, int(up_to) - int(outputs) + 1) // self.page_size * self.page_size
+        got = super().checkpoint(request, pages, prompt)
+        decoded = [s for s in held.row[got[0]:int(up_to)] if s >= 0]
+        if decoded:
+            self.kv.free(to_runs(decoded))
+        for i in range(got[0], min(int(up_to), len(held.row))):
+            held.row[i] = -1
+        return got
+'''
+
+
+def test_a_strict_replay_follows_the_builds_names_after_a_result_parts(tmp_path: Any, monkeypatch: Any) -> None:
+    """A build that caches less names other nodes and handles from that call on. The
+    divergence is reported there; the later calls reach the build's own node and lock under
+    the recording's names, so the checker reports no lock fault of the recording's naming
+    (before, every later unlock of a renamed handle was 'held by no one')."""
+    from kvreplay.replay.dispatch import replay
+
+    (tmp_path / "prompt_only.py").write_text(PROMPT_ONLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = SynthConfig(scenario="prefix-tree", out=tmp_path / "s.parquet", requests=30, full_size=65536,
+                      page_size=1, max_running=8, build="builtin:tree")
+    synthesize(cfg)
+    for mode in ("strict", "remap"):
+        r = replay(cfg.out, "py:prompt_only:CachesPromptOnly", mode=mode)
+        d = r.first_divergence
+        assert r.status == "divergence" and r.violation_counts == {}, (mode, r.violation_counts)
+        assert d.kind == "result" and d.method == "checkpoint" and "fewer cached" in d.message, d

@@ -3,7 +3,10 @@
 Each top-level row is issued on the build: a tree call by request number (target
 ``root``), or a call the scheduler made on the KV allocator itself (target ``kv``).
 Strict mode compares the result, the free, evictable and protected sizes after the
-call and the allocator calls made inside it with the recording. Remap mode lets the
+call and the allocator calls made inside it with the recording; where a result parts
+(a divergence, reported there), a node or lock handle the build named otherwise is
+followed under the build's name from then on, so that the checker does not take the
+recording's names for the build's faults. Remap mode lets the
 build hand out its own slots, nodes and lock handles: a later row's slots, node and
 handle are translated through what the build gave in place of the recorded ones, and
 only the shape of a result is compared. The checker (checker.py) holds every call to
@@ -45,6 +48,8 @@ class TreeReplayer(ReplayLoop):
         # recorded -> build's: slots, nodes and lock handles (remap mode)
         self.maps: dict[str, dict[int, int]] | None = ({"slot": {}, "node": {}, "handle": {}}
                                                        if self.mode == "remap" else None)
+        # strict: the build's names for the recording's nodes and handles where a result parted
+        self.renamed: dict[str, dict[int, int]] = {"node": {}, "handle": {}}
         checker = TreeChecker(self.pool, full_check_every=full_check_every, keep=keep) if check else None
         self._watch(checker, {KV: int(self.meta.ctor_args["size"])})
         self._see = self.timeline.seer(KV)
@@ -87,7 +92,7 @@ class TreeReplayer(ReplayLoop):
         self._log.clear()
         if self.checker is not None:
             self.checker.before(n, c.method)
-        args = dict(c.args) if self.maps is None else self._translate(c.args)
+        args = self._rename(c.args) if self.maps is None else self._translate(c.args)
         result: Any = None
         raised: BaseException | None = None
         try:
@@ -152,6 +157,7 @@ class TreeReplayer(ReplayLoop):
         c, n = tc.call, tc.number
         if plain(c.result) != plain(result):
             self._diverge(n, c.method, "result", c.result, result, _result_gap(c.method, c.result, result))
+            self._learn_names(c.method, c.result, result)
             return
         want = [c.counters.get(col) for col, _ in COLUMNS]
         got = [counters[name] for _, name in COLUMNS]
@@ -167,6 +173,26 @@ class TreeReplayer(ReplayLoop):
             self._diverge(n, c.method, "nested", [f"kv.{m} -> {r}" for m, r in rec[first:first + 3]],
                           [f"kv.{m} -> {r}" for m, r in got_calls[first:first + 3]],
                           "the build's allocator calls differ from the recording")
+
+    def _rename(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A strict replay's arguments: as recorded, but for a node or a handle the build
+        named otherwise at a call whose result parted (reported there). The later calls
+        then speak of what the build holds, and the checker does not report the
+        recording's names as faults of the build."""
+        out = dict(args)
+        for kind in ("node", "handle"):
+            if type(out.get(kind)) is int and self.renamed[kind]:
+                out[kind] = self.renamed[kind].get(out[kind], out[kind])
+        return out
+
+    def _learn_names(self, method: str, recorded: Any, result: Any) -> None:
+        if method in ("match_prefix", "checkpoint") and isinstance(recorded, (tuple, list)) \
+                and isinstance(result, (tuple, list)) and len(recorded) == len(result) >= 2:
+            self.renamed["node"][int(recorded[1])] = int(result[1])
+            if method == "checkpoint" and len(recorded) >= 3:
+                self.renamed["handle"][int(recorded[2])] = int(result[2])
+        elif method == "lock" and type(recorded) is int and type(result) is int:
+            self.renamed["handle"][recorded] = result
 
     # -- remap --------------------------------------------------------------------------------------
     def _translate(self, args: dict[str, Any]) -> dict[str, Any]:
