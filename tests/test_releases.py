@@ -332,7 +332,7 @@ def kernel_user(tmp_path, monkeypatch):
     does, through the host pool), where sgl_kernel is absent."""
     import sys
 
-    for name in ("sgl_kernel", "sgl_kernel.kvcacheio", "kernel_user_ok", "kernel_user_more"):
+    for name in ("sgl_kernel", "sgl_kernel.kvcacheio", "kernel_user_ok", "kernel_user_more", "kernel_user_other"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     (tmp_path / "kernel_user_ok.py").write_text(HOST_KERNEL_USER.format(more=""))
     (tmp_path / "kernel_user_more.py").write_text(HOST_KERNEL_USER.format(more="import kvreplay_no_such_package"))
@@ -362,3 +362,12 @@ def test_a_pool_module_that_lacks_more_than_the_host_kernels_names_what_it_first
         _load("kernel_user_more:Pool")
     assert got.value.name == "sgl_kernel"  # the first failure, not the stand-in's
     assert "sgl_kernel" not in kernel_user and "sgl_kernel.kvcacheio" not in kernel_user  # taken out again
+
+
+def test_a_pool_module_that_fails_on_something_else_gets_no_stand_in(kernel_user, tmp_path):
+    from kvreplay.families.sglang.release import _load
+
+    (tmp_path / "kernel_user_other.py").write_text("import kvreplay_no_such_package\n")
+    with pytest.raises(ModuleNotFoundError) as got:
+        _load("kernel_user_other:Pool")
+    assert got.value.name == "kvreplay_no_such_package" and "sgl_kernel" not in kernel_user
