@@ -85,8 +85,12 @@ def _interrupt(tmp_path: Path, sig: int, *argv: str, extra_path: str = "", worke
     env = {**os.environ, key: value, "TMPDIR": str(scratch), "KVREPLAY_CACHE": str(tmp_path / "cache"),
            "KVREPLAY_TEST_REPLAYING": str(replaying),
            "PYTHONPATH": os.pathsep.join(p for p in (extra_path, os.environ.get("PYTHONPATH", "")) if p)}
+    # As a shell's foreground command: SIGINT at its default. A test run started in the
+    # background by a non-interactive shell (as CI may be) ignores SIGINT, every process it
+    # starts inherits that, and Python then never turns SIGINT into KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, "-m", "kvreplay.cli.app", *argv, "--db", str(tmp_path / "k.db")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_as_in_a_foreground_command)
     try:
         _until(lambda: any(replaying.iterdir()) or proc.poll() is not None, "no replay started")
         assert proc.poll() is None, proc.stderr.read()
@@ -99,6 +103,10 @@ def _interrupt(tmp_path: Path, sig: int, *argv: str, extra_path: str = "", worke
     assert code == (143 if sig == signal.SIGTERM else 130), proc.stderr.read()
     _until(lambda: not _marked(), "workers outlived the command")
     assert list(scratch.iterdir()) == [], "scratch files left behind"
+
+
+def _sigint_as_in_a_foreground_command() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _until(done, failure: str, guard_s: float = 300.0) -> None:
@@ -123,9 +131,6 @@ def test_sigterm_to_matrix_ends_its_worker_builds(tmp_path, trace, slow):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="twice in .ci/run on 2026-12-06 (once beside the soak, once in the fast tier) bisect did "
-                          "not end within the guard after its SIGINT and its worker outlived it; it passed in every "
-                          "run by hand; cause not found (closing note of session 21)", strict=False)
 def test_sigint_to_bisect_ends_its_worker_and_removes_its_scratch(tmp_path, trace, slow):
     repo, revs = slow
     _interrupt(tmp_path, signal.SIGINT, "bisect", str(trace), "--repo", str(repo), "--good", revs[0],
