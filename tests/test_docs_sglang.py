@@ -30,9 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("sglang-0.5.12-swa-tail-prealloc.parquet", "sglang-0.5.23-swa-page0.parquet")
 # Traces a page's commands name, staged for that page only: the release matrices replay
 # every trace in the staged corpus on every release.
-PAGE_TRACES = {"tree.md": ("sglang-0.5.3-tree-no-output-leak.parquet", "sglang-0.5.8-tree-decode-not-cached.parquet")}
+PAGE_TRACES = {"tree.md": ("sglang-0.5.3-tree-no-output-leak.parquet", "sglang-0.5.5-tree-partial-page-leak.parquet",
+                           "sglang-0.5.8-tree-decode-not-cached.parquet")}
 # What a page's `bisect --fixed` must name, by the trace it bisects.
 FIXED_IN = {"disagg-mtp-2000.parquet": "0.5.12.post1", "sglang-0.5.3-tree-no-output-leak.parquet": "0.5.3.post2",
+            "sglang-0.5.5-tree-partial-page-leak.parquet": "0.5.6",
             "sglang-0.5.8-tree-decode-not-cached.parquet": "0.5.9"}
 
 

@@ -277,6 +277,30 @@ def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0
     assert {m for b, m in reports if b == "sglang==0.5.9"} == {"strict", "remap"}
 
 
+PARTIAL_PAGE = CORPUS / "sglang-0.5.5-tree-partial-page-leak.parquet"
+
+
+def test_sglang_0_5_5_post3_loses_a_chunks_partial_page_that_another_request_cached_and_0_5_6_does_not():
+    """Pages of 16 tokens: up to 0.5.5.post3 a chunk's cache_unfinished_req took the whole
+    prefix_indices (partial page included) as the tree's, so a partial page another request
+    cached meanwhile was neither freed nor cached; 0.5.6 frees from cache_protected_len."""
+    from kvreplay.corpus.expectations import check_report
+    from kvreplay.corpus.manifest import load_manifest
+
+    entry = next(e for e in load_manifest(CORPUS) if e.file == PARTIAL_PAGE)
+    reports = {}
+    for x in entry.expect:
+        if x.build.startswith("sglang=="):
+            for mode in x.modes:
+                reports[x.build, mode] = replay(PARTIAL_PAGE, x.build, device="cpu", mode=mode)
+                assert check_report(reports[x.build, mode], x) == [], (x.build, mode)
+    bad = reports["sglang==0.5.5.post3", "strict"]
+    v = bad.first_violation
+    assert (v.invariant, v.rule, v.method, v.call) == ("tree-owner", "row-leak", "checkpoint", 8009), v
+    assert len(v.indices) == 2 and "request 43" in v.message, v
+    assert {k for k in reports if k[0] == "sglang==0.5.6"} == {("sglang==0.5.6", "strict"), ("sglang==0.5.6", "remap")}
+
+
 @pytest.mark.parametrize(("release", "status", "why"), [
     ("0.5.19", "unsupported", "speaks sglang 0.5.1 to 0.5.18 (cache_finished_req) and 0.5.22 and later")])
 def test_a_tree_release_outside_the_wires_eras_says_why_in_one_line(release, status, why):

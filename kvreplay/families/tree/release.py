@@ -298,10 +298,14 @@ class _Slots:
         self.size = int(allocator.size)
         self._free = allocator.free
         allocator.free = self._tree_free  # the tree's frees, as the wire's
+        self.left: set[int] = set()  # slots a release frees that the wire frees in a later call
 
     def _tree_free(self, index: torch.Tensor) -> None:
-        if index.numel():
-            self.free(to_runs([int(s) for s in index.reshape(-1).tolist()]))
+        slots = [int(s) for s in index.reshape(-1).tolist()]
+        if self.left:
+            slots = [s for s in slots if s not in self.left]
+        if slots:
+            self.free(to_runs(slots))
 
     def available_size(self) -> int:
         return int(self.allocator.available_size())

@@ -49,6 +49,7 @@ from kvreplay.families.tree.release import _UNNAMED, ERAS, ROOT, BehindTheWire, 
 from kvreplay.families.tree.runs import from_runs
 
 FILLER = -1  # the last output token: it has no slot and is never keyed (the release drops it)
+PARTIAL = -2  # a token of a partial page: the wire names full pages only, and the tree keys only those
 
 
 class _Request:
@@ -59,7 +60,7 @@ class _Request:
     priority = 0
 
     def __init__(self) -> None:
-        self.tokens: list[int] = []  # the page hashes the wire named, one a token
+        self.keyed: list[int] = []  # the tokens of the full pages the wire named, as the tree keys them
         self.origin_input_ids: list[int] = []
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []
@@ -82,7 +83,6 @@ class RadixRelease(BehindTheWire):
     """sglang 0.5.1 to 0.5.18's ``RadixCache`` behind the wire (``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
-        self.pages_of_one_token(ctor)
         try:
             token = importlib.import_module("sglang.srt.mem_cache.allocator").TokenToKVPoolAllocator
             cls = _plain_tree(cls)
@@ -100,12 +100,14 @@ class RadixRelease(BehindTheWire):
         if cls.__name__ != "RadixCache" or ("req_to_token_pool" not in init and not hasattr(module, "CacheInitParams")):
             raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
         size = int(ctor["size"])
-        self.page_size = 1
-        self.ctor_args = {"size": size, "page_size": 1, "device": "cpu",
+        # the tree keys whole pages; the wire's allocator hands out token slots at any page size
+        self.page_size = int(ctor.get("page_size") or 1)
+        self.ctor_args = {"size": size, "page_size": self.page_size, "device": "cpu",
                           "need_sort": bool(ctor.get("need_sort", True))}
         self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
         self.rows = _Rows()
-        pools = {"req_to_token_pool": self.rows, "token_to_kv_pool_allocator": self.allocator, "page_size": 1}
+        pools = {"req_to_token_pool": self.rows, "token_to_kv_pool_allocator": self.allocator,
+                 "page_size": self.page_size}
         if "req_to_token_pool" in init:
             self.tree = cls(**pools)
         else:  # 0.5.6 on: one parameter object
@@ -146,6 +148,28 @@ class RadixRelease(BehindTheWire):
             self.rows.rows[req.req_pool_idx] = []
         return self.rows.rows[req.req_pool_idx]
 
+    def _named(self, req: _Request, pages: tuple[int, ...]) -> None:
+        """Take the full pages the wire named: a page's hash stands for its tokens, one
+        token each, distinct within the page."""
+        p = self.page_size
+        req.keyed.extend(int(h) for h in pages) if p == 1 else req.keyed.extend(
+            int(h) * p + i for h in pages for i in range(p))
+
+    def _tokens(self, req: _Request, n: int) -> list[int]:
+        """The request's first ``n`` tokens as the tree keys them; a partial page, which the
+        tree never keys, is filler."""
+        full = req.keyed[:n]
+        return full + [PARTIAL] * (n - len(full))
+
+    def _held(self, node: Any) -> int:
+        """How many tokens the path from the root to ``node`` holds: what a request locked
+        there holds of the tree."""
+        held = 0
+        while node is not None and node.parent is not None:
+            held += len(node.value)
+            node = node.parent
+        return held
+
     def _k(self, tokens: list[int]) -> Any:
         return list(tokens) if self._key is None else self._key(list(tokens), None)
 
@@ -157,11 +181,12 @@ class RadixRelease(BehindTheWire):
     # -- the wire's calls -------------------------------------------------------------------------
     def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
         req = self._request(int(request))
-        req.tokens.extend(int(p) for p in pages)
-        slots, node = self._match(req.tokens[:int(length)])
+        self._named(req, pages)
+        slots, node = self._match(self._tokens(req, int(length)))
         req.last_node, req.protected = node, len(slots)
+        # from here the release keeps these itself (a partial page rides on prefix_indices)
         req.prefix_indices = torch.tensor(slots, dtype=torch.int64)
-        req.last_matched_prefix_len = len(slots)
+        req.last_matched_prefix_len = req.cache_protected_len = len(slots)
         self._row(req)[:] = slots
         return (len(slots), self._number(node))
 
@@ -186,16 +211,14 @@ class RadixRelease(BehindTheWire):
     def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
                    outputs: int | None = None) -> tuple[int, int, int]:
         req = self._request(int(request))
-        req.tokens.extend(int(p) for p in pages)
+        self._named(req, pages)
         row, up_to = self._row(req), int(up_to)
-        tokens = req.tokens[:up_to]
-        req.prefix_indices = torch.tensor(row[:req.protected], dtype=torch.int64)
-        req.cache_protected_len = req.protected
+        tokens = self._tokens(req, up_to)
         self._locks.pop(req.handle, None)  # both calls drop the request's lock themselves
         if outputs is None:
             req.fill_ids = tokens
             self.tree.cache_unfinished_req(req)
-            req.protected = len(req.prefix_indices)
+            req.protected = self._held(req.last_node)
             handle = next(self._handles)
             self._locks[handle] = req.last_node
             req.handle = handle
@@ -205,10 +228,16 @@ class RadixRelease(BehindTheWire):
         req.origin_input_ids = req.fill_ids = tokens[:prompt]
         req.output_ids = tokens[prompt:] + ([FILLER] if int(outputs) > 0 else [])
         req.kv_committed_len = up_to
-        if self._kv_len:
-            self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
-        else:
-            self.tree.cache_finished_req(req)
+        # The release frees the partial page's slots itself; the wire frees them with the
+        # rest of the row in the free_kv_row that follows, so they are left to it.
+        self.kv.left = set(row[up_to // self.page_size * self.page_size:up_to])
+        try:
+            if self._kv_len:
+                self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
+            else:
+                self.tree.cache_finished_req(req)
+        finally:
+            self.kv.left = set()
         slots, node = self._match(tokens)
         row[:len(slots)] = slots
         req.protected = len(slots)
