@@ -252,6 +252,22 @@ def test_the_live_tree_traces_replay_strict_clean_on_a_release_before_checkpoint
 DECODE_NOT_CACHED = CORPUS / "sglang-0.5.8-tree-decode-not-cached.parquet"
 
 
+def _held_to_the_manifest(trace):
+    """Replay ``trace`` on every release its manifest entry names, in each of its modes,
+    and hold each report to its expectation: ``{(build, mode): report}``."""
+    from kvreplay.corpus.expectations import check_report
+    from kvreplay.corpus.manifest import load_manifest
+
+    entry = next(e for e in load_manifest(CORPUS) if e.file == trace)
+    reports = {}
+    for x in entry.expect:
+        if x.build.startswith("sglang=="):
+            for mode in x.modes:
+                reports[x.build, mode] = replay(trace, x.build, device="cpu", mode=mode)
+                assert check_report(reports[x.build, mode], x) == [], (x.build, mode)
+    return reports
+
+
 def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0_5_9_its_decode_too():
     """0.5.6 to 0.5.8.post1 keyed a finished request's insert by fill_ids (its last
     prefill): the decoded slots were freed as the unaligned tail, not cached. Nothing is
@@ -259,16 +275,7 @@ def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0
     both modes follow the build's node names after that parting. The era's
     adapter meets CacheInitParams (0.5.6), MatchPrefixParams (0.5.8) and EvictParams
     (0.5.9); the release imports sgl_kernel's host kernels, stood in for here."""
-    from kvreplay.corpus.expectations import check_report
-    from kvreplay.corpus.manifest import load_manifest
-
-    entry = next(e for e in load_manifest(CORPUS) if e.file == DECODE_NOT_CACHED)
-    reports = {}
-    for x in entry.expect:
-        if x.build.startswith("sglang=="):
-            for mode in x.modes:
-                reports[x.build, mode] = replay(DECODE_NOT_CACHED, x.build, device="cpu", mode=mode)
-                assert check_report(reports[x.build, mode], x) == [], (x.build, mode)
+    reports = _held_to_the_manifest(DECODE_NOT_CACHED)
     for mode in ("strict", "remap"):
         bad = reports["sglang==0.5.8.post1", mode]
         d = bad.first_divergence
@@ -284,16 +291,7 @@ def test_sglang_0_5_5_post3_loses_a_chunks_partial_page_that_another_request_cac
     """Pages of 16 tokens: up to 0.5.5.post3 a chunk's cache_unfinished_req took the whole
     prefix_indices (partial page included) as the tree's, so a partial page another request
     cached meanwhile was neither freed nor cached; 0.5.6 frees from cache_protected_len."""
-    from kvreplay.corpus.expectations import check_report
-    from kvreplay.corpus.manifest import load_manifest
-
-    entry = next(e for e in load_manifest(CORPUS) if e.file == PARTIAL_PAGE)
-    reports = {}
-    for x in entry.expect:
-        if x.build.startswith("sglang=="):
-            for mode in x.modes:
-                reports[x.build, mode] = replay(PARTIAL_PAGE, x.build, device="cpu", mode=mode)
-                assert check_report(reports[x.build, mode], x) == [], (x.build, mode)
+    reports = _held_to_the_manifest(PARTIAL_PAGE)
     bad = reports["sglang==0.5.5.post3", "strict"]
     v = bad.first_violation
     assert (v.invariant, v.rule, v.method, v.call) == ("tree-owner", "row-leak", "checkpoint", 8009), v
