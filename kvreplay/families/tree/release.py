@@ -57,8 +57,8 @@ class _Rows:
         row[start:start + len(vals)] = vals
 
     def free(self, row: Any) -> None:
-        """A release before 0.5.6 frees the row inside ``cache_finished_req``; the wire's
-        ``release`` drops it, after the row free that follows."""
+        """A release up to 0.5.8.post1 frees the row inside ``cache_finished_req``; the
+        wire's ``release`` drops it, after the row free that follows."""
 
 
 class _Request:

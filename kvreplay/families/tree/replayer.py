@@ -92,7 +92,7 @@ class TreeReplayer(ReplayLoop):
         self._log.clear()
         if self.checker is not None:
             self.checker.before(n, c.method)
-        args = self._rename(c.args) if self.maps is None else self._translate(c.args)
+        args = _renamed(c.args, self.renamed) if self.maps is None else self._translate(c.args)
         result: Any = None
         raised: BaseException | None = None
         try:
@@ -157,7 +157,7 @@ class TreeReplayer(ReplayLoop):
         c, n = tc.call, tc.number
         if plain(c.result) != plain(result):
             self._diverge(n, c.method, "result", c.result, result, _result_gap(c.method, c.result, result))
-            self._learn_names(c.method, c.result, result)
+            _learn_names(c.method, c.result, result, self.renamed)
             return
         want = [c.counters.get(col) for col, _ in COLUMNS]
         got = [counters[name] for _, name in COLUMNS]
@@ -174,35 +174,11 @@ class TreeReplayer(ReplayLoop):
                           [f"kv.{m} -> {r}" for m, r in got_calls[first:first + 3]],
                           "the build's allocator calls differ from the recording")
 
-    def _rename(self, args: dict[str, Any]) -> dict[str, Any]:
-        """A strict replay's arguments: as recorded, but for a node or a handle the build
-        named otherwise at a call whose result parted (reported there). The later calls
-        then speak of what the build holds, and the checker does not report the
-        recording's names as faults of the build."""
-        out = dict(args)
-        for kind in ("node", "handle"):
-            if type(out.get(kind)) is int and self.renamed[kind]:
-                out[kind] = self.renamed[kind].get(out[kind], out[kind])
-        return out
-
-    def _learn_names(self, method: str, recorded: Any, result: Any) -> None:
-        if method in ("match_prefix", "checkpoint") and isinstance(recorded, (tuple, list)) \
-                and isinstance(result, (tuple, list)) and len(recorded) == len(result) >= 2:
-            self.renamed["node"][int(recorded[1])] = int(result[1])
-            if method == "checkpoint" and len(recorded) >= 3:
-                self.renamed["handle"][int(recorded[2])] = int(result[2])
-        elif method == "lock" and type(recorded) is int and type(result) is int:
-            self.renamed["handle"][recorded] = result
-
     # -- remap --------------------------------------------------------------------------------------
     def _translate(self, args: dict[str, Any]) -> dict[str, Any]:
         m = self.maps
         assert m is not None
-        out = dict(args)
-        if type(out.get("node")) is int:
-            out["node"] = m["node"].get(out["node"], out["node"])
-        if type(out.get("handle")) is int:
-            out["handle"] = m["handle"].get(out["handle"], out["handle"])
+        out = _renamed(args, m)
         if isinstance(out.get("runs"), (tuple, list)):
             out["runs"] = to_runs(m["slot"].get(s, s) for s in from_runs(out["runs"]))
         return out
@@ -224,14 +200,33 @@ class TreeReplayer(ReplayLoop):
         for r_runs, g in zip(allocs, got, strict=False):
             if isinstance(r_runs, (tuple, list)):
                 m["slot"].update(zip(from_runs(r_runs), g, strict=False))
-        if c.method in ("match_prefix", "checkpoint") and isinstance(rec, (tuple, list)) and len(rec) >= 2:
-            if rec[0] != result[0]:
-                self._diverge(n, c.method, "result", rec[0], result[0], _result_gap(c.method, rec, result))
-            m["node"][int(rec[1])] = int(result[1])
-            if c.method == "checkpoint" and len(rec) >= 3:
-                m["handle"][int(rec[2])] = int(result[2])
-        elif c.method == "lock" and type(rec) is int and type(result) is int:
-            m["handle"][rec] = result
+        if c.method in ("match_prefix", "checkpoint") and isinstance(rec, (tuple, list)) and len(rec) >= 2 \
+                and rec[0] != result[0]:
+            self._diverge(n, c.method, "result", rec[0], result[0], _result_gap(c.method, rec, result))
+        _learn_names(c.method, rec, result, m)
+
+
+def _renamed(args: dict[str, Any], names: dict[str, dict[int, int]]) -> dict[str, Any]:
+    """A row's arguments with each node and lock handle the build named otherwise put in
+    the build's name: remap mode's from every call, strict mode's from a call whose result
+    parted (reported there), so that the later calls speak of what the build holds and
+    the checker does not report the recording's names as faults of the build."""
+    out = dict(args)
+    for kind in ("node", "handle"):
+        if type(out.get(kind)) is int and names[kind]:
+            out[kind] = names[kind].get(out[kind], out[kind])
+    return out
+
+
+def _learn_names(method: str, recorded: Any, result: Any, names: dict[str, dict[int, int]]) -> None:
+    """The build's names for the node and lock handle a call's recorded result named."""
+    if method in ("match_prefix", "checkpoint") and isinstance(recorded, (tuple, list)) \
+            and isinstance(result, (tuple, list)) and len(result) >= len(recorded) >= 2:
+        names["node"][int(recorded[1])] = int(result[1])
+        if method == "checkpoint" and len(recorded) >= 3:
+            names["handle"][int(recorded[2])] = int(result[2])
+    elif method == "lock" and type(recorded) is int and type(result) is int:
+        names["handle"][recorded] = result
 
 
 def _result_gap(method: str, recorded: Any, here: Any) -> str:

@@ -156,7 +156,7 @@ class PrefixTree:
 
         ``outputs`` is given on a finished request's release only: its output tokens.
         This tree does not need it (it caches what ``up_to`` says); releases before
-        0.5.6 derive the cached length from it (release_radix.py)."""
+        0.5.22 derive a finished request's token lists from it (release_radix.py)."""
         held = self.requests[int(request)]
         held.pages.extend(pages)
         n_pages = int(up_to) // self.page_size
