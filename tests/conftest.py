@@ -51,6 +51,30 @@ def run_in_process(capsys, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(list(argv), code, cap.out, cap.err)
 
 
+class PythonPeak:
+    """``with PythonPeak() as p: ...`` then ``p.bytes``: the most Python allocated inside
+    the block, in every thread. A bound on it holds whatever this xdist worker ran before,
+    where a difference of ru_maxrss reads 0 once an earlier test peaked higher."""
+
+    def __enter__(self) -> PythonPeak:
+        import tracemalloc
+
+        self._was_tracing = tracemalloc.is_tracing()
+        if not self._was_tracing:
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        self._base = tracemalloc.get_traced_memory()[0]
+        self.bytes = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import tracemalloc
+
+        self.bytes = tracemalloc.get_traced_memory()[1] - self._base
+        if not self._was_tracing:
+            tracemalloc.stop()
+
+
 @pytest.fixture
 def cli(capsys):
     """``cli("replay", ...)``: a CompletedProcess with the exit code and output."""

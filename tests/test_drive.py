@@ -11,6 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import PythonPeak
 from conftest import run_in_process as run
 from servers import free_port
 
@@ -125,29 +126,23 @@ def _hostile_server(kind: str) -> tuple[ThreadingHTTPServer, str]:
 
 @pytest.mark.slow
 def test_answers_that_are_not_answers_are_failures_in_bounded_time_and_memory(capsys):
-    # The peak of what Python allocated during the drives, not the worker's ru_maxrss: an
-    # xdist worker's maxrss keeps whatever the tests before this one reached.
-    import tracemalloc
-
-    tracemalloc.start()
     peaks = {}
     for kind, said in (("list", "bad answer"), ("silent", "timeout"), ("drip", "timeout"),
                        ("huge", "bad answer: an answer over 16 MB")):
         srv, url = _hostile_server(kind)
-        tracemalloc.reset_peak()
         try:
             t0 = time.monotonic()
-            r = run(capsys, "drive", url, "-n", "2", "-c", "2", "--timeout", "3", "--json")
+            with PythonPeak() as peak:
+                r = run(capsys, "drive", url, "-n", "2", "-c", "2", "--timeout", "3", "--json")
             took = time.monotonic() - t0
         finally:
             srv.shutdown()
-        peaks[kind] = tracemalloc.get_traced_memory()[1]
+        peaks[kind] = peak.bytes
         assert r.returncode == 1, (kind, r.stderr)
         res = json.loads(r.stdout)
         assert res["ok"] == 0 and res["errors"] == 2, (kind, res)
         assert any(said.lower() in k.lower() for k in res["error_kinds"]), (kind, res["error_kinds"])
         assert took < 15, (kind, took)
-    tracemalloc.stop()
     # Two answers cut at 16 MB each, and the buffers that read them: far below the 1 GiB
     # body the server offers, so no answer was held whole.
     assert max(peaks.values()) < 96 << 20, peaks

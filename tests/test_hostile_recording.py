@@ -212,18 +212,18 @@ def test_parallel_scrapes_of_big_counter_files_stay_small(tmp_path):
         except BaseException as exc:  # noqa: BLE001 - collected for the assertion
             errors.append(exc)
 
-    import resource
+    from conftest import PythonPeak
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    threads = [threading.Thread(target=scrape) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with PythonPeak() as peak:
+        threads = [threading.Thread(target=scrape) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     server.shutdown()
     server.server_close()
     assert not errors
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+    assert peak.bytes < 200 << 20, peak.bytes
 
 
 # 3 -- a rotated trace is one recording, every part of it there ------------------------------
