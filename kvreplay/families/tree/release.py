@@ -30,7 +30,7 @@ from kvreplay.families.tree.runs import from_runs, to_runs
 TREE_CLASS = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 ROOT = 0  # the wire's root node, as tree.py numbers it (tree.py builds this module's trees: no import back)
 # what an unsupported release is told: the method eras the wire has an adapter for
-ERAS = ("the tree's wire speaks sglang 0.5.1 to 0.5.18 (cache_finished_req) and 0.5.22 and later (checkpoint), "
+ERAS = ("the tree's wire speaks sglang 0.5.1 to 0.5.20 (cache_finished_req) and 0.5.22 and later (checkpoint), "
         "not this release's era")
 _UNNAMED = 1 << 48  # path() ids of nodes the wire never named: apart from every number
 

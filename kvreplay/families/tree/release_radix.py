@@ -288,18 +288,23 @@ class RadixRelease(BehindTheWire):
         return out
 
 
-def _plain_tree(cls: type) -> type:
-    """The release's tree for a plain model: from 0.5.11 the release also has the unified
-    tree (the family's first choice), but a plain model's server ran ``RadixCache`` up to
-    0.5.18; from 0.5.19 it runs the unified tree, whose era this build does not speak."""
-    if cls.__name__ == "RadixCache":
-        return cls
+def plain_model_ran_radix() -> bool:
+    """Did a plain model's server of the installed release run ``RadixCache``? Up to
+    0.5.18 it did (the unified tree, from 0.5.11, was for hybrids or opt-in); from 0.5.19
+    it runs the unified tree."""
     release = str(getattr(importlib.import_module("sglang"), "__version__", ""))
     try:
-        plain = Version(release) < Version("0.5.19")
+        return Version(release) < Version("0.5.19")
     except InvalidVersion:
-        plain = False
-    if not plain or hasattr(cls, "checkpoint"):
+        return False
+
+
+def _plain_tree(cls: type) -> type:
+    """The release's tree for a plain model: ``RadixCache`` up to 0.5.18, also where the
+    release has the unified tree (the family's first choice)."""
+    if cls.__name__ == "RadixCache":
+        return cls
+    if not plain_model_ran_radix() or hasattr(cls, "checkpoint"):
         raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
     return importlib.import_module("sglang.srt.mem_cache.radix_cache").RadixCache
 
@@ -309,4 +314,4 @@ def _takes_params(method: Any) -> bool:
     return list(inspect.signature(method).parameters)[1:2] == ["params"]
 
 
-__all__ = ["RadixRelease"]
+__all__ = ["RadixRelease", "plain_model_ran_radix"]
