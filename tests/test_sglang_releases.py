@@ -249,10 +249,11 @@ def test_the_live_tree_traces_replay_strict_clean_on_a_release_before_checkpoint
         assert r.status == "clean", (trace.name, r.status, r.first_divergence, r.first_violation, r.message)
 
 
-@pytest.mark.parametrize("release", ["0.5.19", "0.5.20"])
+@pytest.mark.parametrize("release", ["0.5.19", "0.5.20", "0.5.21"])
 def test_a_plain_models_unified_tree_before_checkpoint_replays_as_the_wires_era_does(release, tmp_path):
-    """0.5.19 and 0.5.20 ran a plain model on the unified tree, released through
-    cache_finished_req (0.5.20: with lock receipts, and the prompt as a node of its own).
+    """0.5.19 to 0.5.21 ran a plain model on the unified tree, released through
+    cache_finished_req (0.5.20: with lock receipts, and the prompt as a node of its own)
+    or, in 0.5.21, insert_req with the caller's free_kv_row and unpin.
     The live traces replay clean, a finished request's release included, and a trace of a
     tree that forgets rows meets the same books on the release as on kvreplay's tree."""
     from kvreplay.workload.synth import SynthConfig, synthesize
@@ -321,7 +322,7 @@ def test_sglang_0_5_5_post3_loses_a_chunks_partial_page_that_another_request_cac
 
 
 @pytest.mark.parametrize(("release", "status", "why"), [
-    ("0.5.21", "unsupported", "speaks sglang 0.5.1 to 0.5.20 (cache_finished_req) and 0.5.22 and later")])
-def test_a_tree_release_outside_the_wires_eras_says_why_in_one_line(release, status, why):
-    r = replay(NO_OUTPUT, f"sglang=={release}", device="cpu")
+    ("0.5.19", "unsupported", "sglang's tree replays with page size 1 only")])
+def test_a_tree_release_that_cannot_replay_a_trace_says_why_in_one_line(release, status, why):
+    r = replay(PARTIAL_PAGE, f"sglang=={release}", device="cpu")
     assert r.status == status and why in r.message and "\n" not in r.message, (r.status, r.message)

@@ -30,8 +30,8 @@ from kvreplay.families.tree.runs import from_runs, to_runs
 TREE_CLASS = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 ROOT = 0  # the wire's root node, as tree.py numbers it (tree.py builds this module's trees: no import back)
 # what an unsupported release is told: the method eras the wire has an adapter for
-ERAS = ("the tree's wire speaks sglang 0.5.1 to 0.5.20 (cache_finished_req) and 0.5.22 and later (checkpoint), "
-        "not this release's era")
+ERAS = ("the tree's wire speaks sglang's tree eras from 0.5.1 (cache_finished_req to 0.5.20, insert_req in "
+        "0.5.21, checkpoint from 0.5.22), not this class's")
 _UNNAMED = 1 << 48  # path() ids of nodes the wire never named: apart from every number
 
 

@@ -1,5 +1,5 @@
-"""A release's ``UnifiedRadixCache`` from before the wire's era (sglang 0.5.19 and
-0.5.20) as a build of the tree family, for a plain model (the full-attention component).
+"""A release's ``UnifiedRadixCache`` from before the wire's era (sglang 0.5.19 to
+0.5.21) as a build of the tree family, for a plain model (the full-attention component).
 
 From 0.5.19 a plain model's server runs the unified tree. Its requests already keep
 their KV books in a ``ReqKvInfo`` (``req.kv``) and give slots back through
@@ -11,7 +11,11 @@ them as for the plain trees before (release_radix.py): ``lock`` and ``unlock`` o
 handle's node, a checkpoint without ``outputs`` a chunk's, with ``outputs`` a finished
 request's, followed by a match and a lock so that the sizes read after the call mean
 what they mean in the wire's era. 0.5.20 also re-inserts a finished request's prompt as
-a node of its own (topology only: the books do not move)."""
+a node of its own (topology only: the books do not move). 0.5.21 splits the finished
+request's release as the wire's era does: ``insert_req`` inserts only, and the caller
+frees the row (``free_kv_row``) and drops the lock (``unpin``); the wire's checkpoint is
+``insert_req``, after which the lock moves to the new last node, and its ``unlock`` is
+the release's ``dec_lock_ref`` with the receipt, as ``unpin`` is."""
 
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ class _Request:
 
 
 class UnifiedRelease(ReleaseTree):
-    """sglang 0.5.19 and 0.5.20's ``UnifiedRadixCache`` behind the wire (``sglang==X``)."""
+    """sglang 0.5.19 to 0.5.21's ``UnifiedRadixCache`` behind the wire (``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:  # noqa: PLR0915 - one constructor per era
         self.pages_of_one_token(ctor)
@@ -70,7 +74,8 @@ class UnifiedRelease(ReleaseTree):
                                   "environment lacks (run kvreplay beside sglang's dependencies)") from None
         except Exception as exc:  # a release that exists but fails to import in this environment
             raise BuildUnloadable(f"sglang's tree does not import here ({type(exc).__name__}: {exc})") from None
-        if (hasattr(cls, "checkpoint") or not hasattr(cls, "cache_finished_req")
+        self._insert_req = hasattr(cls, "insert_req")  # 0.5.21: the caller frees and unpins
+        if (hasattr(cls, "checkpoint") or not (self._insert_req or hasattr(cls, "cache_finished_req"))
                 or not hasattr(batch, "ReqKvInfo") or not hasattr(cls, "root_node_handle")):
             raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
         self._kv_info = batch.ReqKvInfo
@@ -152,14 +157,17 @@ class UnifiedRelease(ReleaseTree):
         held = self._locks.pop(int(handle), None)
         if held is None:
             return
+        self._unlock_held(held)
+        req = self.requests.get(int(request))
+        if req is not None and req.handle == int(handle):
+            req.handle = 0
+
+    def _unlock_held(self, held: tuple[int, Any]) -> None:
         node_id, receipt = held
         if receipt is None:
             self.tree.dec_lock_ref(node_id)
         else:
             self.tree.dec_lock_ref(node_id, receipt)
-        req = self.requests.get(int(request))
-        if req is not None and req.handle == int(handle):
-            req.handle = 0
 
     def extend(self, request: int, runs: tuple[int, ...]) -> None:
         req = self._request(int(request))
@@ -173,7 +181,7 @@ class UnifiedRelease(ReleaseTree):
         req.pages.extend(int(p) for p in pages)
         up_to = int(up_to)
         tokens = array("q", req.pages[:up_to])
-        self._locks.pop(req.handle, None)  # both calls drop the request's lock themselves
+        held = self._locks.pop(req.handle, None)  # cache_*_req drop the request's lock themselves
         if outputs is None:
             req.fill_ids = tokens
             self.tree.cache_unfinished_req(req, chunked=True)
@@ -184,12 +192,18 @@ class UnifiedRelease(ReleaseTree):
         req.origin_input_ids = req.fill_ids = tokens[:prompt]
         req.output_ids = tokens[prompt:] + array("q", [-1] if int(outputs) > 0 else [])
         req.kv.kv_committed_len = up_to
-        self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
+        if not self._insert_req:
+            self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
+        else:  # insert only: the wire's free_kv_row and unlock follow, as the release's did
+            self.tree.insert_req(req, up_to=up_to)
         matched, node = self._match(req, up_to)
         row = self._row(req)
         row[:matched] = self.path_slots(self._number(node))[:matched]
         req.kv.cache_protected_len = matched
-        return (matched, self._number(node), self._lock_at(req, node))
+        handle = self._lock_at(req, node)
+        if self._insert_req and held is not None:  # the wire's era moves the lock: the old one goes
+            self._unlock_held(held)
+        return (matched, self._number(node), handle)
 
     # -- what the checker reads -------------------------------------------------------------------
     def path_slots(self, node: int) -> list[int]:

@@ -349,14 +349,14 @@ def _common(a: tuple[int, ...], key: tuple[int, ...], at: int) -> int:
 
 def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
     if cls.__module__.split(".")[0] == "sglang":  # a release's tree, behind the wire
-        if not hasattr(cls, "checkpoint") and hasattr(cls, "cache_finished_req"):  # an era before the wire's
+        if not hasattr(cls, "checkpoint") and (hasattr(cls, "cache_finished_req") or hasattr(cls, "insert_req")):
             from kvreplay.families.tree.release_radix import RadixRelease, plain_model_ran_radix
 
             if cls.__name__ == "UnifiedRadixCache" and not plain_model_ran_radix():
                 from kvreplay.families.tree.release_unified import UnifiedRelease
 
                 return UnifiedRelease(cls, ctor)
-            return RadixRelease(cls, ctor)
+            return RadixRelease(cls, ctor)  # an era before the wire's
         from kvreplay.families.tree.release import release_tree
 
         return release_tree(cls, ctor)
