@@ -22,7 +22,7 @@ from kvreplay.builds.releases import expand  # noqa: E402
 from kvreplay.jobs.bisect import bisect, build_candidates  # noqa: E402
 from kvreplay.jobs.matrix import run_matrix  # noqa: E402
 from kvreplay.jobs.stored_replay import replay_and_store  # noqa: E402
-from kvreplay.replay.dispatch import replay  # noqa: E402
+from kvreplay.replay.dispatch import replay, run_many  # noqa: E402
 from kvreplay.replay.report import Failure  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -249,6 +249,16 @@ def test_the_live_tree_traces_replay_strict_clean_on_a_release_before_checkpoint
         assert r.status == "clean", (trace.name, r.status, r.first_divergence, r.first_violation, r.message)
 
 
+def _replays(traces, build, **options):
+    """Each trace replayed on a release build in one worker (the release imported once):
+    ``{trace name: report}``."""
+    got = {}
+    run_many([str(t) for t in traces], build, lambda r, code_id: got.__setitem__(Path(r.trace).name, r),
+             device="cpu", **options)
+    assert len(got) == len(traces), sorted(got)
+    return got
+
+
 @pytest.mark.parametrize("release", ["0.5.19", "0.5.20", "0.5.21"])
 def test_a_plain_models_unified_tree_before_checkpoint_replays_as_the_wires_era_does(release, tmp_path):
     """0.5.19 to 0.5.21 ran a plain model on the unified tree, released through
@@ -258,13 +268,14 @@ def test_a_plain_models_unified_tree_before_checkpoint_replays_as_the_wires_era_
     tree that forgets rows meets the same books on the release as on kvreplay's tree."""
     from kvreplay.workload.synth import SynthConfig, synthesize
 
-    for trace in (*LIVE_TREES, NO_OUTPUT):
-        r = replay(trace, f"sglang=={release}", device="cpu")
-        assert r.status == "clean", (trace.name, r.status, r.first_divergence, r.first_violation, r.message)
     forgets = tmp_path / "forgets.parquet"
     synthesize(SynthConfig(scenario="prefix-tree", out=forgets, requests=120, full_size=65536, page_size=1,
                            build="builtin:tree@forgets-row"))
-    ours, theirs = replay(forgets, "builtin:tree"), replay(forgets, f"sglang=={release}", device="cpu")
+    got = _replays([*LIVE_TREES, NO_OUTPUT, forgets], f"sglang=={release}")
+    for trace in (*LIVE_TREES, NO_OUTPUT):
+        r = got[trace.name]
+        assert r.status == "clean", (trace.name, r.status, r.first_divergence, r.first_violation, r.message)
+    ours, theirs = replay(forgets, "builtin:tree"), got[forgets.name]
     assert theirs.status == "divergence", (theirs.status, theirs.message)
     assert theirs.divergence_counts["counter"] == ours.divergence_counts["counter"] > 0, theirs.divergence_counts
     first = next(d for d in theirs.divergences if d.kind == "counter")
@@ -321,8 +332,17 @@ def test_sglang_0_5_5_post3_loses_a_chunks_partial_page_that_another_request_cac
     assert {k for k in reports if k[0] == "sglang==0.5.6"} == {("sglang==0.5.6", "strict"), ("sglang==0.5.6", "remap")}
 
 
-@pytest.mark.parametrize(("release", "status", "why"), [
-    ("0.5.19", "unsupported", "sglang's tree replays with page size 1 only")])
-def test_a_tree_release_that_cannot_replay_a_trace_says_why_in_one_line(release, status, why):
-    r = replay(PARTIAL_PAGE, f"sglang=={release}", device="cpu")
-    assert r.status == status and why in r.message and "\n" not in r.message, (r.status, r.message)
+def test_the_unified_trees_releases_replay_pages_of_16_as_radix_cache_did():
+    """Pages of 16 tokens on 0.5.19 (cache_finished_req) and 0.5.23 (the wire's era): the
+    corpus' page-16 traces replay as the manifest says, the partial-page zoo trace clean
+    (its bug was fixed in 0.5.6), and a trace of a tree that forgets rows with the
+    recording's leak on 0.5.23. The unified tree frees a checkpoint's duplicates node by
+    node; consecutive frees compare as one."""
+    for release in ("0.5.19", "0.5.23"):
+        for name, r in _replays([PARTIAL_PAGE, CORPUS / "tree-prefix-mooncake-100.parquet"],
+                                f"sglang=={release}").items():
+            assert r.status == "clean", (release, name, r.status, r.first_divergence, r.message)
+    reports = _held_to_the_manifest(CORPUS / "tree-forgets-row-200.parquet")
+    assert ("sglang==0.5.23", "strict") in reports
+
+

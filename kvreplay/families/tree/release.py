@@ -5,9 +5,10 @@ over its token allocator, spoken to in the wire's plain values.
 The wire names requests by number and keys by page hashes; sglang's tree takes Request
 objects and token ids. Each request number gets a stand-in holding what the tree reads
 of a request (its ``ReqKvInfo``, its lock, its last node, its token ids). A page hash
-becomes a token id here (``page_size`` 1: one token per page), the same hash the same
-id, so equal prefixes stay equal and a match finds what the recording's found; no
-token id of the recording exists to be found. Nodes and lock handles are numbered in
+becomes token ids here (``BehindTheWire.token_ids``), the same hash the same ids, so
+equal prefixes stay equal and a match finds what the recording's found; no token id of
+the recording exists to be found. The tree keys whole pages at the recording's page
+size over a token allocator: the wire's slots are tokens at any page size. Nodes and lock handles are numbered in
 the order the wire first names them, as the live wire numbers the server's
 (live.py), so a correct release answers a recording of itself number for number.
 
@@ -80,19 +81,36 @@ class _Request:
         return False
 
 
+PARTIAL = -2  # a token of a partial page: the wire names full pages only, and the tree keys only those
+
+
 class BehindTheWire:
     """What every release's tree behind the wire shares: its three counters, read from
-    the release's own allocator and tree."""
+    the release's own allocator and tree, and the token ids it keys a request by."""
 
     prefix_tree = True
     allocator: Any
     tree: Any
+    page_size = 1
+    _page_ids: dict[int, int]
 
-    @staticmethod
-    def pages_of_one_token(ctor: dict[str, Any]) -> None:
-        if int(ctor.get("page_size") or 1) != 1:
-            raise BuildUnsupported("sglang's tree replays with page size 1 only (pages of 16 tokens are freed "
-                                   "whole by the paged allocator, which kvreplay's tree wire does not model yet)")
+    def token_ids(self, pages: list[int], n: int) -> array:
+        """The first ``n`` token ids of a request whose full pages hash to ``pages``. At
+        page size 1 a page's hash is its token id. A larger page stands as ``page_size``
+        distinct ids, numbered from the page's first appearance (a hash times the page
+        size would not fit a token id); a partial page, which the tree never keys, is
+        filler."""
+        p = self.page_size
+        if p == 1:
+            return array("q", pages[:n])
+        ids = self.__dict__.setdefault("_page_ids", {})
+        out = array("q")
+        for h in pages[:-(-n // p)]:
+            base = ids.setdefault(int(h), len(ids)) * p
+            out.extend(range(base, base + p))
+        del out[n:]
+        out.extend([PARTIAL] * (n - len(out)))
+        return out
 
     def available_size(self) -> int:
         return int(self.allocator.available_size())
@@ -108,7 +126,6 @@ class ReleaseTree(BehindTheWire):
     """A release's tree behind the wire (``--build sglang``, ``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
-        self.pages_of_one_token(ctor)
         try:
             self._sg = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in
                         ("allocator.token", "cache_init_params", "base_prefix_cache", "radix_cache",
@@ -126,14 +143,16 @@ class ReleaseTree(BehindTheWire):
             raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
         self._kv_info = batch.ReqKvInfo
         size = int(ctor["size"])
-        self.page_size = 1
-        self.ctor_args = {"size": size, "page_size": 1, "device": "cpu",
+        # the tree keys whole pages; the wire's allocator hands out token slots at any page size
+        self.page_size = int(ctor.get("page_size") or 1)
+        self.ctor_args = {"size": size, "page_size": self.page_size, "device": "cpu",
                           "need_sort": bool(ctor.get("need_sort", True))}
         token = self._sg["allocator.token"].TokenToKVPoolAllocator
         self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
         self.rows = _Rows()
         params = self._sg["cache_init_params"].CacheInitParams(
-            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator, page_size=1,
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size,
             tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,), tree_core_backend="python")
         self.tree = cls(params)
         self.kv = _Slots(self.allocator)
@@ -169,10 +188,10 @@ class ReleaseTree(BehindTheWire):
             req = self.requests[number] = _Request(self._kv_info())
         return req
 
-    def _learn(self, req: _Request, pages: tuple[int, ...]) -> None:
-        """The request's key grows by ``pages``: a page hash stands as its token id."""
+    def _learn(self, req: _Request, pages: tuple[int, ...], n: int) -> None:
+        """The request's key grows by ``pages``, and covers its first ``n`` tokens."""
         req.pages.extend(int(p) for p in pages)
-        req.full_untruncated_fill_ids = array("q", req.pages)
+        req.full_untruncated_fill_ids = self.token_ids(req.pages, max(n, len(req.pages) * self.page_size))
         req.origin_input_ids = req.full_untruncated_fill_ids[:req.prompt]
 
     def _row(self, req: _Request) -> list[int]:
@@ -186,7 +205,7 @@ class ReleaseTree(BehindTheWire):
         req = self._request(int(request))
         if not req.prompt:
             req.prompt = int(length) + 1
-        self._learn(req, pages)
+        self._learn(req, pages, int(length))
         sg = self._sg
         key = sg["radix_cache"].RadixKey(req.full_untruncated_fill_ids, limit=int(length))
         got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req))
@@ -225,7 +244,7 @@ class ReleaseTree(BehindTheWire):
     def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
                    outputs: int | None = None) -> tuple[int, int, int]:
         req = self._request(int(request))
-        self._learn(req, pages)
+        self._learn(req, pages, int(up_to))
         old = req.lock
         self.tree.checkpoint(req, up_to=int(up_to))
         if req.lock is not old:

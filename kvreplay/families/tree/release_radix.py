@@ -45,11 +45,10 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.families.tree.release import _UNNAMED, ERAS, ROOT, BehindTheWire, _Rows, _Slots
+from kvreplay.families.tree.release import _UNNAMED, ERAS, PARTIAL, ROOT, BehindTheWire, _Rows, _Slots
 from kvreplay.families.tree.runs import from_runs
 
 FILLER = -1  # the last output token: it has no slot and is never keyed (the release drops it)
-PARTIAL = -2  # a token of a partial page: the wire names full pages only, and the tree keys only those
 
 
 class _Request:

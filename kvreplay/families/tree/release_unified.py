@@ -63,7 +63,6 @@ class UnifiedRelease(ReleaseTree):
     """sglang 0.5.19 to 0.5.21's ``UnifiedRadixCache`` behind the wire (``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:  # noqa: PLR0915 - one constructor per era
-        self.pages_of_one_token(ctor)
         try:
             self._sg = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in
                         ("allocator.token", "cache_init_params", "base_prefix_cache", "radix_cache",
@@ -80,15 +79,16 @@ class UnifiedRelease(ReleaseTree):
             raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
         self._kv_info = batch.ReqKvInfo
         size = int(ctor["size"])
-        self.page_size = 1
-        self.ctor_args = {"size": size, "page_size": 1, "device": "cpu",
+        # the tree keys whole pages; the wire's allocator hands out token slots at any page size
+        self.page_size = int(ctor.get("page_size") or 1)
+        self.ctor_args = {"size": size, "page_size": self.page_size, "device": "cpu",
                           "need_sort": bool(ctor.get("need_sort", True))}
         self.allocator = self._sg["allocator.token"].TokenToKVPoolAllocator(
             size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
         self.rows = _Rows()
         params = self._sg["cache_init_params"].CacheInitParams(
-            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator, page_size=1,
-            tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,))
+            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size, tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,))
         # the Python tree core, whose nodes the checker reads (the release's default here too)
         before = os.environ.get(_BACKEND)
         os.environ[_BACKEND] = "python"
@@ -131,7 +131,7 @@ class UnifiedRelease(ReleaseTree):
 
     def _match(self, req: _Request, n: int) -> tuple[int, int]:
         sg = self._sg
-        key = sg["radix_cache"].RadixKey(array("q", req.pages[:n]))
+        key = sg["radix_cache"].RadixKey(self.token_ids(req.pages, n))
         got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req))
         return int(got.device_indices.numel()), int(got.last_device_node)
 
@@ -180,7 +180,7 @@ class UnifiedRelease(ReleaseTree):
         req = self._request(int(request))
         req.pages.extend(int(p) for p in pages)
         up_to = int(up_to)
-        tokens = array("q", req.pages[:up_to])
+        tokens = self.token_ids(req.pages, up_to)
         held = self._locks.pop(req.handle, None)  # cache_*_req drop the request's lock themselves
         if outputs is None:
             req.fill_ids = tokens
@@ -193,7 +193,14 @@ class UnifiedRelease(ReleaseTree):
         req.output_ids = tokens[prompt:] + array("q", [-1] if int(outputs) > 0 else [])
         req.kv.kv_committed_len = up_to
         if not self._insert_req:
-            self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
+            # The release frees the partial page's slots itself; the wire frees them with the
+            # rest of the row in the free_kv_row that follows, so they are left to it.
+            row = self._row(req)
+            self.kv.left = set(row[up_to // self.page_size * self.page_size:up_to])
+            try:
+                self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
+            finally:
+                self.kv.left = set()
         else:  # insert only: the wire's free_kv_row and unlock follow, as the release's did
             self.tree.insert_req(req, up_to=up_to)
         matched, node = self._match(req, up_to)

@@ -109,13 +109,14 @@ class TreeReplayer(ReplayLoop):
             if self.checker is not None and raised is not None and c.exc_type is None:
                 self.checker.raised(n, c.method, c.result)
             return result, raised
+        # the checker first: a counter divergence says whose books broke, the build's or the recording's
+        if self.checker is not None:
+            method = c.method if c.target != KV else f"kv.{c.method}"
+            self.checker.after(n, method, args, result, list(self._log), counters)
         if self.maps is None:
             self._compare(tc, result, counters)
         else:
             self._learn(tc, result)
-        if self.checker is not None:
-            method = c.method if c.target != KV else f"kv.{c.method}"
-            self.checker.after(n, method, args, result, list(self._log), counters)
         return result, raised
 
     @staticmethod
@@ -162,12 +163,14 @@ class TreeReplayer(ReplayLoop):
         want = [c.counters.get(col) for col, _ in COLUMNS]
         got = [counters[name] for _, name in COLUMNS]
         if all(w is not None for w in want) and want != got:
-            self._diverge(n, c.method, "counter", want, got, _books_gap(want, got))
+            self._diverge(n, c.method, "counter", want, got,
+                          _books_gap(want, got, self.checker.gap if self.checker is not None else 0))
         if c.target == KV:
             return
-        rec = [(x.method, plain(x.result if x.method == "alloc" else x.args.get("runs"))) for x in tc.nested]
-        got_calls = [(m, to_runs(s)) for m, s in self._log]
-        if [(m, tuple(r or ())) for m, r in rec] != got_calls:
+        rec = _one_free_per_run([(x.method, tuple(plain(x.result if x.method == "alloc" else x.args.get("runs"))
+                                                  or ())) for x in tc.nested])
+        got_calls = _one_free_per_run([(m, to_runs(s)) for m, s in self._log])
+        if rec != got_calls:
             first = next((i for i, (a, b) in enumerate(zip(rec, got_calls, strict=False)) if a != b),
                          min(len(rec), len(got_calls)))
             self._diverge(n, c.method, "nested", [f"kv.{m} -> {r}" for m, r in rec[first:first + 3]],
@@ -229,6 +232,19 @@ def _learn_names(method: str, recorded: Any, result: Any, names: dict[str, dict[
         names["handle"][recorded] = result
 
 
+def _one_free_per_run(calls: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """Frees that follow one another, with no alloc between, as one free of their slots in
+    order: the allocator's free list ends the same, and a tree that frees each node's
+    duplicates apart (the unified tree) frees what one call of another tree frees."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for method, runs in calls:
+        if method == "free" and out and out[-1][0] == "free":
+            out[-1] = ("free", to_runs([*from_runs(out[-1][1]), *from_runs(runs)]))
+        else:
+            out.append((method, runs))
+    return out
+
+
 def _result_gap(method: str, recorded: Any, here: Any) -> str:
     """What a result divergence says: for a match or a checkpoint, how the prefix the
     request holds of the tree differs."""
@@ -241,11 +257,17 @@ def _result_gap(method: str, recorded: Any, here: Any) -> str:
     return "result differs from the recording"
 
 
-def _books_gap(recorded: list[int], here: list[int]) -> str:
-    """What a counter divergence says of the pool's books: which sizes part, and whether
-    the recording lost slots this build keeps (a leak) or counts slots it does not have."""
+def _books_gap(recorded: list[int], here: list[int], build_gap: int = 0) -> str:
+    """What a counter divergence says of the pool's books: which sizes part, and whose
+    books broke. Where the build's own books are off (``build_gap``, the checker's: its
+    sizes against the slots the calls said it holds), the build lost slots or counts them
+    twice; where they balance, the recording did."""
     parts = ", ".join(f"{name} {w:,} recorded, {g:,} here"
                       for name, w, g in zip(("free", "evictable", "protected"), recorded, here, strict=True) if w != g)
+    if build_gap < 0:
+        return f"{parts}: this build's own books are {-build_gap:,} slot(s) short by this call (it lost them)"
+    if build_gap > 0:
+        return f"{parts}: this build's own books count {build_gap:,} slot(s) twice by this call"
     gap = sum(here) - sum(recorded)
     if gap > 0:
         return f"{parts}: the recording lost {gap:,} slot(s) at this call that this build keeps on its books (a leak)"
