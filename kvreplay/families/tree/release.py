@@ -126,21 +126,8 @@ class ReleaseTree(BehindTheWire):
     """A release's tree behind the wire (``--build sglang``, ``sglang==X``)."""
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
-        try:
-            self._sg = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in
-                        ("allocator.token", "cache_init_params", "base_prefix_cache", "radix_cache",
-                         "unified_cache.components")}
-            batch = importlib.import_module("sglang.srt.managers.schedule_batch")
-        except ModuleNotFoundError as exc:
-            if (exc.name or "").startswith("sglang"):
-                raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: this release has no {exc.name} "
-                                       "(the tree's wire speaks sglang 0.5.22 and later)") from None
-            raise BuildUnloadable(f"sglang's tree does not import here: it needs {exc.name}, which this "
-                                  "environment lacks (run kvreplay beside sglang's dependencies)") from None
-        except Exception as exc:  # a release that exists but fails to import in this environment
-            raise BuildUnloadable(f"sglang's tree does not import here ({type(exc).__name__}: {exc})") from None
-        if not hasattr(cls, "checkpoint") or not hasattr(batch, "ReqKvInfo"):
-            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
+        batch = self._import_release(cls)
+        self._check_era(cls, batch)
         self._kv_info = batch.ReqKvInfo
         size = int(ctor["size"])
         # the tree keys whole pages; the wire's allocator hands out token slots at any page size
@@ -150,18 +137,40 @@ class ReleaseTree(BehindTheWire):
         token = self._sg["allocator.token"].TokenToKVPoolAllocator
         self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
         self.rows = _Rows()
-        params = self._sg["cache_init_params"].CacheInitParams(
+        self.tree = self._make_tree(cls, dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
-            page_size=self.page_size,
-            tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,), tree_core_backend="python")
-        self.tree = cls(params)
+            page_size=self.page_size, tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,)))
         self.kv = _Slots(self.allocator)
-        self.requests: dict[int, _Request] = {}
+        self.requests: dict[int, Any] = {}
         self._row_ids = itertools.count(1)
         self._node_number: dict[int, int] = {int(self.tree.root_node_handle()): ROOT}
         self._node_id: dict[int, int] = {ROOT: int(self.tree.root_node_handle())}
         self._locks: dict[int, Any] = {}  # handle -> the release's TreeLock
         self._next_handle = 1
+
+    def _import_release(self, cls: type) -> Any:
+        """The release's tree modules (``self._sg``), and its scheduler's batch module."""
+        try:
+            self._sg = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in
+                        ("allocator.token", "cache_init_params", "base_prefix_cache", "radix_cache",
+                         "unified_cache.components")}
+            return importlib.import_module("sglang.srt.managers.schedule_batch")
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").startswith("sglang"):
+                raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: this release has no {exc.name} "
+                                       f"({ERAS})") from None
+            raise BuildUnloadable(f"sglang's tree does not import here: it needs {exc.name}, which this "
+                                  "environment lacks (run kvreplay beside sglang's dependencies)") from None
+        except Exception as exc:  # a release that exists but fails to import in this environment
+            raise BuildUnloadable(f"sglang's tree does not import here ({type(exc).__name__}: {exc})") from None
+
+    def _check_era(self, cls: type, batch: Any) -> None:
+        if not hasattr(cls, "checkpoint") or not hasattr(batch, "ReqKvInfo"):
+            raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
+
+    def _make_tree(self, cls: type, params: dict[str, Any]) -> Any:
+        """The tree on sglang's Python tree core, whose nodes the checker reads."""
+        return cls(self._sg["cache_init_params"].CacheInitParams(**params, tree_core_backend="python"))
 
     # -- numbers ----------------------------------------------------------------------------------
     def _number(self, node_id: Any) -> int:

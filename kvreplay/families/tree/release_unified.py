@@ -19,7 +19,6 @@ the release's ``dec_lock_ref`` with the receipt, as ``unpin`` is."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 from array import array
@@ -27,9 +26,8 @@ from typing import Any
 
 import torch
 
-from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.families.tree.release import ERAS, ROOT, ReleaseTree, _Rows, _Slots
-from kvreplay.families.tree.runs import from_runs
+from kvreplay.errors import BuildUnsupported
+from kvreplay.families.tree.release import ERAS, ReleaseTree
 
 _BACKEND = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
@@ -62,50 +60,29 @@ class _Request:
 class UnifiedRelease(ReleaseTree):
     """sglang 0.5.19 to 0.5.21's ``UnifiedRadixCache`` behind the wire (``sglang==X``)."""
 
-    def __init__(self, cls: type, ctor: dict[str, Any]) -> None:  # noqa: PLR0915 - one constructor per era
-        try:
-            self._sg = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}") for name in
-                        ("allocator.token", "cache_init_params", "base_prefix_cache", "radix_cache",
-                         "unified_cache.components")}
-            batch = importlib.import_module("sglang.srt.managers.schedule_batch")
-        except ModuleNotFoundError as exc:
-            raise BuildUnloadable(f"sglang's tree does not import here: it needs {exc.name}, which this "
-                                  "environment lacks (run kvreplay beside sglang's dependencies)") from None
-        except Exception as exc:  # a release that exists but fails to import in this environment
-            raise BuildUnloadable(f"sglang's tree does not import here ({type(exc).__name__}: {exc})") from None
+    def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
         self._insert_req = hasattr(cls, "insert_req")  # 0.5.21: the caller frees and unpins
+        super().__init__(cls, ctor)
+        self._locks: dict[int, Any] = {}  # handle -> (the node id it locked, the release's receipt)
+        self._handles = itertools.count(1)
+
+    def _check_era(self, cls: type, batch: Any) -> None:
         if (hasattr(cls, "checkpoint") or not (self._insert_req or hasattr(cls, "cache_finished_req"))
                 or not hasattr(batch, "ReqKvInfo") or not hasattr(cls, "root_node_handle")):
             raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: {ERAS}")
-        self._kv_info = batch.ReqKvInfo
-        size = int(ctor["size"])
-        # the tree keys whole pages; the wire's allocator hands out token slots at any page size
-        self.page_size = int(ctor.get("page_size") or 1)
-        self.ctor_args = {"size": size, "page_size": self.page_size, "device": "cpu",
-                          "need_sort": bool(ctor.get("need_sort", True))}
-        self.allocator = self._sg["allocator.token"].TokenToKVPoolAllocator(
-            size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
-        self.rows = _Rows()
-        params = self._sg["cache_init_params"].CacheInitParams(
-            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
-            page_size=self.page_size, tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,))
-        # the Python tree core, whose nodes the checker reads (the release's default here too)
+
+    def _make_tree(self, cls: type, params: dict[str, Any]) -> Any:
+        """The tree on the Python tree core (the releases' default too): chosen by the
+        environment here, not by a parameter."""
         before = os.environ.get(_BACKEND)
         os.environ[_BACKEND] = "python"
         try:
-            self.tree = cls(params)
+            return cls(self._sg["cache_init_params"].CacheInitParams(**params))
         finally:
             if before is None:
                 os.environ.pop(_BACKEND, None)
             else:
                 os.environ[_BACKEND] = before
-        self.kv = _Slots(self.allocator)
-        self.requests: dict[int, Any] = {}
-        self._row_ids = itertools.count(1)
-        self._node_number: dict[int, int] = {int(self.tree.root_node_handle()): ROOT}
-        self._node_id: dict[int, int] = {ROOT: int(self.tree.root_node_handle())}
-        self._locks: dict[int, Any] = {}  # handle -> (the node id it locked, the release's receipt)
-        self._handles = itertools.count(1)
 
     def _request(self, number: int) -> _Request:
         req = self.requests.get(number)
@@ -168,12 +145,6 @@ class UnifiedRelease(ReleaseTree):
             self.tree.dec_lock_ref(node_id)
         else:
             self.tree.dec_lock_ref(node_id, receipt)
-
-    def extend(self, request: int, runs: tuple[int, ...]) -> None:
-        req = self._request(int(request))
-        row = self._row(req)
-        row.extend(from_runs(runs))
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = len(row)
 
     def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
                    outputs: int | None = None) -> tuple[int, int, int]:
