@@ -94,22 +94,28 @@ class BehindTheWire:
     page_size = 1
     _page_ids: dict[int, int]
 
-    def token_ids(self, pages: list[int], n: int) -> array:
-        """The first ``n`` token ids of a request whose full pages hash to ``pages``. At
+    def token_ids(self, req: Any, n: int) -> array:
+        """The first ``n`` token ids of a request whose full pages hash to ``req.pages``. At
         page size 1 a page's hash is its token id. A larger page stands as ``page_size``
         distinct ids, numbered from the page's first appearance (a hash times the page
         size would not fit a token id); a partial page, which the tree never keys, is
-        filler."""
+        filler. The ids of the pages seen so far are kept on the request: a request's key
+        only grows, and expanding it whole at every call cost a replay time quadratic in
+        its length."""
         p = self.page_size
-        if p == 1:
-            return array("q", pages[:n])
-        ids = self.__dict__.setdefault("_page_ids", {})
-        out = array("q")
-        for h in pages[:-(-n // p)]:
-            base = ids.setdefault(int(h), len(ids)) * p
-            out.extend(range(base, base + p))
-        del out[n:]
-        out.extend([PARTIAL] * (n - len(out)))
+        done: array = req.__dict__.setdefault("_token_ids", array("q"))
+        have = len(done) // p
+        if have < len(req.pages):
+            if p == 1:
+                done.extend(req.pages[have:])
+            else:
+                ids = self.__dict__.setdefault("_page_ids", {})
+                for h in req.pages[have:]:
+                    base = ids.setdefault(int(h), len(ids)) * p
+                    done.extend(range(base, base + p))
+        out = done[:n]
+        if len(out) < n:
+            out.extend([PARTIAL] * (n - len(out)))
         return out
 
     def available_size(self) -> int:
@@ -200,7 +206,7 @@ class ReleaseTree(BehindTheWire):
     def _learn(self, req: _Request, pages: tuple[int, ...], n: int) -> None:
         """The request's key grows by ``pages``, and covers its first ``n`` tokens."""
         req.pages.extend(int(p) for p in pages)
-        req.full_untruncated_fill_ids = self.token_ids(req.pages, max(n, len(req.pages) * self.page_size))
+        req.full_untruncated_fill_ids = self.token_ids(req, max(n, len(req.pages) * self.page_size))
         req.origin_input_ids = req.full_untruncated_fill_ids[:req.prompt]
 
     def _row(self, req: _Request) -> list[int]:
@@ -289,21 +295,27 @@ class ReleaseTree(BehindTheWire):
             return None
 
     def _full(self, node: Any) -> Any:
-        return node.component_data[self._sg["unified_cache.components"].ComponentType.FULL]
+        return node.component_data[self._full_type]
+
+    @property
+    def _full_type(self) -> Any:
+        return self._sg["unified_cache.components"].ComponentType.FULL
 
     def path(self, node: int) -> list[tuple[int, int, int]]:
         out = []
+        full_type, numbers = self._full_type, self._node_number
         n = self._node(node)
         while n is not None and n.parent is not None:
-            full = self._full(n)
-            ident = self._node_number.get(int(n.id), _UNNAMED + int(n.id))
-            out.append((ident, int(full.lock_ref), 0 if full.value is None else len(full.value)))
+            full = n.component_data[full_type]
+            ident = numbers.get(int(n.id), _UNNAMED + int(n.id))
+            # shape[0], not len(): a tensor's len() is Python code, and this runs per node per call
+            out.append((ident, int(full.lock_ref), 0 if full.value is None else int(full.value.shape[0])))
             n = n.parent
         return out
 
     def path_slots(self, node: int) -> list[int]:
         node_id = self._node_id.get(int(node))
-        return [] if node_id is None else [int(s) for s in self.tree.path_device_indices(node_id).tolist()]
+        return [] if node_id is None else self.tree.path_device_indices(node_id).tolist()
 
     def locked_slots(self) -> set[int]:
         out: set[int] = set()
@@ -312,7 +324,7 @@ class ReleaseTree(BehindTheWire):
             n = stack.pop()
             full = self._full(n)
             if n.parent is not None and full.lock_ref > 0 and full.value is not None:
-                out.update(int(s) for s in full.value.tolist())
+                out.update(full.value.tolist())
             stack.extend(n.children.values())
         return out
 

@@ -165,7 +165,7 @@ class RadixRelease(BehindTheWire):
         there holds of the tree."""
         held = 0
         while node is not None and node.parent is not None:
-            held += len(node.value)
+            held += int(node.value.shape[0])
             node = node.parent
         return held
 
@@ -175,7 +175,7 @@ class RadixRelease(BehindTheWire):
     def _match(self, tokens: list[int]) -> tuple[list[int], Any]:
         key = self._k(tokens)
         got = self.tree.match_prefix(self._match_params(key=key) if self._match_params else key)
-        return [int(s) for s in got.device_indices.tolist()], got.last_device_node
+        return got.device_indices.tolist(), got.last_device_node
 
     # -- the wire's calls -------------------------------------------------------------------------
     def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
@@ -264,7 +264,7 @@ class RadixRelease(BehindTheWire):
         n = self._nodes.get(int(node))
         while n is not None and n.parent is not None:
             ident = self._node_number.get(int(n.id), _UNNAMED + int(n.id))
-            out.append((ident, int(n.lock_ref), len(n.value)))
+            out.append((ident, int(n.lock_ref), int(n.value.shape[0])))  # not len(): Python code per node
             n = n.parent
         return out
 
@@ -272,7 +272,7 @@ class RadixRelease(BehindTheWire):
         n = self._nodes.get(int(node))
         parts = []
         while n is not None and n.parent is not None:
-            parts.append([int(s) for s in n.value.tolist()])
+            parts.append(n.value.tolist())
             n = n.parent
         return [s for part in reversed(parts) for s in part]
 
@@ -282,7 +282,7 @@ class RadixRelease(BehindTheWire):
         while stack:
             n = stack.pop()
             if n.parent is not None and n.lock_ref > 0:
-                out.update(int(s) for s in n.value.tolist())
+                out.update(n.value.tolist())
             stack.extend(n.children.values())
         return out
 

@@ -108,7 +108,7 @@ class UnifiedRelease(ReleaseTree):
 
     def _match(self, req: _Request, n: int) -> tuple[int, int]:
         sg = self._sg
-        key = sg["radix_cache"].RadixKey(self.token_ids(req.pages, n))
+        key = sg["radix_cache"].RadixKey(self.token_ids(req, n))
         got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req))
         return int(got.device_indices.numel()), int(got.last_device_node)
 
@@ -151,7 +151,7 @@ class UnifiedRelease(ReleaseTree):
         req = self._request(int(request))
         req.pages.extend(int(p) for p in pages)
         up_to = int(up_to)
-        tokens = self.token_ids(req.pages, up_to)
+        tokens = self.token_ids(req, up_to)
         held = self._locks.pop(req.handle, None)  # cache_*_req drop the request's lock themselves
         if outputs is None:
             req.fill_ids = tokens
@@ -189,7 +189,7 @@ class UnifiedRelease(ReleaseTree):
         parts = []
         while n is not None and n.parent is not None:
             full = self._full(n)
-            parts.append([] if full.value is None else [int(s) for s in full.value.tolist()])
+            parts.append([] if full.value is None else full.value.tolist())
             n = n.parent
         return [s for part in reversed(parts) for s in part]
 
