@@ -33,10 +33,10 @@ ROOT = 0  # the wire's root node, as tree.py numbers it (tree.py builds this mod
 # what an unsupported release is told: the method eras the wire has an adapter for
 ERAS = ("the tree's wire speaks sglang's tree eras from 0.5.1 (cache_finished_req to 0.5.20, insert_req in "
         "0.5.21, checkpoint from 0.5.22), not this class's")
-_UNNAMED = 1 << 48  # path() ids of nodes the wire never named: apart from every number
+UNNAMED = 1 << 48  # path() ids of nodes the wire never named: apart from every number
 
 
-class _Rows:
+class ReleaseRows:
     """The request-to-token table the tree reads and writes, one growing row per request
     (a release's ReqToTokenPool holds rows x context length up front)."""
 
@@ -142,11 +142,11 @@ class ReleaseTree(BehindTheWire):
                           "need_sort": bool(ctor.get("need_sort", True))}
         token = self._sg["allocator.token"].TokenToKVPoolAllocator
         self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
-        self.rows = _Rows()
+        self.rows = ReleaseRows()
         self.tree = self._make_tree(cls, dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
             page_size=self.page_size, tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,)))
-        self.kv = _Slots(self.allocator)
+        self.kv = WireSlots(self.allocator)
         self.requests: dict[int, Any] = {}
         self._row_ids = itertools.count(1)
         self._node_number: dict[int, int] = {int(self.tree.root_node_handle()): ROOT}
@@ -307,7 +307,7 @@ class ReleaseTree(BehindTheWire):
         n = self._node(node)
         while n is not None and n.parent is not None:
             full = n.component_data[full_type]
-            ident = numbers.get(int(n.id), _UNNAMED + int(n.id))
+            ident = numbers.get(int(n.id), UNNAMED + int(n.id))
             # shape[0], not len(): a tensor's len() is Python code, and this runs per node per call
             out.append((ident, int(full.lock_ref), 0 if full.value is None else int(full.value.shape[0])))
             n = n.parent
@@ -329,7 +329,7 @@ class ReleaseTree(BehindTheWire):
         return out
 
 
-class _Slots:
+class WireSlots:
     """The allocator's calls in the wire's form (target ``kv``): the replayer listens
     here, and the tree's own frees reach the allocator through it."""
 
@@ -364,4 +364,5 @@ def release_tree(cls: type, ctor: dict[str, Any]) -> ReleaseTree:
     return ReleaseTree(cls, ctor)
 
 
-__all__ = ["TREE_CLASS", "BehindTheWire", "ReleaseTree", "release_tree"]
+__all__ = ["ERAS", "PARTIAL", "ROOT", "TREE_CLASS", "UNNAMED", "BehindTheWire", "ReleaseRows", "ReleaseTree",
+           "WireSlots", "release_tree"]

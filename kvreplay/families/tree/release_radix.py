@@ -45,7 +45,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.families.tree.release import _UNNAMED, ERAS, PARTIAL, ROOT, BehindTheWire, _Rows, _Slots
+from kvreplay.families.tree.release import ERAS, PARTIAL, ROOT, UNNAMED, BehindTheWire, ReleaseRows, WireSlots
 from kvreplay.families.tree.runs import from_runs
 
 FILLER = -1  # the last output token: it has no slot and is never keyed (the release drops it)
@@ -104,14 +104,14 @@ class RadixRelease(BehindTheWire):
         self.ctor_args = {"size": size, "page_size": self.page_size, "device": "cpu",
                           "need_sort": bool(ctor.get("need_sort", True))}
         self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
-        self.rows = _Rows()
+        self.rows = ReleaseRows()
         pools = {"req_to_token_pool": self.rows, "token_to_kv_pool_allocator": self.allocator,
                  "page_size": self.page_size}
         if "req_to_token_pool" in init:
             self.tree = cls(**pools)
         else:  # 0.5.6 on: one parameter object
             self.tree = cls(module.CacheInitParams(disable=False, **pools))
-        self.kv = _Slots(self.allocator)
+        self.kv = WireSlots(self.allocator)
         self.requests: dict[int, _Request] = {}
         self._row_ids = itertools.count(1)
         root = self.tree.root_node
@@ -263,7 +263,7 @@ class RadixRelease(BehindTheWire):
         out = []
         n = self._nodes.get(int(node))
         while n is not None and n.parent is not None:
-            ident = self._node_number.get(int(n.id), _UNNAMED + int(n.id))
+            ident = self._node_number.get(int(n.id), UNNAMED + int(n.id))
             out.append((ident, int(n.lock_ref), int(n.value.shape[0])))  # not len(): Python code per node
             n = n.parent
         return out
