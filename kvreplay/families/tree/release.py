@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib
 import itertools
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -84,6 +86,13 @@ class _Request:
 PARTIAL = -2  # a token of a partial page: the wire names full pages only, and the tree keys only those
 
 
+def prompt_length(up_to: int, outputs: int) -> int:
+    """How many of a finished request's ``up_to`` row tokens were its prompt, given its
+    output count: the last output token has no slot yet, so ``outputs - 1`` of the row are
+    outputs (none for a request that asked for no output)."""
+    return up_to if outputs == 0 else min(up_to, max(0, up_to - outputs + 1))
+
+
 class BehindTheWire:
     """What every release's tree behind the wire shares: its three counters, read from
     the release's own allocator and tree, and the token ids it keys a request by."""
@@ -91,6 +100,7 @@ class BehindTheWire:
     prefix_tree = True
     allocator: Any
     tree: Any
+    kv: WireSlots
     page_size = 1
     _page_ids: dict[int, int]
 
@@ -117,6 +127,12 @@ class BehindTheWire:
         if len(out) < n:
             out.extend([PARTIAL] * (n - len(out)))
         return out
+
+    def finished_release(self, row: list[int], up_to: int) -> Any:
+        """Around a release's ``cache_finished_req``: the slots of the request's partial last
+        page, which those releases free themselves, are left to the wire's ``free_kv_row``
+        that follows, where the recording frees them."""
+        return self.kv.leaving(row[up_to // self.page_size * self.page_size:up_to])
 
     def available_size(self) -> int:
         return int(self.allocator.available_size())
@@ -151,8 +167,8 @@ class ReleaseTree(BehindTheWire):
         self._row_ids = itertools.count(1)
         self._node_number: dict[int, int] = {int(self.tree.root_node_handle()): ROOT}
         self._node_id: dict[int, int] = {ROOT: int(self.tree.root_node_handle())}
-        self._locks: dict[int, Any] = {}  # handle -> the release's TreeLock
-        self._next_handle = 1
+        self._locks: dict[int, Any] = {}  # handle -> what releases it (the release's TreeLock here)
+        self._handles = itertools.count(1)
 
     def _import_release(self, cls: type) -> Any:
         """The release's tree modules (``self._sg``), and its scheduler's batch module."""
@@ -189,8 +205,7 @@ class ReleaseTree(BehindTheWire):
     def _handle(self, lock: Any) -> int:
         if lock is None:
             return 0
-        handle = self._next_handle
-        self._next_handle += 1
+        handle = next(self._handles)
         self._locks[handle] = lock
         return handle
 
@@ -340,6 +355,15 @@ class WireSlots:
         allocator.free = self._tree_free  # the tree's frees, as the wire's
         self.left: set[int] = set()  # slots a release frees that the wire frees in a later call
 
+    @contextmanager
+    def leaving(self, slots: list[int]) -> Iterator[None]:
+        """Inside: the release's frees of ``slots`` are not the wire's (a later call frees them)."""
+        self.left = set(slots)
+        try:
+            yield
+        finally:
+            self.left = set()
+
     def _tree_free(self, index: torch.Tensor) -> None:
         slots = [int(s) for s in index.reshape(-1).tolist()]
         if self.left:
@@ -365,4 +389,4 @@ def release_tree(cls: type, ctor: dict[str, Any]) -> ReleaseTree:
 
 
 __all__ = ["ERAS", "PARTIAL", "ROOT", "TREE_CLASS", "UNNAMED", "BehindTheWire", "ReleaseRows", "ReleaseTree",
-           "WireSlots", "release_tree"]
+           "WireSlots", "prompt_length", "release_tree"]

@@ -45,7 +45,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from kvreplay.errors import BuildUnloadable, BuildUnsupported
-from kvreplay.families.tree.release import ERAS, PARTIAL, ROOT, UNNAMED, BehindTheWire, ReleaseRows, WireSlots
+from kvreplay.families.tree.release import ERAS, ROOT, UNNAMED, BehindTheWire, ReleaseRows, WireSlots, prompt_length
 from kvreplay.families.tree.runs import from_runs
 
 FILLER = -1  # the last output token: it has no slot and is never keyed (the release drops it)
@@ -59,7 +59,7 @@ class _Request:
     priority = 0
 
     def __init__(self) -> None:
-        self.keyed: list[int] = []  # the tokens of the full pages the wire named, as the tree keys them
+        self.pages: list[int] = []  # the hashes of the full pages the wire named
         self.origin_input_ids: list[int] = []
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []
@@ -147,18 +147,10 @@ class RadixRelease(BehindTheWire):
             self.rows.rows[req.req_pool_idx] = []
         return self.rows.rows[req.req_pool_idx]
 
-    def _named(self, req: _Request, pages: tuple[int, ...]) -> None:
-        """Take the full pages the wire named: a page's hash stands for its tokens, one
-        token each, distinct within the page."""
-        p = self.page_size
-        req.keyed.extend(int(h) for h in pages) if p == 1 else req.keyed.extend(
-            int(h) * p + i for h in pages for i in range(p))
-
     def _tokens(self, req: _Request, n: int) -> list[int]:
-        """The request's first ``n`` tokens as the tree keys them; a partial page, which the
-        tree never keys, is filler."""
-        full = req.keyed[:n]
-        return full + [PARTIAL] * (n - len(full))
+        """The request's first ``n`` tokens as the tree keys them (``token_ids``), as the
+        list these releases key by."""
+        return self.token_ids(req, n).tolist()
 
     def _held(self, node: Any) -> int:
         """How many tokens the path from the root to ``node`` holds: what a request locked
@@ -180,7 +172,7 @@ class RadixRelease(BehindTheWire):
     # -- the wire's calls -------------------------------------------------------------------------
     def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
         req = self._request(int(request))
-        self._named(req, pages)
+        req.pages.extend(int(h) for h in pages)
         slots, node = self._match(self._tokens(req, int(length)))
         req.last_node, req.protected = node, len(slots)
         # from here the release keeps these itself (a partial page rides on prefix_indices)
@@ -210,7 +202,7 @@ class RadixRelease(BehindTheWire):
     def checkpoint(self, request: int, pages: tuple[int, ...], up_to: int,
                    outputs: int | None = None) -> tuple[int, int, int]:
         req = self._request(int(request))
-        self._named(req, pages)
+        req.pages.extend(int(h) for h in pages)
         row, up_to = self._row(req), int(up_to)
         tokens = self._tokens(req, up_to)
         self._locks.pop(req.handle, None)  # both calls drop the request's lock themselves
@@ -223,20 +215,15 @@ class RadixRelease(BehindTheWire):
             req.handle = handle
             return (req.protected, self._number(req.last_node), handle)
         # the request's token lists, from its output count: the last output token has no slot
-        prompt = up_to if int(outputs) == 0 else min(up_to, max(0, up_to - int(outputs) + 1))
+        prompt = prompt_length(up_to, int(outputs))
         req.origin_input_ids = req.fill_ids = tokens[:prompt]
         req.output_ids = tokens[prompt:] + ([FILLER] if int(outputs) > 0 else [])
         req.kv_committed_len = up_to
-        # The release frees the partial page's slots itself; the wire frees them with the
-        # rest of the row in the free_kv_row that follows, so they are left to it.
-        self.kv.left = set(row[up_to // self.page_size * self.page_size:up_to])
-        try:
+        with self.finished_release(row, up_to):
             if self._kv_len:
                 self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
             else:
                 self.tree.cache_finished_req(req)
-        finally:
-            self.kv.left = set()
         slots, node = self._match(tokens)
         row[:len(slots)] = slots
         req.protected = len(slots)

@@ -19,7 +19,6 @@ the release's ``dec_lock_ref`` with the receipt, as ``unpin`` is."""
 
 from __future__ import annotations
 
-import itertools
 import os
 from array import array
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 
 from kvreplay.errors import BuildUnsupported
-from kvreplay.families.tree.release import ERAS, ReleaseTree
+from kvreplay.families.tree.release import ERAS, ReleaseTree, prompt_length
 
 _BACKEND = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
@@ -62,9 +61,7 @@ class UnifiedRelease(ReleaseTree):
 
     def __init__(self, cls: type, ctor: dict[str, Any]) -> None:
         self._insert_req = hasattr(cls, "insert_req")  # 0.5.21: the caller frees and unpins
-        super().__init__(cls, ctor)
-        self._locks: dict[int, Any] = {}  # handle -> (the node id it locked, the release's receipt)
-        self._handles = itertools.count(1)
+        super().__init__(cls, ctor)  # its _locks: handle -> (the node id it locked, the release's receipt)
 
     def _check_era(self, cls: type, batch: Any) -> None:
         if (hasattr(cls, "checkpoint") or not (self._insert_req or hasattr(cls, "cache_finished_req"))
@@ -159,19 +156,13 @@ class UnifiedRelease(ReleaseTree):
             handle = self._held(req)
             return (int(req.kv.cache_protected_len), self._number(req.last_node), handle)
         # the request's token lists, from its output count (as release_radix.py gives them)
-        prompt = up_to if int(outputs) == 0 else min(up_to, max(0, up_to - int(outputs) + 1))
+        prompt = prompt_length(up_to, int(outputs))
         req.origin_input_ids = req.fill_ids = tokens[:prompt]
         req.output_ids = tokens[prompt:] + array("q", [-1] if int(outputs) > 0 else [])
         req.kv.kv_committed_len = up_to
         if not self._insert_req:
-            # The release frees the partial page's slots itself; the wire frees them with the
-            # rest of the row in the free_kv_row that follows, so they are left to it.
-            row = self._row(req)
-            self.kv.left = set(row[up_to // self.page_size * self.page_size:up_to])
-            try:
+            with self.finished_release(self._row(req), up_to):
                 self.tree.cache_finished_req(req, kv_len_to_handle=up_to)
-            finally:
-                self.kv.left = set()
         else:  # insert only: the wire's free_kv_row and unlock follow, as the release's did
             self.tree.insert_req(req, up_to=up_to)
         matched, node = self._match(req, up_to)
