@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from git_repos import commit_all, new_repo
@@ -100,3 +101,46 @@ def test_bad_git_specs_are_one_line_errors(repo, trace, cli):
         res = cli("replay", str(trace), "--build", spec, "--no-store")
         assert res.returncode == 2, (spec, res.stderr)
         assert res.stderr.startswith("kvreplay: error:") and res.stderr.count("\n") == 1, res.stderr
+
+
+COUNTED = "import os\nfrom kvreplay.families.sglang.swa import SWAPool as Pool\n\n" \
+          "with open(os.environ['KVREPLAY_TEST_IMPORTS'], 'a') as _f:\n    _f.write('imported\\n')\n"
+
+
+@pytest.mark.slow
+def test_ci_on_a_worker_build_imports_it_once_per_lane_not_once_per_case(tmp_path, trace, monkeypatch):
+    """`kvreplay ci` on a git: or release build: a release's import costs more than most
+    replays, so each mode's cases are dealt to ``jobs`` lanes of one worker each. A trace
+    of another family is skipped where it comes, and the lane goes on in a new worker;
+    results come back in the manifest's order."""
+    import hashlib
+    import shutil
+
+    from kvreplay.corpus.ci import run_corpus
+
+    repo = tmp_path / "counted"
+    new_repo(repo, "t", "t@example.com")
+    (repo / "mypool.py").write_text(COUNTED)
+    commit_all(repo, "counted", tag="counted")
+    build = f"git:{repo}@counted:mypool:Pool"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    entries = []
+    tree = Path(__file__).resolve().parents[1] / "traces" / "tree-forgets-row-200.parquet"
+    for name, src, modes in (("a", trace, ["strict", "remap"]), ("tree", tree, ["strict"]),
+                             ("b", trace, ["strict", "remap"]), ("c", trace, ["strict"])):
+        shutil.copy(src, corpus / f"{name}.parquet")
+        entries.append({"name": name, "file": f"{name}.parquet",
+                        "sha256": hashlib.sha256((corpus / f"{name}.parquet").read_bytes()).hexdigest(),
+                        "expect": [{"build": build, "status": "clean", "modes": modes}]})
+    (corpus / "manifest.json").write_text(json.dumps({"version": 2, "traces": entries}))
+    imports = tmp_path / "imports.txt"
+    monkeypatch.setenv("KVREPLAY_TEST_IMPORTS", str(imports))
+    results = run_corpus(corpus, build, jobs=1, db="")
+    assert [(r.case.trace, r.case.mode, r.outcome) for r in results] == [
+        ("a", "strict", "pass"), ("a", "remap", "pass"), ("tree", "strict", "skip"), ("b", "strict", "pass"),
+        ("b", "remap", "pass"), ("c", "strict", "pass")], [(r.case.name, r.outcome, r.problems) for r in results]
+    assert "records a tree pool" in results[2].problems[0], results[2].problems
+    # strict: a, then the tree trace ends that worker, then b and c in a new one; remap: a and b
+    assert imports.read_text().count("imported") == 3, imports.read_text()
+    assert all(r.calls > 500 for r in results if r.outcome == "pass")

@@ -9,25 +9,30 @@ Markdown summary a CI job can post (render.py)."""
 
 from __future__ import annotations
 
+import queue
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvreplay.builds.spec import BuildSpec
 from kvreplay.corpus.expectations import check_report
 from kvreplay.corpus.manifest import MANIFEST, Expectation, load_manifest
 from kvreplay.errors import BadInput, BuildUnsupported, FamilyMismatch
 from kvreplay.fanout import iter_units
 from kvreplay.jobs.stored_replay import StoredReplay, replay_and_store
-from kvreplay.replay.report import describe
+from kvreplay.replay.dispatch import run_many
+from kvreplay.replay.report import ReplayReport, describe
 from kvreplay.store.db import open_store
 from kvreplay.store.runs import record_run
 from kvreplay.trace.hashing import content_hash
 from kvreplay.trace.location import corpus_traces, is_remote, local_path
+from kvreplay.trace.reader import TraceReader
 
 
 @dataclass
@@ -148,20 +153,7 @@ def _run_case(case: Case, device: str, t0: float) -> CaseOutcome:
         return CaseOutcome(CaseResult(case, "skip", [str(exc)], wall_s=time.perf_counter() - t0), None)
     except BadInput as exc:
         return CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None)
-    r = res.report
-    if r.status == "unsupported" and case.expectation is None:
-        # a worker build (a release, a git tree) says so in its report, where a build in this
-        # process raises: either way the build lacks what the trace needs, and the case is skipped
-        return CaseOutcome(CaseResult(case, "skip", [r.message or "the build cannot replay this trace"], r.status,
-                                      wall_s=time.perf_counter() - t0), None)
-    if case.expectation is not None:
-        problems = check_report(r, case.expectation)
-    else:
-        problems = [] if r.status == "clean" else [
-            f"no manifest expectation for {case.build}, so it must replay clean; got {r.status} "
-            f"(first: {describe(r.first_violation or r.first_divergence)})"]
-    return CaseOutcome(CaseResult(case, "fail" if problems else "pass", problems, r.status, r.calls_replayed,
-                                  r.wall_s), res)
+    return _outcome(case, res)
 
 
 def check_build(build: str) -> None:
@@ -194,10 +186,14 @@ def run_corpus(corpus: str | Path, build: str, *, jobs: int = 1, db: str | None 
     st = open_store(db) if db != "" else None  # created or migrated once, before any work
     results = []
     try:
-        units = [CaseUnit(c, device, timeout_s) for c in cases]
-        # Spawned, not forked, local workers: no torch state from this process in them.
-        for done, out in enumerate(iter_units(run_case, units, jobs=jobs, ray=ray, start_method="spawn",
-                                              on_error=_errored), 1):
+        if ray is None and not BuildSpec.parse(build).in_process:
+            # A release or a git tree: a worker imports the build once for many cases
+            outcomes = _in_build_workers(cases, build, jobs, device, timeout_s)
+        else:
+            units = [CaseUnit(c, device, timeout_s) for c in cases]
+            # Spawned, not forked, local workers: no torch state from this process in them.
+            outcomes = iter_units(run_case, units, jobs=jobs, ray=ray, start_method="spawn", on_error=_errored)
+        for done, out in enumerate(outcomes, 1):
             res = out.result
             if st is not None and out.replayed is not None:
                 rep = out.replayed
@@ -208,7 +204,108 @@ def run_corpus(corpus: str | Path, build: str, *, jobs: int = 1, db: str | None 
     finally:
         if st is not None:
             st.close()
-    return results
+    order = {id(c): k for k, c in enumerate(cases)}  # a worker build's come as they finish
+    return sorted(results, key=lambda r: order.get(id(r.case), len(order)))
+
+
+def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
+                      timeout_s: float | None) -> Iterator[CaseOutcome]:
+    """The cases of a worker build (a release, a git tree), each outcome as it comes in.
+
+    Importing a release costs seconds to tens of seconds, more than most replays; a case
+    per process imported it once per case. Here the cases of one mode are dealt to
+    ``jobs`` lanes, and each lane replays its traces in one worker (a fresh one after a
+    crash or a timeout). What a case needs checked before it replays (its file, its
+    calls) is checked here, as a case's own worker would."""
+    answers: queue.Queue[CaseOutcome | None] = queue.Queue()
+    lanes: list[list[tuple[Case, TraceReader]]] = []
+    for mode in dict.fromkeys(c.mode for c in cases):
+        ready = []
+        for case in (c for c in cases if c.mode == mode):
+            t0 = time.perf_counter()
+            try:
+                if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
+                    raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
+                reader = TraceReader(case.file)
+                reader.check_calls()
+            except BadInput as exc:
+                answers.put(CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None))
+                continue
+            ready.append((case, reader))
+        lanes.extend(lane for lane in (ready[k::jobs] for k in range(jobs)) if lane)
+    early = answers.qsize()
+    spec = BuildSpec.parse(build)
+
+    def lane(todo: list[tuple[Case, TraceReader]]) -> None:
+        pending = list(todo)  # what the worker has not answered yet
+
+        def answered(report: ReplayReport, code_id: str) -> None:
+            k = next((k for k, (c, _) in enumerate(pending) if _as_sent(c.file) == report.trace), None)
+            if k is not None:
+                case, reader = pending.pop(k)
+                answers.put(_outcome(case, StoredReplay(report, None, spec.resolved(code_id=code_id), reader)))
+
+        try:
+            while pending:
+                t0 = time.perf_counter()
+                try:
+                    run_many([c.file for c, _ in pending], spec, answered, mode=pending[0][0].mode, device=device,
+                             **({} if timeout_s is None else {"timeout_s": timeout_s}))
+                except (FamilyMismatch, BuildUnsupported, BadInput) as exc:
+                    # said of the first trace the worker had not answered; the rest go on in a new one
+                    case, _ = pending.pop(0)
+                    skip = isinstance(exc, (FamilyMismatch, BuildUnsupported))  # as _run_case: another kind of pool
+                    answers.put(CaseOutcome(CaseResult(case, "skip" if skip else "error",
+                                                       [str(exc)], wall_s=time.perf_counter() - t0), None))
+        finally:
+            answers.put(None)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, len(lanes)))
+    try:
+        futures = [pool.submit(lane, todo) for todo in lanes]
+        for _ in range(early):
+            got = answers.get()
+            assert got is not None
+            yield got
+        running = len(futures)
+        while running:
+            got = answers.get()
+            if got is None:
+                running -= 1
+                continue
+            yield got
+        for fut in futures:
+            fut.result()  # a lane's own failure (not a build's) is ours: let it out
+    except BaseException:
+        # Interrupted: the command kills the workers (scratch.kill_tree); no lane starts another
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def _as_sent(file: str) -> str:
+    """A trace as a worker names it in its report (replay/worker.py)."""
+    return file if is_remote(file) else str(Path(file).resolve())
+
+
+def _outcome(case: Case, res: StoredReplay) -> CaseOutcome:
+    """A case's outcome from its replay: its expectation held or not."""
+    r = res.report
+    if r.status == "timeout":
+        return CaseOutcome(CaseResult(case, "error", [r.message or "timeout"], "timeout", wall_s=r.wall_s), None)
+    if r.status == "unsupported" and case.expectation is None:
+        # a worker build (a release, a git tree) says so in its report, where a build in this
+        # process raises: either way the build lacks what the trace needs, and the case is skipped
+        return CaseOutcome(CaseResult(case, "skip", [r.message or "the build cannot replay this trace"], r.status,
+                                      wall_s=r.wall_s), None)
+    if case.expectation is not None:
+        problems = check_report(r, case.expectation)
+    else:
+        problems = [] if r.status == "clean" else [
+            f"no manifest expectation for {case.build}, so it must replay clean; got {r.status} "
+            f"(first: {describe(r.first_violation or r.first_divergence)})"]
+    return CaseOutcome(CaseResult(case, "fail" if problems else "pass", problems, r.status, r.calls_replayed,
+                                  r.wall_s), res)
 
 
 def _errored(unit: CaseUnit, exc: BaseException) -> CaseOutcome:
