@@ -132,3 +132,45 @@ def test_minimize_on_real_sglang_gives_a_short_reproducer_of_its_page0_bug(tmp_p
 
     assert run("sglang") == 1
     assert run("builtin:swa") == 0
+
+
+def _sglang_tree(components: tuple[str, ...], page_size: int):
+    """A real 0.5.23 UnifiedRadixCache on CPU (a small pool; no model, no server)."""
+    import torch
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    if "SWA" in components:
+        kv = SWAKVPool(size=256, size_swa=128, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=8,
+                       swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+        alloc = SWATokenToKVPoolAllocator(256, 128, page_size=page_size, dtype=torch.bfloat16, device="cpu",
+                                          kvcache=kv, need_sort=False)
+    else:
+        alloc = TokenToKVPoolAllocator(256, torch.int64, "cpu", None, False)
+    rows = ReqToTokenPool(size=4, max_context_len=512, device="cpu", enable_memory_saver=False)
+    return UnifiedRadixCache(CacheInitParams(
+        disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc, page_size=page_size,
+        sliding_window_size=32 if "SWA" in components else None,
+        tree_components=tuple(getattr(ComponentType, c) for c in components), tree_core_backend="python"))
+
+
+def test_the_tree_wire_records_a_plain_token_tree_and_says_in_a_line_why_it_leaves_others_alone(capfd):
+    """A hybrid model's tree frees full slots through its inner allocator and window slots
+    through its component, neither of which the wire speaks: recorded as a plain tree, a
+    sliding-window server would show slots lost that are not. Such a tree, and a paged
+    one, is left unrecorded, with one line on stderr saying why."""
+    from kvreplay.families.tree.live import LiveTreeWire, wire_for
+
+    assert isinstance(wire_for(_sglang_tree(("FULL",), 1)), LiveTreeWire)
+    assert capfd.readouterr().err.count("kvreplay:") == 0
+    assert wire_for(_sglang_tree(("FULL", "SWA"), 1)) is None
+    said = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("kvreplay:")]
+    assert len(said) == 1 and "components are FULL, SWA" in said[0], said
+    assert wire_for(_sglang_tree(("FULL",), 16)) is None
+    said = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("kvreplay:")]
+    assert len(said) == 1 and "page size 1 only" in said[0], said

@@ -22,8 +22,10 @@ allocator at the group's end. The wire records each free where it is asked for, 
 counts what a group holds as free (``available_size``): the books a replay keeps free
 at once. The group's end gives back what was recorded already, and is not recorded.
 
-Only a token allocator (page size 1) is recorded; a paged server's tree is left alone
-(one line on stderr), as are servers whose tree has no ``checkpoint`` (before 0.5.22)."""
+Only a tree of full attention over a token allocator (page size 1) is recorded; a paged
+server's tree, a hybrid model's (sliding-window or state components), one with a host
+tier and one with no ``checkpoint`` (before 0.5.22) are left alone, with one line on
+stderr saying why."""
 
 from __future__ import annotations
 
@@ -346,11 +348,28 @@ def wire_for(obj: Any) -> LiveTreeWire | None:
     cls = type(obj)
     if f"{cls.__module__}:{cls.__qualname__}" != TREE_CLASS:
         return None
-    if not hasattr(obj, "checkpoint") or int(getattr(obj, "page_size", 1)) != 1:
-        print(f"kvreplay: not recording the prefix cache in process {os.getpid()}: the tree wire records "
-              "sglang 0.5.22+ with page size 1 only", file=sys.stderr, flush=True)
+    why = _not_recorded(obj)
+    if why:
+        print(f"kvreplay: not recording the prefix cache in process {os.getpid()}: {why}", file=sys.stderr,
+              flush=True)
         return None
     return LiveTreeWire(obj)
+
+
+def _not_recorded(tree: Any) -> str:
+    """Why the wire leaves a server's tree alone ("": it records it). A hybrid model's
+    tree frees full slots through the inner allocator and window or state slots through
+    components the wire does not speak, and a host tier moves slots it has no owner
+    for: recorded as a plain tree, such a server would show slots lost that are not."""
+    if not hasattr(tree, "checkpoint") or int(getattr(tree, "page_size", 1)) != 1:
+        return "the tree wire records sglang 0.5.22+ with page size 1 only"
+    parts = [getattr(c, "name", str(c)) for c in getattr(tree, "tree_components", ())]
+    if any(p != "FULL" for p in parts):
+        return (f"its components are {', '.join(parts)}; the tree wire records a tree of full attention only "
+                "(sliding-window and state components are not recorded yet)")
+    if getattr(tree, "cache_controller", None) is not None:
+        return "it has a hierarchical (host) tier, which the tree wire does not record"
+    return ""
 
 
 __all__ = ["LiveTreeWire", "wire_for"]
