@@ -213,26 +213,24 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
     """The cases of a worker build (a release, a git tree), each outcome as it comes in.
 
     Importing a release costs seconds to tens of seconds, more than most replays; a case
-    per process imported it once per case. Here the cases of one mode are dealt to
-    ``jobs`` lanes, and each lane replays its traces in one worker (a fresh one after a
-    crash or a timeout). What a case needs checked before it replays (its file, its
+    per process imported it once per case. Here the cases are dealt to ``jobs`` lanes,
+    and each lane replays its traces, each in its case's mode, in one worker (a fresh one
+    after a crash or a timeout). What a case needs checked before it replays (its file, its
     calls) is checked here, as a case's own worker would."""
     answers: queue.Queue[CaseOutcome | None] = queue.Queue()
-    lanes: list[list[tuple[Case, TraceReader]]] = []
-    for mode in dict.fromkeys(c.mode for c in cases):
-        ready = []
-        for case in (c for c in cases if c.mode == mode):
-            t0 = time.perf_counter()
-            try:
-                if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
-                    raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
-                reader = TraceReader(case.file)
-                reader.check_calls()
-            except BadInput as exc:
-                answers.put(CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None))
-                continue
-            ready.append((case, reader))
-        lanes.extend(lane for lane in (ready[k::jobs] for k in range(jobs)) if lane)
+    ready = []
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
+                raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
+            reader = TraceReader(case.file)
+            reader.check_calls()
+        except BadInput as exc:
+            answers.put(CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None))
+            continue
+        ready.append((case, reader))
+    lanes = [lane for lane in (ready[k::jobs] for k in range(jobs)) if lane]
     early = answers.qsize()
     spec = BuildSpec.parse(build)
 
@@ -240,7 +238,8 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
         pending = list(todo)  # what the worker has not answered yet
 
         def answered(report: ReplayReport, code_id: str) -> None:
-            k = next((k for k, (c, _) in enumerate(pending) if _as_sent(c.file) == report.trace), None)
+            k = next((k for k, (c, _) in enumerate(pending)
+                      if _as_sent(c.file) == report.trace and c.mode == report.mode), None)
             if k is not None:
                 case, reader = pending.pop(k)
                 answers.put(_outcome(case, StoredReplay(report, None, spec.resolved(code_id=code_id), reader)))
@@ -249,8 +248,8 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
             while pending:
                 t0 = time.perf_counter()
                 try:
-                    run_many([c.file for c, _ in pending], spec, answered, mode=pending[0][0].mode, device=device,
-                             **({} if timeout_s is None else {"timeout_s": timeout_s}))
+                    run_many([c.file for c, _ in pending], spec, answered, modes=[c.mode for c, _ in pending],
+                             device=device, **({} if timeout_s is None else {"timeout_s": timeout_s}))
                 except (FamilyMismatch, BuildUnsupported, BadInput) as exc:
                     # said of the first trace the worker had not answered; the rest go on in a new one
                     case, _ = pending.pop(0)

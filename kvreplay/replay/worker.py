@@ -58,13 +58,16 @@ def replay_in_worker(trace: str | Path, spec: str, *, timeout_s: float = DEFAULT
 
 def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                           on_report: Callable[[ReplayReport, str], None] | None = None,
-                          **options: Any) -> tuple[list[ReplayReport], str]:
+                          modes: list[str] | None = None, **options: Any) -> tuple[list[ReplayReport], str]:
     """Replay each trace on ``spec`` in one worker process (a fresh one after a crash
     or a timeout); ``timeout_s`` bounds each trace. ``on_report(report, code id)``
-    sees each report as soon as the worker gives it."""
+    sees each report as soon as the worker gives it. ``modes``: each trace's own mode
+    (a trace may come twice, once per mode), in place of ``options``' one."""
     s = BuildSpec.parse(spec)
     device = options.get("device", "cpu")
-    mode = options.get("mode", "strict")
+    modes = list(modes) if modes is not None else [options.get("mode", "strict")] * len(traces)
+    if len(modes) != len(traces):
+        raise ValueError("modes must name one mode per trace")
     t0 = time.perf_counter()
     reports: list[ReplayReport] = []
 
@@ -76,7 +79,7 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
     try:
         code = prepare(s)
     except BuildUnloadable as exc:
-        for t in traces:
+        for t, mode in zip(traces, modes, strict=True):
             done(untestable(str(t), spec, mode, device, "unloadable", str(exc), time.perf_counter() - t0), "")
         return reports, ""
     env = code.env()
@@ -86,7 +89,7 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
     todo = [str(t) if is_remote(str(t)) else str(Path(t).resolve()) for t in traces]
     try:
         while todo:
-            request = {"traces": todo, "cls": s.cls, "spec": spec, "options": options}
+            request = {"traces": todo, "modes": modes, "cls": s.cls, "spec": spec, "options": options}
             started = time.perf_counter()
             if stopping():  # the command is being interrupted: a new worker would outlive it
                 raise KeyboardInterrupt
@@ -104,8 +107,9 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
                             _kill_group(proc)
                             ended = "timeout"
                             break
-                        done(_report_of(answer, spec, options, device), code.code_id)
+                        done(_report_of(answer, spec, {**options, "mode": modes[0]}, device), code.code_id)
                         todo.pop(0)
+                        modes.pop(0)
                         started = time.perf_counter()
                 except BaseException:
                     # Interrupted (Ctrl-C, SIGTERM) or failed here: the worker is in a
@@ -123,8 +127,8 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
                 why = f"no result after {timeout_s:.0f} s" + _where(crumbs, todo[0])
             else:
                 ended, why = "crashed", _death(proc.returncode, stderr) + _where(crumbs, todo[0])
-            done(untestable(todo[0], spec, mode, device, ended, why, wall), code.code_id)
-            todo = todo[1:]
+            done(untestable(todo[0], spec, modes[0], device, ended, why, wall), code.code_id)
+            todo, modes = todo[1:], modes[1:]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return reports, code.code_id
@@ -225,9 +229,10 @@ def _worker() -> int:
     code_build = not BuildSpec.parse(request["spec"]).in_process
     kernels = instrument(request["options"].get("device", "cpu")) if code_build else None
     code = 0
-    for trace in request["traces"]:
+    modes = request.get("modes") or [request["options"].get("mode", "strict")] * len(request["traces"])
+    for trace, mode in zip(request["traces"], modes, strict=True):
         t0 = time.perf_counter()
-        out = _replay_one(trace, request, kernels)
+        out = _replay_one(trace, {**request, "options": {**request["options"], "mode": mode}}, kernels)
         out.setdefault("wall_s", time.perf_counter() - t0)
         print(json.dumps(out, default=str), flush=True)
         if "error" in out:
