@@ -322,6 +322,21 @@ def test_sglang_0_5_6_to_0_5_8_post1_cache_a_finished_requests_prompt_only_and_0
     assert {m for b, m in reports if b == "sglang==0.5.9"} == {"strict", "remap"}
 
 
+SWA_TREE = CORPUS / "live-sglang-0.5.23-tree-swa40.parquet"
+
+
+def test_a_sliding_window_servers_tree_replays_on_the_wires_era_and_before_it_says_why_not():
+    """The live hybrid server's tree (full and sliding-window components): 0.5.22 and 0.5.23
+    build the same tree on CPU and answer it call for call, the window side's rows
+    included; 0.5.21's tree adapter has no window component, and says so in one line."""
+    reports = _held_to_the_manifest(SWA_TREE)
+    assert {k for k in reports} == {("sglang==0.5.23", "strict"), ("sglang==0.5.23", "remap"),
+                                    ("sglang==0.5.22", "strict")}
+    assert all(r.calls_replayed > 28000 for r in reports.values())
+    before = replay(SWA_TREE, "sglang==0.5.21", device="cpu")
+    assert before.status == "unsupported" and "sliding-window tree replays on the wire's own era" in before.message
+
+
 PARTIAL_PAGE = CORPUS / "sglang-0.5.5-tree-partial-page-leak.parquet"
 
 

@@ -29,9 +29,9 @@ MAX_TREE_SLOTS = limit("KVREPLAY_MAX_TREE_SLOTS", 1 << 24)
 MAX_NUMBER = (1 << 48) - 1  # requests, nodes and lock handles are counted from 1
 MAX_HASH = (1 << 63) - 1
 
-METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict",
+METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict", "slide",
            "alloc", "free", "available_size", "evictable_size", "protected_size")
-VOID_METHODS = frozenset({"unlock", "extend", "free_kv_row", "release", "free"})
+VOID_METHODS = frozenset({"unlock", "extend", "free_kv_row", "release", "free", "slide"})
 
 
 def _check_ctor(args: dict[str, Any]) -> None:
@@ -40,6 +40,12 @@ def _check_ctor(args: dict[str, Any]) -> None:
                          "(KVREPLAY_MAX_TREE_SLOTS raises the limit)")
     if args["page_size"] > args["size"]:
         raise ValueError("constructor argument page_size is larger than the pool")
+    for name in ("swa_size", "sliding_window"):  # a sliding-window tree's (both or neither)
+        v = args.get(name, 0)
+        if type(v) is not int or not 0 <= v <= MAX_TREE_SLOTS:
+            raise ValueError(f"constructor argument {name} is not a whole number from 0 to {MAX_TREE_SLOTS:,}")
+    if bool(args.get("swa_size")) != bool(args.get("sliding_window")):
+        raise ValueError("constructor arguments swa_size and sliding_window come together")
 
 
 def _value_bounds(ctor: dict[str, Any]) -> dict[str, Bound]:
@@ -50,10 +56,12 @@ def _value_bounds(ctor: dict[str, Any]) -> dict[str, Bound]:
         "request": number, "node": number, "handle": number,
         "pages": Bound(0, MAX_HASH, longest=MAX_POOL_SLOTS, what="a page hash"),
         # (start, length) pairs of slots: each in the pool; their total is checked per call
-        "runs": Bound(0, size, longest=2 * size, what="a slot run"),
+        "runs": Bound(0, max(size, int(ctor.get("swa_size") or 0)), longest=2 * size, what="a slot run"),
         "length": tokens, "up_to": tokens, "outputs": tokens, "start": tokens, "end": tokens,
-        "need_size": Bound(0, size, what="slots to allocate"),
+        "need_size": Bound(0, max(size, int(ctor.get("swa_size") or 0)), what="slots to allocate"),
         "num_tokens": Bound(0, MAX_POOL_SLOTS, what="tokens to evict"),
+        "swa_num_tokens": Bound(0, MAX_POOL_SLOTS, what="window tokens to evict"),
+        "pre_len": tokens, "interval": tokens,
     }
 
 
@@ -71,7 +79,8 @@ TREE = Family(
     sub_pools=("kv", "evictable", "protected"),
     sub_counters=("available", "full_available", "swa_available"),
     counter_reads=("available_size", "evictable_size", "protected_size"),
-    sub_allocators=(("kv", "kv"),),
+    # the KV allocator (a sliding-window tree's full side) and a sliding-window tree's window side
+    sub_allocators=(("kv", "kv"), ("swa", "swa")),
     unit="slots",
     builtins=(
         BuiltinBuild("tree", "tree", _AT + "tree:PrefixTree",

@@ -64,16 +64,51 @@ class _LiveSlots:
         self._wire._free_real(self._wire._free_given)
 
 
+class _LiveWindow:
+    """The window side's calls in the wire's form (target ``swa``): an allocation of
+    window slots, which the composite allocator's ``alloc`` makes beside the full one,
+    and a free of window slots where the composite resolves them through its map (the
+    window allocator itself frees them later, at a free group's end)."""
+
+    def __init__(self, wire: LiveTreeWire) -> None:
+        self._wire = wire
+
+    def alloc(self, need_size: int) -> tuple[int, ...] | None:
+        got = self._wire._window_alloc_real(int(need_size))
+        self._wire._window_got = got
+        return None if got is None else to_runs(_slots(got))
+
+    def free(self, runs: tuple[int, ...]) -> None:
+        """Recorded only: the composite already took the slots off its map."""
+
+
 class LiveTreeWire:
     """The wire in front of a running server's tree."""
 
     prefix_tree = True
+    swa: _LiveWindow | None = None  # a sliding-window tree's window side
 
     def __init__(self, tree: Any) -> None:
         alloc = tree.token_to_kv_pool_allocator
         self.tree, self.allocator, self.rows = tree, alloc, tree.req_to_token_pool
         self.ctor_args = {"size": int(alloc.size), "page_size": int(tree.page_size), "device": "cpu",
                           "need_sort": bool(getattr(alloc, "need_sort", False))}
+        # A sliding-window tree (components full and window) over the composite allocator:
+        # the full side's frees all reach its inner full allocator (the tree's eviction
+        # calls it directly), and the window side's are resolved through the composite's map.
+        self.windowed = _windowed(tree)
+        full = alloc.full_attn_allocator if self.windowed else alloc
+        if self.windowed:
+            self.ctor_args.update(size=int(alloc.size_full), swa_size=int(alloc.size_swa),
+                                  sliding_window=int(tree.sliding_window_size))
+            self.swa = _LiveWindow(self)
+            window = alloc.swa_attn_allocator
+            self._window_alloc_real = window.alloc
+            self._window_got: Any = None
+            window.alloc = self._window_alloc_shim
+            self._window_resolve = alloc._free_swa_pages_none_cuda
+            alloc._free_swa_pages_none_cuda = self._window_free_shim
+        self.full = full
         self.recorded_class = TREE_CLASS
         self.kv = _LiveSlots(self)
         self._secret = os.urandom(16)
@@ -91,10 +126,11 @@ class LiveTreeWire:
         self._result: Any = None
         self._alloc_got: Any = None
         self._free_given: Any = None
-        real = {name: getattr(tree, name) for name in ("match_prefix", "lock", "unlock", "checkpoint",
-                                                        "free_kv_row", "evict_for_alloc")}
+        names = ("match_prefix", "lock", "unlock", "checkpoint", "free_kv_row", "evict_for_alloc",
+                 *(("evict_sliding_windows",) if self.windowed else ()))
+        real = {name: getattr(tree, name) for name in names}
         self._real = real
-        self._alloc_real, self._free_real = alloc.alloc, alloc.free
+        self._alloc_real, self._free_real = alloc.alloc, full.free
         self._group_end = alloc.free_group_end
         self._row_write, self._row_free, self._row_alloc = self.rows.write, self.rows.free, self.rows.alloc
         tree.match_prefix = self._shim("match_prefix", self._match_args)
@@ -103,7 +139,10 @@ class LiveTreeWire:
         tree.checkpoint = self._shim("checkpoint", self._checkpoint_args)
         tree.free_kv_row = self._free_row_shim
         tree.evict_for_alloc = self._shim("evict", self._evict_args, real="evict_for_alloc")
-        alloc.alloc, alloc.free, alloc.free_group_end = self._alloc_shim, self._free_shim, self._group_end_shim
+        if self.windowed:
+            tree.evict_sliding_windows = self._shim("slide", self._slide_args, real="evict_sliding_windows")
+        alloc.alloc, alloc.free_group_end = self._alloc_shim, self._group_end_shim
+        full.free = self._free_shim
         self.rows.write, self.rows.free, self.rows.alloc = self._write_shim, self._release_shim, self._rows_shim
 
     # -- numbers and hashes -----------------------------------------------------------------------
@@ -190,7 +229,29 @@ class LiveTreeWire:
 
     def _evict_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         params = args[0] if args else kwargs["params"]
-        return {"num_tokens": int(params.num_tokens)}
+        out = {"num_tokens": int(params.num_tokens)}
+        if self.windowed:
+            out["swa_num_tokens"] = int(getattr(params, "swa_num_tokens", 0) or 0)
+        return out
+
+    def _slide_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        req = args[0] if args else kwargs["req"]
+        pre_len = int(args[1]) if len(args) > 1 else int(kwargs["pre_len"])
+        return {"request": self._request(req), "pre_len": pre_len,
+                "interval": int(kwargs.get("eviction_interval", 1))}
+
+    def _window_alloc_shim(self, need_size: int, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self._window_alloc_real(need_size, *args, **kwargs)
+        self._window_got = None
+        self.swa.alloc(need_size=int(need_size))
+        return self._window_got
+
+    def _window_free_shim(self, full_slots: Any) -> Any:
+        window = self._window_resolve(full_slots)
+        if window.numel():
+            self.swa.free(runs=to_runs(_slots(window)))
+        return window
 
     def _free_row_shim(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
         original = self._real["free_kv_row"]
@@ -315,13 +376,19 @@ class LiveTreeWire:
         args, _ = self._call
         self._row_free(args[0])
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, swa_num_tokens: int | None = None) -> int:
         return int(self._pass("evict_for_alloc").num_tokens_evicted)
+
+    def slide(self, request: int, pre_len: int, interval: int = 1) -> None:
+        """The window moved past the request's oldest slots: their window slots go back."""
+        self._pass("evict_sliding_windows")
 
     # -- the counters a row carries ---------------------------------------------------------------
     def available_size(self) -> int:
-        pending = self.allocator.free_group or ()
-        return int(self.allocator.available_size()) + sum(int(t.numel()) for t in pending)
+        """The full side's free slots, with those a free group holds (a window tree's
+        composite reads the smaller side's, which counts for neither)."""
+        pending = self.full.free_group or ()
+        return int(self.full.available_size()) + sum(int(t.numel()) for t in pending)
 
     def evictable_size(self) -> int:
         return int(self.tree.evictable_size())
@@ -356,6 +423,10 @@ def wire_for(obj: Any) -> LiveTreeWire | None:
     return LiveTreeWire(obj)
 
 
+def _windowed(tree: Any) -> bool:
+    return [getattr(c, "name", str(c)) for c in getattr(tree, "tree_components", ())] == ["FULL", "SWA"]
+
+
 def _not_recorded(tree: Any) -> str:
     """Why the wire leaves a server's tree alone ("": it records it). A hybrid model's
     tree frees full slots through the inner allocator and window or state slots through
@@ -364,7 +435,11 @@ def _not_recorded(tree: Any) -> str:
     if not hasattr(tree, "checkpoint") or int(getattr(tree, "page_size", 1)) != 1:
         return "the tree wire records sglang 0.5.22+ with page size 1 only"
     parts = [getattr(c, "name", str(c)) for c in getattr(tree, "tree_components", ())]
-    if any(p != "FULL" for p in parts):
+    if _windowed(tree):
+        alloc = tree.token_to_kv_pool_allocator
+        if not hasattr(alloc, "_free_swa_pages_none_cuda") or getattr(alloc, "_swa_req_ring", None):
+            return "its sliding-window allocator is not one the tree wire speaks (0.5.23's, without a ring)"
+    elif any(p != "FULL" for p in parts):
         return (f"its components are {', '.join(parts)}; the tree wire records a tree of full attention only "
                 "(sliding-window and state components are not recorded yet)")
     if getattr(tree, "cache_controller", None) is not None:

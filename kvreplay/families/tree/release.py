@@ -68,6 +68,7 @@ class _Request:
     """What sglang's tree reads of a request."""
 
     extra_key = cache_salt = session_id = session = kv_rotation_base = None
+    swa_branching_seqlen = mamba_branching_seqlen = None  # set by a match, read by a checkpoint
     priority = 0
 
     def __init__(self, kv: Any) -> None:
@@ -79,8 +80,10 @@ class _Request:
         self.full_untruncated_fill_ids = array("q")
         self.origin_input_ids = array("q")
 
+    done = False  # the wire's checkpoint of a finished request names its outputs
+
     def finished(self) -> bool:
-        return False
+        return self.done
 
 
 PARTIAL = -2  # a token of a partial page: the wire names full pages only, and the tree keys only those
@@ -101,6 +104,7 @@ class BehindTheWire:
     allocator: Any
     tree: Any
     kv: WireSlots
+    swa: WindowSlots | None = None  # a sliding-window tree's window side
     page_size = 1
     _page_ids: dict[int, int]
 
@@ -135,7 +139,8 @@ class BehindTheWire:
         return self.kv.leaving(row[up_to // self.page_size * self.page_size:up_to])
 
     def available_size(self) -> int:
-        return int(self.allocator.available_size())
+        # the wire's allocator (a sliding-window tree's full side: the composite reads the smaller side's)
+        return int(self.kv.allocator.available_size())
 
     def evictable_size(self) -> int:
         return int(self.tree.evictable_size())
@@ -156,13 +161,25 @@ class ReleaseTree(BehindTheWire):
         self.page_size = int(ctor.get("page_size") or 1)
         self.ctor_args = {"size": size, "page_size": self.page_size, "device": "cpu",
                           "need_sort": bool(ctor.get("need_sort", True))}
-        token = self._sg["allocator.token"].TokenToKVPoolAllocator
-        self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
+        kinds = self._sg["unified_cache.components"].ComponentType
+        window = int(ctor.get("sliding_window") or 0)
+        extra: dict[str, Any] = {}
+        if window:
+            # a sliding-window tree: its full and window sides over the composite allocator
+            self.ctor_args.update(swa_size=int(ctor["swa_size"]), sliding_window=window)
+            self.allocator = self._window_allocator(size, int(ctor["swa_size"]))
+            components, extra["sliding_window_size"] = (kinds.FULL, kinds.SWA), window
+        else:
+            token = self._sg["allocator.token"].TokenToKVPoolAllocator
+            self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
+            components = (kinds.FULL,)
         self.rows = ReleaseRows()
         self.tree = self._make_tree(cls, dict(
             disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
-            page_size=self.page_size, tree_components=(self._sg["unified_cache.components"].ComponentType.FULL,)))
-        self.kv = WireSlots(self.allocator)
+            page_size=self.page_size, tree_components=components, **extra))
+        self.kv = WireSlots(self.allocator.full_attn_allocator if window else self.allocator, self.allocator)
+        if window:
+            self.swa = WindowSlots(self.allocator)
         self.requests: dict[int, Any] = {}
         self._row_ids = itertools.count(1)
         self._node_number: dict[int, int] = {int(self.tree.root_node_handle()): ROOT}
@@ -185,6 +202,18 @@ class ReleaseTree(BehindTheWire):
                                   "environment lacks (run kvreplay beside sglang's dependencies)") from None
         except Exception as exc:  # a release that exists but fails to import in this environment
             raise BuildUnloadable(f"sglang's tree does not import here ({type(exc).__name__}: {exc})") from None
+
+    def _window_allocator(self, size: int, swa_size: int) -> Any:
+        """The release's composite allocator over a window KV pool of a few bytes a slot."""
+        try:
+            pool = importlib.import_module("sglang.srt.mem_cache.swa_memory_pool").SWAKVPool
+            composite = importlib.import_module("sglang.srt.mem_cache.allocator.swa").SWATokenToKVPoolAllocator
+        except ModuleNotFoundError as exc:
+            raise BuildUnsupported(f"this release has no {exc.name}: no sliding-window tree") from None
+        kv = pool(size=size, size_swa=swa_size, page_size=self.page_size, dtype=torch.bfloat16, head_num=1,
+                  head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
+        return composite(size, swa_size, page_size=self.page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv,
+                         need_sort=self.ctor_args["need_sort"])
 
     def _check_era(self, cls: type, batch: Any) -> None:
         if not hasattr(cls, "checkpoint") or not hasattr(batch, "ReqKvInfo"):
@@ -241,6 +270,7 @@ class ReleaseTree(BehindTheWire):
         got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req))
         matched = int(got.device_prefix_len)
         req.last_node = got.last_device_node
+        req.swa_branching_seqlen = getattr(got, "swa_branching_seqlen", None)  # as the scheduler's match keeps it
         req.kv.cache_protected_len = matched
         row = self._row(req)
         row[:] = self.tree.path_device_indices(got.last_device_node).tolist()[:matched]
@@ -276,6 +306,8 @@ class ReleaseTree(BehindTheWire):
         req = self._request(int(request))
         self._learn(req, pages, int(up_to))
         old = req.lock
+        # a finished request's release: the window does not slide before its insert
+        req.done = outputs is not None
         self.tree.checkpoint(req, up_to=int(up_to))
         if req.lock is not old:
             self._locks.pop(self._handle_of(old), None)
@@ -295,9 +327,16 @@ class ReleaseTree(BehindTheWire):
         if req is not None and req.kv.req_pool_idx is not None:
             self.rows.rows.pop(req.kv.req_pool_idx, None)
 
-    def evict(self, num_tokens: int) -> int:
-        got = self.tree.evict_for_alloc(self._sg["base_prefix_cache"].EvictParams(num_tokens=int(num_tokens)))
+    def evict(self, num_tokens: int, swa_num_tokens: int | None = None) -> int:
+        window = {} if swa_num_tokens is None else {"swa_num_tokens": int(swa_num_tokens)}
+        got = self.tree.evict_for_alloc(self._sg["base_prefix_cache"].EvictParams(num_tokens=int(num_tokens),
+                                                                                   **window))
         return int(got.num_tokens_evicted)
+
+    def slide(self, request: int, pre_len: int, interval: int = 1) -> None:
+        req = self._request(int(request))
+        self._row(req)
+        self.tree.evict_sliding_windows(req, int(pre_len), eviction_interval=int(interval))
 
     # -- what the checker reads -------------------------------------------------------------------
     def _node(self, number: int) -> Any:
@@ -348,8 +387,12 @@ class WireSlots:
     """The allocator's calls in the wire's form (target ``kv``): the replayer listens
     here, and the tree's own frees reach the allocator through it."""
 
-    def __init__(self, allocator: Any) -> None:
+    def __init__(self, allocator: Any, handing_out: Any = None) -> None:
+        """``allocator``: the one whose frees are the wire's (a sliding-window tree's inner
+        full allocator); ``handing_out``: the one the scheduler allocates from (the
+        composite), if another."""
         self.allocator = allocator
+        self.handing_out = allocator if handing_out is None else handing_out
         self.size = int(allocator.size)
         self._free = allocator.free
         allocator.free = self._tree_free  # the tree's frees, as the wire's
@@ -375,7 +418,7 @@ class WireSlots:
         return int(self.allocator.available_size())
 
     def alloc(self, need_size: int) -> tuple[int, ...] | None:
-        got = self.allocator.alloc(int(need_size))
+        got = self.handing_out.alloc(int(need_size))
         return None if got is None else to_runs([int(s) for s in got.tolist()])
 
     def free(self, runs: tuple[int, ...]) -> None:
@@ -384,9 +427,42 @@ class WireSlots:
             self._free(torch.tensor(slots, dtype=torch.int64))
 
 
+class WindowSlots:
+    """A sliding-window tree's window side in the wire's form (target ``swa``): the window
+    slots an allocation hands out beside the full ones, and those a free resolves through
+    the composite's map (the window allocator frees them itself, maybe at a group's end)."""
+
+    def __init__(self, composite: Any) -> None:
+        window = composite.swa_attn_allocator
+        self._alloc, self._resolve = window.alloc, composite._free_swa_pages_none_cuda
+        self._got: Any = None
+        window.alloc = self._window_alloc
+        composite._free_swa_pages_none_cuda = self._window_free
+
+    def _window_alloc(self, need_size: int, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self._alloc(need_size, *args, **kwargs)
+        self._got = None
+        self.alloc(int(need_size))
+        return self._got
+
+    def _window_free(self, full_slots: torch.Tensor) -> torch.Tensor:
+        window = self._resolve(full_slots)
+        if window.numel():
+            self.free(to_runs([int(s) for s in window.tolist()]))
+        return window
+
+    def alloc(self, need_size: int) -> tuple[int, ...] | None:
+        self._got = got = self._alloc(int(need_size))
+        return None if got is None else to_runs([int(s) for s in got.tolist()])
+
+    def free(self, runs: tuple[int, ...]) -> None:
+        """The composite resolved these through its map; its window allocator frees them."""
+
+
 def release_tree(cls: type, ctor: dict[str, Any]) -> ReleaseTree:
     return ReleaseTree(cls, ctor)
 
 
 __all__ = ["ERAS", "PARTIAL", "ROOT", "TREE_CLASS", "UNNAMED", "BehindTheWire", "ReleaseRows", "ReleaseTree",
-           "WireSlots", "prompt_length", "release_tree"]
+           "WindowSlots", "WireSlots", "prompt_length", "release_tree"]

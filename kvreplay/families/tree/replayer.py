@@ -26,7 +26,8 @@ from kvreplay.trace.format import Opaque, TopCall
 from kvreplay.trace.reader import TraceReader
 
 KV = "kv"  # the allocator's target in a trace
-TREE_METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict",
+SWA = "swa"  # a sliding-window tree's window side
+TREE_METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict", "slide",
                 "available_size", "evictable_size", "protected_size")
 KV_METHODS = ("alloc", "free")
 # the trace's counter columns, as the tree's reads fill them
@@ -43,8 +44,11 @@ class TreeReplayer(ReplayLoop):
                    checked=checked, whole="tree")
         self.pool = self._build(build, "cpu")
         self.size = int(self.meta.ctor_args["size"])
-        self._log: list[tuple[str, list[int]]] = []
+        self._slots = max(self.size, int(self.meta.ctor_args.get("swa_size") or 0))  # the larger side's slots
+        self._log: list[tuple[str, list[int]]] = []  # (method, slots); a window side's as "swa.METHOD"
         self._listen(self.pool.kv)
+        if getattr(self.pool, SWA, None) is not None:
+            self._listen(self.pool.swa, "swa.")
         # recorded -> build's: slots, nodes and lock handles (remap mode)
         self.maps: dict[str, dict[int, int]] | None = ({"slot": {}, "node": {}, "handle": {}}
                                                        if self.mode == "remap" else None)
@@ -54,17 +58,17 @@ class TreeReplayer(ReplayLoop):
         self._watch(checker, {KV: int(self.meta.ctor_args["size"])})
         self._see = self.timeline.seer(KV)
 
-    def _listen(self, kv: Any) -> None:
+    def _listen(self, kv: Any, side: str = "") -> None:
         """Log the allocator's calls (in slots) while the tree makes them."""
         log, real_alloc, real_free = self._log, kv.alloc, kv.free
 
         def alloc(need_size: int) -> Any:
             got = real_alloc(need_size)
-            log.append(("alloc", from_runs(got) if got is not None else []))
+            log.append((side + "alloc", from_runs(got) if got is not None else []))
             return got
 
         def free(runs: Any) -> None:
-            log.append(("free", from_runs(runs)))
+            log.append((side + "free", from_runs(runs)))
             return real_free(runs)
 
         kv.alloc, kv.free = alloc, free
@@ -112,7 +116,9 @@ class TreeReplayer(ReplayLoop):
         # the checker first: a counter divergence says whose books broke, the build's or the recording's
         if self.checker is not None:
             method = c.method if c.target != KV else f"kv.{c.method}"
-            self.checker.after(n, method, args, result, list(self._log), counters)
+            # the window side has no ledger yet: the checker keeps the full side's
+            self.checker.after(n, method, args, result, [x for x in self._log if not x[0].startswith("swa.")],
+                               counters)
         if self.maps is None:
             self._compare(tc, result, counters)
         else:
@@ -133,7 +139,7 @@ class TreeReplayer(ReplayLoop):
     def _bad_runs(self, tc: TopCall) -> str | None:
         """Why a row's slot runs cannot be slots of this pool (damage: each run must lie in
         the pool and a call cannot name more slots than the pool has), or None."""
-        size = self.size
+        size = self._slots
         c = tc.call
         values = [c.args.get("runs"), *(x.args.get("runs") for x in tc.nested),
                   *(x.result for x in tc.nested if x.method == "alloc")]
@@ -167,15 +173,23 @@ class TreeReplayer(ReplayLoop):
                           _books_gap(want, got, self.checker.gap if self.checker is not None else 0))
         if c.target == KV:
             return
-        rec = _one_free_per_run([(x.method, tuple(plain(x.result if x.method == "alloc" else x.args.get("runs"))
-                                                  or ())) for x in tc.nested])
-        got_calls = _one_free_per_run([(m, to_runs(s)) for m, s in self._log])
-        if rec != got_calls:
-            first = next((i for i, (a, b) in enumerate(zip(rec, got_calls, strict=False)) if a != b),
-                         min(len(rec), len(got_calls)))
-            self._diverge(n, c.method, "nested", [f"kv.{m} -> {r}" for m, r in rec[first:first + 3]],
-                          [f"kv.{m} -> {r}" for m, r in got_calls[first:first + 3]],
-                          "the build's allocator calls differ from the recording")
+        rec = [(("swa." if x.target == SWA else "") + x.method,
+                tuple(plain(x.result if x.method == "alloc" else x.args.get("runs")) or ())) for x in tc.nested]
+        got = [(m, to_runs(s)) for m, s in self._log]
+        # Side by side: each allocator's own calls in order (a window tree's full and window
+        # frees of one node may come in either order, and leave both allocators the same)
+        for side in ("", "swa."):
+            want = _one_free_per_run([x for x in rec if x[0].startswith("swa.") == bool(side)])
+            have = _one_free_per_run([x for x in got if x[0].startswith("swa.") == bool(side)])
+            if want != have:
+                first = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b),
+                             min(len(want), len(have)))
+                name = "swa." if side else "kv."
+                said = [[f"{name}{m.removeprefix(side)} -> {r}" for m, r in calls[first:first + 3]]
+                        for calls in (want, have)]
+                self._diverge(n, c.method, "nested", said[0], said[1],
+                              "the build's allocator calls differ from the recording")
+                return
 
     # -- remap --------------------------------------------------------------------------------------
     def _translate(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +210,7 @@ class TreeReplayer(ReplayLoop):
             self._diverge(n, c.method, "result", rec, result, "the build answered where the recording refused, "
                                                               "or the reverse")
             return
-        allocs = [x.result for x in tc.nested if x.method == "alloc"]
+        allocs = [x.result for x in tc.nested if x.method == "alloc" and x.target != SWA]
         if c.target == KV and c.method == "alloc":
             allocs.insert(0, rec)
         got = [s for k, s in self._log if k == "alloc"]
@@ -238,8 +252,8 @@ def _one_free_per_run(calls: list[tuple[str, tuple[int, ...]]]) -> list[tuple[st
     duplicates apart (the unified tree) frees what one call of another tree frees."""
     out: list[tuple[str, tuple[int, ...]]] = []
     for method, runs in calls:
-        if method == "free" and out and out[-1][0] == "free":
-            out[-1] = ("free", to_runs([*from_runs(out[-1][1]), *from_runs(runs)]))
+        if method.endswith("free") and out and out[-1][0] == method:
+            out[-1] = (method, to_runs([*from_runs(out[-1][1]), *from_runs(runs)]))
         else:
             out.append((method, runs))
     return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+from kvreplay.errors import BuildUnsupported
 from kvreplay.families.tree.runs import from_runs, to_runs
 
 ROOT = 0  # the root node's id; no lock handle is 0 (``unlock(r, 0)`` is a no-op, as sglang's unlock(None))
@@ -82,6 +83,7 @@ class PrefixTree:
     """The builtin tree (``builtin:tree``)."""
 
     prefix_tree = True
+    swa: Any = None  # a sliding-window tree's window side (target ``swa``): this tree has none
 
     def __init__(self, size: int, page_size: int = 1, device: Any = "cpu") -> None:
         self.ctor_args = {"size": int(size), "page_size": int(page_size), "device": "cpu"}
@@ -348,8 +350,12 @@ def _common(a: tuple[int, ...], key: tuple[int, ...], at: int) -> int:
 
 
 def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
+    windowed = bool(ctor.get("sliding_window"))
     if cls.__module__.split(".")[0] == "sglang":  # a release's tree, behind the wire
         if not hasattr(cls, "checkpoint") and (hasattr(cls, "cache_finished_req") or hasattr(cls, "insert_req")):
+            if windowed:
+                raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: a sliding-window tree replays on the "
+                                       "wire's own era (0.5.22 and later) only")
             from kvreplay.families.tree.release_radix import RadixRelease, plain_model_ran_radix
 
             if cls.__name__ == "UnifiedRadixCache" and not plain_model_ran_radix():
@@ -360,6 +366,9 @@ def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
         from kvreplay.families.tree.release import release_tree
 
         return release_tree(cls, ctor)
+    if windowed:
+        raise BuildUnsupported(f"{cls.__name__} has no sliding-window component: a trace of a sliding-window "
+                               "tree replays on sglang's own (--build sglang, sglang==0.5.22 and later)")
     return cls(int(ctor["size"]), int(ctor.get("page_size") or 1), "cpu")
 
 
