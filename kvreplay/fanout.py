@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvreplay.errors import BadInput, KvreplayError
@@ -144,4 +145,42 @@ def _on_ray(fn: Callable[[U], R], units: Sequence[U], address: str, done: Callab
             yield on_error(units[i], exc)
 
 
-__all__ = ["connect_ray", "iter_units", "ray_module", "run_units"]
+_ENDED = object()  # a threaded unit's last word
+
+
+def iter_threads(work: Callable[[U, Callable[[R], None]], None], units: Sequence[U], *,
+                 jobs: int) -> Iterator[R]:
+    """``work(unit, put)`` for each unit, ``jobs`` at a time on threads of this process,
+    yielding what the units ``put`` as they put it. For units that each drive worker
+    processes of their own (a build's replays in one worker): one thread a unit waits on
+    its worker, and only the caller's thread handles what comes back. A unit's own
+    failure is raised once all have ended. Interrupted, it does not wait for running
+    units, which may take minutes: their workers are the caller's to stop (the command
+    kills them, scratch.kill_tree), and no thread starts another unit."""
+    answers: queue.Queue[Any] = queue.Queue()
+
+    def run(unit: U) -> None:
+        try:
+            work(unit, answers.put)
+        finally:
+            answers.put(_ENDED)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        futures = [pool.submit(run, u) for u in units]
+        running = len(futures)
+        while running:
+            item = answers.get()
+            if item is _ENDED:
+                running -= 1
+                continue
+            yield item
+        for fut in futures:
+            fut.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+__all__ = ["connect_ray", "iter_threads", "iter_units", "ray_module", "run_units"]

@@ -9,12 +9,10 @@ Markdown summary a CI job can post (render.py)."""
 
 from __future__ import annotations
 
-import queue
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ from kvreplay.builds.spec import BuildSpec
 from kvreplay.corpus.expectations import check_report
 from kvreplay.corpus.manifest import MANIFEST, Expectation, load_manifest
 from kvreplay.errors import BadInput, BuildUnsupported, FamilyMismatch
-from kvreplay.fanout import iter_units
+from kvreplay.fanout import iter_threads, iter_units
 from kvreplay.jobs.stored_replay import StoredReplay, replay_and_store
 from kvreplay.replay.dispatch import run_many
 from kvreplay.replay.report import ReplayReport, describe
@@ -217,7 +215,7 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
     and each lane replays its traces, each in its case's mode, in one worker (a fresh one
     after a crash or a timeout). What a case needs checked before it replays (its file, its
     calls) is checked here, as a case's own worker would."""
-    answers: queue.Queue[CaseOutcome | None] = queue.Queue()
+    early: list[CaseOutcome] = []  # cases that fail their checks before any worker
     ready = []
     for case in cases:
         t0 = time.perf_counter()
@@ -227,14 +225,13 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
             reader = TraceReader(case.file)
             reader.check_calls()
         except BadInput as exc:
-            answers.put(CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None))
+            early.append(CaseOutcome(CaseResult(case, "error", [str(exc)], wall_s=time.perf_counter() - t0), None))
             continue
         ready.append((case, reader))
     lanes = [lane for lane in (ready[k::jobs] for k in range(jobs)) if lane]
-    early = answers.qsize()
     spec = BuildSpec.parse(build)
 
-    def lane(todo: list[tuple[Case, TraceReader]]) -> None:
+    def lane(todo: list[tuple[Case, TraceReader]], put: Callable[[CaseOutcome], None]) -> None:
         pending = list(todo)  # what the worker has not answered yet
 
         def answered(report: ReplayReport, code_id: str) -> None:
@@ -242,44 +239,22 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
                       if _as_sent(c.file) == report.trace and c.mode == report.mode), None)
             if k is not None:
                 case, reader = pending.pop(k)
-                answers.put(_outcome(case, StoredReplay(report, None, spec.resolved(code_id=code_id), reader)))
+                put(_outcome(case, StoredReplay(report, None, spec.resolved(code_id=code_id), reader)))
 
-        try:
-            while pending:
-                t0 = time.perf_counter()
-                try:
-                    run_many([c.file for c, _ in pending], spec, answered, modes=[c.mode for c, _ in pending],
-                             device=device, **({} if timeout_s is None else {"timeout_s": timeout_s}))
-                except (FamilyMismatch, BuildUnsupported, BadInput) as exc:
-                    # said of the first trace the worker had not answered; the rest go on in a new one
-                    case, _ = pending.pop(0)
-                    skip = isinstance(exc, (FamilyMismatch, BuildUnsupported))  # as _run_case: another kind of pool
-                    answers.put(CaseOutcome(CaseResult(case, "skip" if skip else "error",
-                                                       [str(exc)], wall_s=time.perf_counter() - t0), None))
-        finally:
-            answers.put(None)
+        while pending:
+            t0 = time.perf_counter()
+            try:
+                run_many([c.file for c, _ in pending], spec, answered, modes=[c.mode for c, _ in pending],
+                         device=device, **({} if timeout_s is None else {"timeout_s": timeout_s}))
+            except (FamilyMismatch, BuildUnsupported, BadInput) as exc:
+                # said of the first trace the worker had not answered; the rest go on in a new one
+                case, _ = pending.pop(0)
+                skip = isinstance(exc, (FamilyMismatch, BuildUnsupported))  # as _run_case: another kind of pool
+                put(CaseOutcome(CaseResult(case, "skip" if skip else "error", [str(exc)],
+                                           wall_s=time.perf_counter() - t0), None))
 
-    pool = ThreadPoolExecutor(max_workers=max(1, len(lanes)))
-    try:
-        futures = [pool.submit(lane, todo) for todo in lanes]
-        for _ in range(early):
-            got = answers.get()
-            assert got is not None
-            yield got
-        running = len(futures)
-        while running:
-            got = answers.get()
-            if got is None:
-                running -= 1
-                continue
-            yield got
-        for fut in futures:
-            fut.result()  # a lane's own failure (not a build's) is ours: let it out
-    except BaseException:
-        # Interrupted: the command kills the workers (scratch.kill_tree); no lane starts another
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
+    yield from early
+    yield from iter_threads(lane, lanes, jobs=len(lanes))
 
 
 def _as_sent(file: str) -> str:

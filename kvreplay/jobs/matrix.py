@@ -13,10 +13,8 @@ call where the build's own capacity assertion fired, if it did."""
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ from kvreplay.builds.releases import expand_all
 from kvreplay.builds.spec import BuildSpec
 from kvreplay.check.rules import INVARIANTS
 from kvreplay.errors import EXIT_CLEAN, EXIT_FOUND, EXIT_UNLOADABLE, BadInput
-from kvreplay.fanout import iter_units
+from kvreplay.fanout import iter_threads, iter_units
 from kvreplay.jobs.stored_replay import trace_info
 from kvreplay.replay.dispatch import run_many
 from kvreplay.replay.report import UNTESTABLE, ReplayReport, firsts_by_rule
@@ -209,35 +207,16 @@ class _Filler:
                 self.store(spec, trace, report, code_id)
 
     def in_threads(self, todo: dict[str, list[str]], jobs: int, mode: str, device: str, timeout_s: float) -> None:
-        """Each build's traces replayed in its worker, ``jobs`` builds at a time."""
-        # Units report each trace as its worker answers; only this thread stores.
-        answers: queue.Queue[tuple[str, str, ReplayReport, str] | None] = queue.Queue()
+        """Each build's traces replayed in its worker, ``jobs`` builds at a time; each report
+        is stored as its worker answers, by this thread only."""
 
-        def unit(spec: str, trs: list[str]) -> None:
-            try:
-                run_many(trs, self.parsed[spec], lambda r, code_id: answers.put((spec, r.trace, r, code_id)),
-                         mode=mode, device=device, timeout_s=timeout_s)
-            finally:
-                answers.put(None)
+        def unit(item: tuple[str, list[str]], put: Callable[[Any], None]) -> None:
+            spec, trs = item
+            run_many(trs, self.parsed[spec], lambda r, code_id: put((spec, r.trace, r, code_id)),
+                     mode=mode, device=device, timeout_s=timeout_s)
 
-        pool = ThreadPoolExecutor(max_workers=max(1, jobs))
-        try:
-            futures = [pool.submit(unit, spec, trs) for spec, trs in todo.items()]
-            running = len(futures)
-            while running:
-                item = answers.get()
-                if item is None:
-                    running -= 1
-                    continue
-                self.store(*item)
-            for fut in futures:
-                fut.result()  # a unit's own failure (not a build's) is ours: let it out
-        except BaseException:
-            # Interrupted: do not wait for builds that may run for minutes; the command
-            # kills their workers (scratch.kill_tree), and no thread starts a new one.
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
+        for got in iter_threads(unit, list(todo.items()), jobs=jobs):
+            self.store(*got)
 
 
 @dataclass(frozen=True)
