@@ -159,18 +159,26 @@ def _sglang_tree(components: tuple[str, ...], page_size: int):
         tree_components=tuple(getattr(ComponentType, c) for c in components), tree_core_backend="python"))
 
 
-def test_the_tree_wire_records_a_plain_token_tree_and_says_in_a_line_why_it_leaves_others_alone(capfd):
-    """A hybrid model's tree frees full slots through its inner allocator and window slots
-    through its component, neither of which the wire speaks: recorded as a plain tree, a
-    sliding-window server would show slots lost that are not. Such a tree, and a paged
-    one, is left unrecorded, with one line on stderr saying why."""
+def test_the_tree_wire_records_plain_and_sliding_window_token_trees_and_says_in_a_line_why_not_others(capfd):
+    """The wire records a plain tree and a sliding-window one (its window side as rows of
+    target swa); a tree with a component it does not speak (Mamba's state), or a paged
+    one, is left alone with one line on stderr saying why: recorded as what it is not,
+    such a server would show slots lost that are not."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
     from kvreplay.families.tree.live import LiveTreeWire, wire_for
 
-    assert isinstance(wire_for(_sglang_tree(("FULL",), 1)), LiveTreeWire)
+    plain = wire_for(_sglang_tree(("FULL",), 1))
+    assert isinstance(plain, LiveTreeWire) and plain.swa is None
+    windowed = wire_for(_sglang_tree(("FULL", "SWA"), 1))
+    assert isinstance(windowed, LiveTreeWire) and windowed.swa is not None
+    assert (windowed.ctor_args["sliding_window"], windowed.ctor_args["swa_size"]) == (32, 128)
     assert capfd.readouterr().err.count("kvreplay:") == 0
-    assert wire_for(_sglang_tree(("FULL", "SWA"), 1)) is None
+    stateful = _sglang_tree(("FULL", "SWA"), 1)
+    stateful.tree_components = (*stateful.tree_components, ComponentType.MAMBA)  # what a Mamba hybrid's has too
+    assert wire_for(stateful) is None
     said = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("kvreplay:")]
-    assert len(said) == 1 and "components are FULL, SWA" in said[0], said
+    assert len(said) == 1 and "components are FULL, SWA, MAMBA" in said[0], said
     assert wire_for(_sglang_tree(("FULL",), 16)) is None
     said = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("kvreplay:")]
     assert len(said) == 1 and "page size 1 only" in said[0], said

@@ -428,10 +428,10 @@ def _windowed(tree: Any) -> bool:
 
 
 def _not_recorded(tree: Any) -> str:
-    """Why the wire leaves a server's tree alone ("": it records it). A hybrid model's
-    tree frees full slots through the inner allocator and window or state slots through
-    components the wire does not speak, and a host tier moves slots it has no owner
-    for: recorded as a plain tree, such a server would show slots lost that are not."""
+    """Why the wire leaves a server's tree alone ("": it records it). A tree with a
+    component the wire does not speak (Mamba's state) frees slots through it, and a host
+    tier moves slots it has no owner for: recorded as what it is not, such a server
+    would show slots lost that are not."""
     if not hasattr(tree, "checkpoint") or int(getattr(tree, "page_size", 1)) != 1:
         return "the tree wire records sglang 0.5.22+ with page size 1 only"
     parts = [getattr(c, "name", str(c)) for c in getattr(tree, "tree_components", ())]
@@ -440,8 +440,8 @@ def _not_recorded(tree: Any) -> str:
         if not hasattr(alloc, "_free_swa_pages_none_cuda") or getattr(alloc, "_swa_req_ring", None):
             return "its sliding-window allocator is not one the tree wire speaks (0.5.23's, without a ring)"
     elif any(p != "FULL" for p in parts):
-        return (f"its components are {', '.join(parts)}; the tree wire records a tree of full attention only "
-                "(sliding-window and state components are not recorded yet)")
+        return (f"its components are {', '.join(parts)}; the tree wire records full attention, with or without "
+                "a sliding window (state components are not recorded yet)")
     if getattr(tree, "cache_controller", None) is not None:
         return "it has a hierarchical (host) tier, which the tree wire does not record"
     return ""
