@@ -146,6 +146,23 @@ def test_double_free() -> None:
     assert b.first("tree-owner/double-free").call == 3
 
 
+def test_a_window_slot_freed_twice_or_handed_out_while_held_is_named_on_the_window_side() -> None:
+    """A sliding-window tree's window side (the replayer logs it as ``swa.alloc`` and
+    ``swa.free``): its allocator's own books, apart from the full side's."""
+    checker = TreeChecker(PrefixTree(64), keep=50)
+    sizes = {"available": None, "evictable": None, "protected": None}
+    checker.after(1, "kv.alloc", {"need_size": 3}, (1, 3), [("swa.alloc", [7, 8, 9])], sizes)
+    checker.after(2, "slide", {"request": 1, "pre_len": 3}, None, [("swa.free", [7, 8])], sizes)
+    assert checker.log.kept == []
+    checker.after(3, "evict", {"num_tokens": 1}, 0, [("swa.free", [8, 9])], sizes)
+    checker.after(4, "kv.alloc", {"need_size": 1}, (4, 1), [("swa.alloc", [10])], sizes)
+    checker.after(5, "kv.alloc", {"need_size": 2}, (5, 2), [("swa.alloc", [9, 10])], sizes)
+    (twice,) = [v for v in checker.log.kept if v.rule == "double-free"]
+    assert (twice.call, twice.method, twice.indices, twice.sub_pool) == (3, "evict", [8], "swa"), twice
+    (held,) = [v for v in checker.log.kept if v.rule == "handout-while-owned"]
+    assert (held.call, held.indices, held.sub_pool) == (5, [10], "swa"), held
+
+
 def test_freed_cached_and_counted_twice_name_the_checkpoint() -> None:
     b = Bench(variants.FreesCachedPrefix(64, page_size=2))
     b.admit(1, (), 8)

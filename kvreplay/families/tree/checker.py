@@ -34,6 +34,7 @@ from kvreplay.families.tree.runs import from_runs
 
 PENDING, TREE = -1, -2  # owners that are not a request's number
 SUB = "kv"
+WINDOW = "swa."  # a sliding-window tree's window side, in the nested calls' names
 _WATCH_MOST = 64  # orphaned nodes read again at each call; the rest count with the size they had
 _TREE_CALLS = frozenset({"match_prefix", "lock", "unlock", "checkpoint", "evict", "release", "free_kv_row"})
 
@@ -58,11 +59,13 @@ class TreeChecker:
         self._orphaned = 0  # slots of orphaned nodes no longer read again (_WATCH_MOST)
         self._flagged: set[tuple[str, int]] = set()
         self._size_gap = (0, 0)
+        self._window_held: set[int] = set()  # a sliding-window tree's window slots handed out, not freed
 
     # -- findings -----------------------------------------------------------------------------------
-    def _flag(self, call: int, method: str, rule_id: str, slots: Sequence[int], message: str) -> None:
+    def _flag(self, call: int, method: str, rule_id: str, slots: Sequence[int], message: str,
+              sub: str = SUB) -> None:
         rule = RULES[rule_id]
-        self.log.add(Violation(call, method, rule.invariant, rule.rule, SUB, sorted(slots)[:64], message, call))
+        self.log.add(Violation(call, method, rule.invariant, rule.rule, sub, sorted(slots)[:64], message, call))
 
     def _take(self, slot: int, who: int) -> None:
         was = self.owner.get(slot)
@@ -106,7 +109,10 @@ class TreeChecker:
         sizes after it."""
         request = args.get("request")
         for m, slots in nested:
-            self._allocator(call, method, request, m, slots)
+            if m.startswith(WINDOW):
+                self._window(call, method, m.removeprefix(WINDOW), slots)
+            else:
+                self._allocator(call, method, request, m, slots)
         handler = getattr(self, f"_on_{method}", None)
         if handler is not None:
             handler(call, method, args, result)
@@ -139,6 +145,24 @@ class TreeChecker:
         for s in slots:
             if s in self.owner:
                 self._drop(s)
+
+    def _window(self, call: int, method: str, m: str, slots: list[int]) -> None:
+        """A sliding-window tree's window side, as its allocator's own books: it hands out
+        only free window slots and takes back only held ones. Whose a held window slot is
+        (a node's window value, a request's live window) waits for the window's counters."""
+        held = self._window_held
+        if m == "alloc":
+            twice = [s for s in slots if s in held]
+            if twice:
+                self._flag(call, method, "tree-owner/handout-while-owned", twice,
+                           f"the window allocator handed out {len(twice)} window slot(s) still held", sub="swa")
+            held.update(slots)
+            return
+        free = [s for s in slots if s not in held]
+        if free:
+            self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} window slot(s) freed while free",
+                       sub="swa")
+        held.difference_update(slots)
 
     def _who(self, owner: int) -> str:
         return {PENDING: "an allocation not yet in a row", TREE: "the tree"}.get(owner, f"request {owner}")

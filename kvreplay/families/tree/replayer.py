@@ -116,9 +116,7 @@ class TreeReplayer(ReplayLoop):
         # the checker first: a counter divergence says whose books broke, the build's or the recording's
         if self.checker is not None:
             method = c.method if c.target != KV else f"kv.{c.method}"
-            # the window side has no ledger yet: the checker keeps the full side's
-            self.checker.after(n, method, args, result, [x for x in self._log if not x[0].startswith("swa.")],
-                               counters)
+            self.checker.after(n, method, args, result, list(self._log), counters)
         if self.maps is None:
             self._compare(tc, result, counters)
         else:
