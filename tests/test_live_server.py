@@ -278,8 +278,14 @@ def test_watch_names_a_patched_allocators_double_free_within_a_second(models, tm
                     record_args=("--watch", "--metrics-port", str(port), "--minimize-s", "60"))
     try:
         served = server.drive(60)
-        time.sleep(2)
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        # Scraped as soon as the watch's finding is counted: once idle, sglang's own check
+        # may end the server (the double free counts slots twice), and the endpoint with it.
+        metrics = ""
+        for _ in range(40):
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            if 'kvreplay_violations_total{trace="kvreplay-' in metrics:
+                break
+            time.sleep(0.25)
     finally:
         server.stop(signal.SIGINT)
     assert served.ok == 60, served.error_kinds
