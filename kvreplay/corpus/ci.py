@@ -26,6 +26,7 @@ from kvreplay.fanout import iter_threads, iter_units
 from kvreplay.jobs.stored_replay import StoredReplay, replay_and_store
 from kvreplay.replay.dispatch import run_many
 from kvreplay.replay.report import ReplayReport, describe
+from kvreplay.replay.worker import as_sent
 from kvreplay.store.db import open_store
 from kvreplay.store.runs import record_run
 from kvreplay.trace.hashing import content_hash
@@ -142,10 +143,15 @@ def run_case(unit: CaseUnit) -> CaseOutcome:
                            None)
 
 
+def _check_hash(case: Case) -> None:
+    """The trace is the file its manifest entry names (BadInput if not)."""
+    if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
+        raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
+
+
 def _run_case(case: Case, device: str, t0: float) -> CaseOutcome:
     try:
-        if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
-            raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
+        _check_hash(case)
         res = replay_and_store(case.file, case.build, store=False, mode=case.mode, device=device)
     except (FamilyMismatch, BuildUnsupported) as exc:  # another pool family, or a kind of pool the build lacks
         return CaseOutcome(CaseResult(case, "skip", [str(exc)], wall_s=time.perf_counter() - t0), None)
@@ -220,8 +226,7 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
     for case in cases:
         t0 = time.perf_counter()
         try:
-            if case.sha256 and content_hash(local_path(case.file)) != case.sha256:
-                raise BadInput(f"{Path(case.file).name} is not the file the manifest names (sha256 differs)")
+            _check_hash(case)
             reader = TraceReader(case.file)
             reader.check_calls()
         except BadInput as exc:
@@ -236,7 +241,7 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
 
         def answered(report: ReplayReport, code_id: str) -> None:
             k = next((k for k, (c, _) in enumerate(pending)
-                      if _as_sent(c.file) == report.trace and c.mode == report.mode), None)
+                      if as_sent(c.file) == report.trace and c.mode == report.mode), None)
             if k is not None:
                 case, reader = pending.pop(k)
                 put(_outcome(case, StoredReplay(report, None, spec.resolved(code_id=code_id), reader)))
@@ -255,11 +260,6 @@ def _in_build_workers(cases: list[Case], build: str, jobs: int, device: str,
 
     yield from early
     yield from iter_threads(lane, lanes, jobs=len(lanes))
-
-
-def _as_sent(file: str) -> str:
-    """A trace as a worker names it in its report (replay/worker.py)."""
-    return file if is_remote(file) else str(Path(file).resolve())
 
 
 def _outcome(case: Case, res: StoredReplay) -> CaseOutcome:

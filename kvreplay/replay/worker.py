@@ -47,6 +47,12 @@ from kvreplay.trace.location import is_remote
 CRUMB_ENV = "KVREPLAY_WORKER_PROGRESS"  # the file a worker notes its progress in
 
 
+def as_sent(trace: str | Path) -> str:
+    """A trace as the worker is given it, and names it in its report: a remote trace's URI,
+    else its resolved path."""
+    return str(trace) if is_remote(str(trace)) else str(Path(trace).resolve())
+
+
 def replay_in_worker(trace: str | Path, spec: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                      **options: Any) -> tuple[ReplayReport, str]:
     """Replay ``trace`` on the worker build ``spec``; returns (the report, the commit
@@ -86,7 +92,7 @@ def replay_many_in_worker(traces: list[str | Path], spec: str, *, timeout_s: flo
     scratch = Path(tempfile.mkdtemp(prefix="kvreplay-worker-"))
     crumbs = scratch / "progress"
     env[CRUMB_ENV] = str(crumbs)
-    todo = [str(t) if is_remote(str(t)) else str(Path(t).resolve()) for t in traces]
+    todo = [as_sent(t) for t in traces]
     try:
         while todo:
             request = {"traces": todo, "modes": modes, "cls": s.cls, "spec": spec, "options": options}
