@@ -159,6 +159,60 @@ def _sglang_tree(components: tuple[str, ...], page_size: int):
         tree_components=tuple(getattr(ComponentType, c) for c in components), tree_core_backend="python"))
 
 
+def _mamba_tree(states: int = 4):
+    """sglang 0.5.23's own Mamba tree (components full and Mamba) as the release adapter
+    builds it: the release's request pool class over a state slot allocator of ``states``."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from kvreplay.families.tree.release import ReleaseTree
+
+    return ReleaseTree(UnifiedRadixCache, {"size": 64, "page_size": 1, "state_size": states, "state_grid": 1,
+                                           "state_path_cap": -1})
+
+
+def test_a_mamba_tree_hands_state_slots_as_the_server_does_and_the_wire_records_it(capfd):
+    """A Mamba tree behind the wire: an admitted request holds a state slot, a finished
+    request's checkpoint gives it to the node (no free), a later match that hits the node
+    copies its state into a new slot, an eviction for states frees a node's. The wire
+    takes such a tree (its state side as rows of target state, its settings in the
+    constructor), and says in a line why not when the states live elsewhere."""
+    from kvreplay.families.tree.live import LiveTreeWire, wire_for
+
+    t = _mamba_tree()
+    states: list[tuple[str, tuple]] = []
+    alloc, free = t.state.alloc, t.state.free
+    t.state.alloc = lambda n: states.append(("alloc", alloc(n))) or states[-1][1]
+    t.state.free = lambda runs: states.append(("free", tuple(runs))) or free(runs)
+    pages = (11, 12, 13, 14)
+    assert t.match_prefix(1, pages, 4) == (0, 0)
+    t.group_states(2)
+    t.hold_state(1)
+    t.lock(1, 0)
+    t.extend(1, t.kv.alloc(5))
+    _, _, handle = t.checkpoint(1, (15,), 5, outputs=1)  # the lock moves to the new node
+    t.free_kv_row(1, 5, 5)
+    t.unlock(1, handle)
+    t.release(1)
+    t.ungroup_states()
+    assert states == [("alloc", (1, 2)), ("alloc", (1, 1)), ("free", (2, 1))], states
+    assert t.tree.mamba_evictable_size() == 1  # the node holds the finished request's state slot
+    assert t.match_prefix(2, (*pages, 15, 16), 6)[0] == 5  # a hit: its state copied on write
+    assert states[-1] == ("alloc", (3, 1)) and int(t.requests[2].kv.mamba_pool_idx) == 3
+    t.evict(0, state_num=1)
+    assert states[-1] == ("free", (1, 1)) and t.tree.mamba_evictable_size() == 0
+
+    wire = wire_for(_mamba_tree().tree)
+    assert isinstance(wire, LiveTreeWire) and wire.state is not None and wire.swa is None
+    assert {k: wire.ctor_args[k] for k in ("state_size", "state_grid", "state_path_cap")} == \
+        {"state_size": 4, "state_grid": 1, "state_path_cap": -1}
+    assert capfd.readouterr().err.count("kvreplay:") == 0
+    buffered = _mamba_tree().tree
+    buffered.enable_mamba_extra_buffer = True
+    assert wire_for(buffered) is None
+    said = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("kvreplay:")]
+    assert len(said) == 1 and "extra (ping-pong) buffer" in said[0], said
+
+
 def test_the_tree_wire_records_plain_and_sliding_window_token_trees_and_says_in_a_line_why_not_others(capfd):
     """The wire records a plain tree and a sliding-window one (its window side as rows of
     target swa); a tree with a component it does not speak (Mamba's state), or a paged

@@ -163,6 +163,48 @@ def test_a_window_slot_freed_twice_or_handed_out_while_held_is_named_on_the_wind
     assert (held.call, held.indices, held.sub_pool) == (5, [10], "swa"), held
 
 
+def test_a_state_slot_is_books_of_its_own_and_a_rounds_group_holds_what_it_took() -> None:
+    """A Mamba tree's state slots (logged ``state.alloc`` and ``state.free``): a round's
+    group takes slots at once and hands them out one by one or gives them back, neither a
+    double hand-out nor a double free; a slot freed while free, or handed out while a
+    request or node holds it, is named on the state side."""
+    checker = TreeChecker(PrefixTree(64), keep=50)
+    sizes = {"available": None, "evictable": None, "protected": None}
+    checker.after(1, "group_states", {"need_size": 3}, None, [("state.alloc", [1, 2, 3])], sizes)
+    checker.after(2, "hold_state", {"request": 1}, None, [("state.alloc", [1])], sizes)
+    checker.after(3, "match_prefix", {"request": 2, "pages": (), "length": 4}, (0, 0),
+                  [("state.alloc", [2])], sizes)
+    checker.after(4, "ungroup_states", {}, None, [("state.free", [3])], sizes)
+    assert checker.log.kept == []
+    checker.after(5, "drop_state", {"request": 2}, None, [("state.free", [2])], sizes)
+    checker.after(6, "evict", {"num_tokens": 0, "state_num": 1}, 0, [("state.free", [2])], sizes)
+    checker.after(7, "hold_state", {"request": 3}, None, [("state.alloc", [1])], sizes)
+    (twice,) = [v for v in checker.log.kept if v.rule == "double-free"]
+    assert (twice.call, twice.method, twice.indices, twice.sub_pool) == (6, "evict", [2], "state"), twice
+    (held,) = [v for v in checker.log.kept if v.rule == "handout-while-owned"]
+    assert (held.call, held.indices, held.sub_pool) == (7, [1], "state"), held
+
+
+def test_a_checkpoint_that_finds_no_state_slot_free_evicts_and_is_not_flagged_for_it() -> None:
+    """A Mamba tree's checkpoint copies a running request's state into a slot of its own;
+    with none free the tree evicts, KV of a leaf included, inside the checkpoint. Those
+    frees are an eviction's (after the failed state allocation), not a checkpoint freeing
+    what the tree holds; the same free without the failed allocation is."""
+    b = Bench(PrefixTree(64))
+    b.admit(1, (), 8)
+    b.finish(1, PAGES, 8)
+    held = sorted(b.checker.owner)
+    assert held and all(b.checker.owner[s] == -2 for s in held)  # the tree's
+    sizes = {"available": None, "evictable": None, "protected": None}
+    b.checker.after(90, "checkpoint", {"request": 5, "pages": (), "up_to": 0}, (0, 0, 0),
+                    [("state.alloc", []), ("free", held[:2]), ("state.free", [4]), ("state.alloc", [4])], sizes)
+    assert [v for v in b.checker.log.kept if v.rule == "freed-cached"] == []
+    b.checker.after(91, "checkpoint", {"request": 5, "pages": (), "up_to": 0}, (0, 0, 0),
+                    [("free", held[2:4])], sizes)
+    (cached,) = [v for v in b.checker.log.kept if v.rule == "freed-cached"]
+    assert cached.call == 91 and cached.indices == held[2:4]
+
+
 def test_freed_cached_and_counted_twice_name_the_checkpoint() -> None:
     b = Bench(variants.FreesCachedPrefix(64, page_size=2))
     b.admit(1, (), 8)

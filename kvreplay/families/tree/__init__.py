@@ -30,8 +30,11 @@ MAX_NUMBER = (1 << 48) - 1  # requests, nodes and lock handles are counted from 
 MAX_HASH = (1 << 63) - 1
 
 METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict", "slide",
+           "hold_state", "drop_state", "group_states", "ungroup_states",
            "alloc", "free", "available_size", "evictable_size", "protected_size")
-VOID_METHODS = frozenset({"unlock", "extend", "free_kv_row", "release", "free", "slide"})
+VOID_METHODS = frozenset({"unlock", "extend", "free_kv_row", "release", "free", "slide",
+                          "hold_state", "drop_state", "group_states", "ungroup_states"})
+STATE_ARGS = ("state_size", "state_grid", "state_path_cap")  # a Mamba tree's (all or none)
 
 
 def _check_ctor(args: dict[str, Any]) -> None:
@@ -46,21 +49,36 @@ def _check_ctor(args: dict[str, Any]) -> None:
             raise ValueError(f"constructor argument {name} is not a whole number from 0 to {MAX_TREE_SLOTS:,}")
     if bool(args.get("swa_size")) != bool(args.get("sliding_window")):
         raise ValueError("constructor arguments swa_size and sliding_window come together")
+    given = [name for name in STATE_ARGS if name in args]
+    if given:
+        if len(given) != len(STATE_ARGS):
+            raise ValueError(f"constructor arguments {', '.join(STATE_ARGS)} come together")
+        for name in ("state_size", "state_grid"):
+            v = args[name]
+            if type(v) is not int or not 1 <= v <= MAX_TREE_SLOTS:
+                raise ValueError(f"constructor argument {name} is not a whole number from 1 to {MAX_TREE_SLOTS:,}")
+        v = args["state_path_cap"]
+        if type(v) is not int or not -1 <= v <= MAX_TREE_SLOTS:
+            raise ValueError(f"constructor argument state_path_cap is not a whole number from -1 to {MAX_TREE_SLOTS:,}")
+        if args.get("swa_size"):
+            raise ValueError("a tree has a sliding window or Mamba states, not both (the wire records neither pair)")
 
 
 def _value_bounds(ctor: dict[str, Any]) -> dict[str, Bound]:
     size = int(ctor["size"])
+    largest = max(size, int(ctor.get("swa_size") or 0), int(ctor.get("state_size") or 0))
     number = Bound(0, MAX_NUMBER, what="a request, node or lock number")
     tokens = Bound(0, MAX_POOL_SLOTS, what="a token count")
     return {
         "request": number, "node": number, "handle": number,
         "pages": Bound(0, MAX_HASH, longest=MAX_POOL_SLOTS, what="a page hash"),
         # (start, length) pairs of slots: each in the pool; their total is checked per call
-        "runs": Bound(0, max(size, int(ctor.get("swa_size") or 0)), longest=2 * size, what="a slot run"),
+        "runs": Bound(0, largest, longest=2 * largest, what="a slot run"),
         "length": tokens, "up_to": tokens, "outputs": tokens, "start": tokens, "end": tokens,
-        "need_size": Bound(0, max(size, int(ctor.get("swa_size") or 0)), what="slots to allocate"),
+        "need_size": Bound(0, largest, what="slots to allocate"),
         "num_tokens": Bound(0, MAX_POOL_SLOTS, what="tokens to evict"),
         "swa_num_tokens": Bound(0, MAX_POOL_SLOTS, what="window tokens to evict"),
+        "state_num": Bound(0, MAX_POOL_SLOTS, what="state slots to evict"),
         "pre_len": tokens, "interval": tokens,
     }
 
@@ -79,8 +97,9 @@ TREE = Family(
     sub_pools=("kv", "evictable", "protected"),
     sub_counters=("available", "full_available", "swa_available"),
     counter_reads=("available_size", "evictable_size", "protected_size"),
-    # the KV allocator (a sliding-window tree's full side) and a sliding-window tree's window side
-    sub_allocators=(("kv", "kv"), ("swa", "swa")),
+    # the KV allocator (a sliding-window tree's full side), a sliding-window tree's window side
+    # and a Mamba tree's state slots
+    sub_allocators=(("kv", "kv"), ("swa", "swa"), ("state", "state")),
     unit="slots",
     builtins=(
         BuiltinBuild("tree", "tree", _AT + "tree:PrefixTree",

@@ -34,8 +34,11 @@ from kvreplay.families.tree.runs import from_runs
 
 PENDING, TREE = -1, -2  # owners that are not a request's number
 SUB = "kv"
-WINDOW = "swa."  # a sliding-window tree's window side, in the nested calls' names
+SIDES = ("swa.", "state.")  # a sliding-window tree's window side, a Mamba tree's state slots (nested calls' names)
 _WATCH_MOST = 64  # orphaned nodes read again at each call; the rest count with the size they had
+# a Mamba tree's calls that evict when no state slot is free (a copy-on-write at a match, a
+# checkpoint's copy of a running request's state): their frees after a failed state allocation
+_STATE_EVICTS = frozenset({"match_prefix", "checkpoint"})
 _TREE_CALLS = frozenset({"match_prefix", "lock", "unlock", "checkpoint", "evict", "release", "free_kv_row"})
 
 
@@ -59,7 +62,8 @@ class TreeChecker:
         self._orphaned = 0  # slots of orphaned nodes no longer read again (_WATCH_MOST)
         self._flagged: set[tuple[str, int]] = set()
         self._size_gap = (0, 0)
-        self._window_held: set[int] = set()  # a sliding-window tree's window slots handed out, not freed
+        self._side_held: dict[str, set[int]] = {p: set() for p in SIDES}  # another side's slots handed out
+        self._grouped: set[int] = set()  # state slots a scheduling round took at once, not handed out yet
 
     # -- findings -----------------------------------------------------------------------------------
     def _flag(self, call: int, method: str, rule_id: str, slots: Sequence[int], message: str,
@@ -88,7 +92,7 @@ class TreeChecker:
     def before(self, call: int, method: str) -> None:
         """Told before call ``call`` is issued: an eviction's check needs the locked slots
         as they were."""
-        if method == "evict":
+        if method == "evict" or method in _STATE_EVICTS and getattr(self.tree, "state", None) is not None:
             self._locked = self.tree.locked_slots()
 
     # -- per call -----------------------------------------------------------------------------------
@@ -108,11 +112,15 @@ class TreeChecker:
         (``(method, slots)``), ``counters`` the build's free, evictable and protected
         sizes after it."""
         request = args.get("request")
+        evicting = method == "evict"
         for m, slots in nested:
-            if m.startswith(WINDOW):
-                self._window(call, method, m.removeprefix(WINDOW), slots)
+            side = next((p for p in SIDES if m.startswith(p)), None)
+            if side is not None:
+                self._side(call, method, side, m.removeprefix(side), slots)
+                # no state slot free: the tree evicts (nodes' states and, with a leaf, its KV)
+                evicting = evicting or (side == "state." and m == "state.alloc" and not slots)
             else:
-                self._allocator(call, method, request, m, slots)
+                self._allocator(call, method, request, m, slots, evicting)
         handler = getattr(self, f"_on_{method}", None)
         if handler is not None:
             handler(call, method, args, result)
@@ -120,7 +128,8 @@ class TreeChecker:
             self._nodes(call, method, counters)
         self._books(call, method, counters)
 
-    def _allocator(self, call: int, method: str, request: Any, m: str, slots: list[int]) -> None:
+    def _allocator(self, call: int, method: str, request: Any, m: str, slots: list[int],
+                   evicting: bool = False) -> None:
         if m == "alloc":
             owned = [s for s in slots if s in self.owner]
             if owned:
@@ -134,7 +143,7 @@ class TreeChecker:
         if free:
             self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} slot(s) freed while free")
         cached = [s for s in slots if self.owner.get(s) == TREE]
-        if method == "evict":
+        if evicting:
             locked = [s for s in cached if s in self._locked]
             if locked:
                 self._flag(call, method, "tree-owner/freed-while-locked", locked,
@@ -146,22 +155,33 @@ class TreeChecker:
             if s in self.owner:
                 self._drop(s)
 
-    def _window(self, call: int, method: str, m: str, slots: list[int]) -> None:
-        """A sliding-window tree's window side, as its allocator's own books: it hands out
-        only free window slots and takes back only held ones. Whose a held window slot is
-        (a node's window value, a request's live window) waits for the window's counters."""
-        held = self._window_held
+    def _side(self, call: int, method: str, side: str, m: str, slots: list[int]) -> None:
+        """A window side's or a state side's slots, as its allocator's own books: it hands
+        out only free slots and takes back only held ones. Whose a held one is (a node's
+        value, a request's) waits for those sides' counters. A scheduling round's group of
+        state slots is held by the round until it hands them out or gives them back."""
+        held, sub = self._side_held[side], side.rstrip(".")
+        what = "window" if sub == "swa" else "state"
         if m == "alloc":
-            twice = [s for s in slots if s in held]
+            if method == "group_states":
+                twice = [s for s in slots if s in held or s in self._grouped]
+                self._grouped.update(slots)
+            else:
+                twice = [s for s in slots if s in held]
+                drawn = self._grouped.intersection(slots)
+                self._grouped.difference_update(drawn)
             if twice:
                 self._flag(call, method, "tree-owner/handout-while-owned", twice,
-                           f"the window allocator handed out {len(twice)} window slot(s) still held", sub="swa")
-            held.update(slots)
+                           f"the {what} allocator handed out {len(twice)} {what} slot(s) still held", sub=sub)
+            if method != "group_states":
+                held.update(slots)
             return
-        free = [s for s in slots if s not in held]
+        back = self._grouped.intersection(slots)
+        self._grouped.difference_update(back)
+        free = [s for s in slots if s not in held and s not in back]
         if free:
-            self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} window slot(s) freed while free",
-                       sub="swa")
+            self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} {what} slot(s) freed while free",
+                       sub=sub)
         held.difference_update(slots)
 
     def _who(self, owner: int) -> str:

@@ -22,10 +22,13 @@ allocator at the group's end. The wire records each free where it is asked for, 
 counts what a group holds as free (``available_size``): the books a replay keeps free
 at once. The group's end gives back what was recorded already, and is not recorded.
 
-Only a tree of full attention over a token allocator (page size 1) is recorded; a paged
-server's tree, a hybrid model's (sliding-window or state components), one with a host
-tier and one with no ``checkpoint`` (before 0.5.22) are left alone, with one line on
-stderr saying why."""
+A tree over a token allocator (page size 1) is recorded: full attention alone, with a
+sliding window (target ``swa``), or with Mamba states (target ``state``: the request
+pool's state slots, and the calls that move them outside the tree: ``hold_state`` at
+admission, ``drop_state``, a round's ``group_states`` and ``ungroup_states``). A paged
+server's tree, one with a host tier, a state pool the wire does not speak (an extra
+buffer, a unified memory pool) and one with no ``checkpoint`` (before 0.5.22) are left
+alone, with one line on stderr saying why."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import itertools
 import os
 import struct
 import sys
+import weakref
 from typing import Any
 
 from kvreplay.families.tree.release import TREE_CLASS
@@ -82,11 +86,29 @@ class _LiveWindow:
         """Recorded only: the composite already took the slots off its map."""
 
 
+class _LiveState:
+    """A Mamba tree's state slots in the wire's form (target ``state``): the request pool's
+    state allocator, one slot per request or node. The wire decides which call each
+    allocation and free belongs to (live.py's state shims); these make the real call."""
+
+    def __init__(self, wire: LiveTreeWire) -> None:
+        self._wire = wire
+
+    def alloc(self, need_size: int) -> tuple[int, ...] | None:
+        got = self._wire._state_take(int(need_size))
+        self._wire._state_got = got
+        return None if got is None else to_runs(_slots(got))
+
+    def free(self, runs: tuple[int, ...]) -> None:
+        self._wire._state_free_real(self._wire._state_given)
+
+
 class LiveTreeWire:
     """The wire in front of a running server's tree."""
 
     prefix_tree = True
     swa: _LiveWindow | None = None  # a sliding-window tree's window side
+    state: _LiveState | None = None  # a Mamba tree's state slots
 
     def __init__(self, tree: Any) -> None:
         alloc = tree.token_to_kv_pool_allocator
@@ -108,6 +130,9 @@ class LiveTreeWire:
             window.alloc = self._window_alloc_shim
             self._window_resolve = alloc._free_swa_pages_none_cuda
             alloc._free_swa_pages_none_cuda = self._window_free_shim
+        self.stateful = _stateful(tree)
+        if self.stateful:
+            self._wire_states(tree)
         self.full = full
         self.recorded_class = TREE_CLASS
         self.kv = _LiveSlots(self)
@@ -145,12 +170,34 @@ class LiveTreeWire:
         full.free = self._free_shim
         self.rows.write, self.rows.free, self.rows.alloc = self._write_shim, self._release_shim, self._rows_shim
 
+    def _wire_states(self, tree: Any) -> None:
+        """A Mamba tree: each request holds a state slot (given at admission, or copied from
+        a matched node's), a node keeps the state of the sequence it ends, and the
+        scheduler takes a round's slots from its state allocator in a group."""
+        states = self.rows.mamba_allocator
+        part = next(c for c in tree._components_tuple if getattr(c.component_type, "name", "") == "MAMBA")
+        self.ctor_args.update(state_size=int(states.size), state_grid=int(part.mamba_checkpoint_grid),
+                              state_path_cap=int(part.mamba_max_states_per_path))
+        self.state = _LiveState(self)
+        self._states = states
+        self._state_alloc_real, self._state_free_real = states.alloc, states.free
+        self._group_begin_real, self._group_end_real = states.alloc_group_begin, states.alloc_group_end
+        self._state_take: Any = self._state_alloc_real
+        self._state_got: Any = None
+        self._state_given: Any = None
+        self._admitting: Any = None  # the requests the request pool is giving rows now
+        self._live: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        states.alloc, states.free = self._state_alloc_shim, self._state_free_shim
+        states.alloc_group_begin, states.alloc_group_end = self._group_begin_shim, self._group_end_states_shim
+
     # -- numbers and hashes -----------------------------------------------------------------------
     def _request(self, req: Any) -> int:
         n = req.__dict__.get(_TAG)
         if n is None:
             n = req.__dict__[_TAG] = next(self._numbers)
             self._hashes[n], self._row_len[n] = [], 0
+            if self.stateful:
+                self._live[n] = req
         self._by_kv[id(req.kv)] = n
         if req.kv.req_pool_idx is not None:
             self._by_row[int(req.kv.req_pool_idx)] = n
@@ -232,6 +279,8 @@ class LiveTreeWire:
         out = {"num_tokens": int(params.num_tokens)}
         if self.windowed:
             out["swa_num_tokens"] = int(getattr(params, "swa_num_tokens", 0) or 0)
+        if self.stateful:
+            out["state_num"] = int(getattr(params, "mamba_num", 0) or 0)
         return out
 
     def _slide_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -289,8 +338,83 @@ class LiveTreeWire:
         finally:
             self._realizing = False
 
+    # -- a Mamba tree's state slots ---------------------------------------------------------------
+    def _state_alloc_shim(self, need_size: int, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self._state_alloc_real(need_size, *args, **kwargs)
+        self._state_got = None
+        if self._inside:  # the tree's own (a copy-on-write at a match, a checkpoint's copy)
+            self.state.alloc(need_size=int(need_size))
+            return self._state_got
+        reqs = self._admitting
+        held = None if reqs is None or int(need_size) != 1 else next(
+            (r for r in reqs if getattr(r.kv, "mamba_pool_idx", None) is None), None)
+        if held is None:  # not the request pool's: recorded as the allocator's own
+            self.state.alloc(need_size=int(need_size))
+            return self._state_got
+        self._call = ((), {})
+        self._inside = True
+        try:
+            self.hold_state(request=self._request(held))
+        finally:
+            self._inside = False
+        return self._state_got
+
+    def _state_free_shim(self, index: Any) -> Any:
+        if index.numel() == 0:
+            return self._state_free_real(index)
+        self._state_given = index
+        try:
+            slots = _slots(index)
+            holder = None if self._inside or len(slots) != 1 else self._holder(slots[0])
+            if holder is None:
+                self.state.free(runs=to_runs(slots))
+                return None
+            self._inside = True
+            try:
+                self.drop_state(request=holder)
+            finally:
+                self._inside = False
+        finally:
+            self._state_given = None
+        return None
+
+    def _holder(self, slot: int) -> int | None:
+        """The request whose state slot this is (its release without a checkpoint, or a
+        waiting request's copy given back), if a request holds it."""
+        for n, req in list(self._live.items()):
+            idx = getattr(req.kv, "mamba_pool_idx", None)
+            if idx is not None and int(idx) == slot:
+                return n
+        return None
+
+    def _group_begin_shim(self, num_reqs: int) -> Any:
+        if int(num_reqs) <= 0 or self._inside:
+            return self._group_begin_real(num_reqs)
+        self._call = ((num_reqs,), {})
+        self._inside = True
+        try:
+            self.group_states(need_size=int(num_reqs))
+        finally:
+            self._inside = False
+        return None
+
+    def _group_end_states_shim(self) -> Any:
+        if self._states._alloc_iter is None or self._inside:
+            return self._group_end_real()
+        self._inside = True
+        try:
+            self.ungroup_states()
+        finally:
+            self._inside = False
+        return None
+
     def _rows_shim(self, reqs: Any, *args: Any, **kwargs: Any) -> Any:
-        got = self._row_alloc(reqs, *args, **kwargs)
+        self._admitting = reqs if self.stateful else None
+        try:
+            got = self._row_alloc(reqs, *args, **kwargs)
+        finally:
+            self._admitting = None
         if got is not None:
             for req in reqs:  # the rows the scheduler writes next belong to these requests
                 if getattr(req, "kv", None) is not None and req.kv.req_pool_idx is not None:
@@ -325,6 +449,8 @@ class LiveTreeWire:
         self._by_kv.pop(id(req.kv), None)
         self._hashes.pop(n, None)
         self._row_len.pop(n, None)
+        if self.stateful:  # a state slot it still names is the tree's now, or free
+            self._live.pop(n, None)
         self.release(request=n)
         return None
 
@@ -376,12 +502,38 @@ class LiveTreeWire:
         args, _ = self._call
         self._row_free(args[0])
 
-    def evict(self, num_tokens: int, swa_num_tokens: int | None = None) -> int:
+    def evict(self, num_tokens: int, swa_num_tokens: int | None = None, state_num: int | None = None) -> int:
         return int(self._pass("evict_for_alloc").num_tokens_evicted)
 
     def slide(self, request: int, pre_len: int, interval: int = 1) -> None:
         """The window moved past the request's oldest slots: their window slots go back."""
         self._pass("evict_sliding_windows")
+
+    def hold_state(self, request: int) -> None:
+        """The request pool gives an admitted request its state slot (nested ``state.alloc``)."""
+        self.state.alloc(need_size=1)
+
+    def drop_state(self, request: int) -> None:
+        """A request's state slot goes back outside the tree's calls: a waiting request's
+        copy when it is not admitted, or a request released without a checkpoint."""
+        self.state.free(runs=to_runs(_slots(self._state_given)))
+
+    def group_states(self, need_size: int) -> None:
+        """A scheduling round takes ``need_size`` state slots at once, if it can; the round's
+        allocations draw on them (nested ``state.alloc``: the slots the group took)."""
+        before = self._states.free_slots
+        self._group_begin_real(need_size)
+        taken = int(before.numel()) - int(self._states.free_slots.numel())
+        if taken > 0:
+            self._state_take = lambda need: before[:taken]
+            try:
+                self.state.alloc(need_size=taken)
+            finally:
+                self._state_take = self._state_alloc_real
+
+    def ungroup_states(self) -> None:
+        """The round gives back the state slots its group did not hand out (nested ``state.free``)."""
+        self._group_end_real()
 
     # -- the counters a row carries ---------------------------------------------------------------
     def available_size(self) -> int:
@@ -423,25 +575,54 @@ def wire_for(obj: Any) -> LiveTreeWire | None:
     return LiveTreeWire(obj)
 
 
+def _parts(tree: Any) -> list[str]:
+    return [getattr(c, "name", str(c)) for c in getattr(tree, "tree_components", ())]
+
+
 def _windowed(tree: Any) -> bool:
-    return [getattr(c, "name", str(c)) for c in getattr(tree, "tree_components", ())] == ["FULL", "SWA"]
+    return _parts(tree) == ["FULL", "SWA"]
+
+
+def _stateful(tree: Any) -> bool:
+    return _parts(tree) == ["FULL", "MAMBA"]
+
+
+def _states_not_recorded(tree: Any) -> str:
+    """Why a Mamba tree's state side is not one the wire speaks ("": it is)."""
+    rows = tree.req_to_token_pool
+    states = getattr(rows, "mamba_allocator", None)
+    if type(states).__name__ != "MambaSlotAllocator" or not hasattr(states, "free_slots"):
+        return "its state allocator is not sglang's plain slot list (a unified memory pool's is not recorded yet)"
+    if getattr(tree, "enable_mamba_extra_buffer", False):
+        return "it keeps Mamba states in an extra (ping-pong) buffer, which the tree wire does not record yet"
+    if getattr(rows, "mamba_ckpt_pool", None) is not None:
+        return "it keeps int8 Mamba checkpoints, which the tree wire does not record"
+    if getattr(getattr(rows, "mamba_pool", None), "replayssm_write_pos", None) is not None:
+        return "its Mamba states replay from a ring (ReplaySSM), which the tree wire does not record"
+    if os.environ.get("SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK", "").lower() in ("1", "true", "yes"):
+        return "SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK is set, which the tree wire does not record"
+    return ""
 
 
 def _not_recorded(tree: Any) -> str:
     """Why the wire leaves a server's tree alone ("": it records it). A tree with a
-    component the wire does not speak (Mamba's state) frees slots through it, and a host
+    component the wire does not speak frees slots through it, and a host
     tier moves slots it has no owner for: recorded as what it is not, such a server
     would show slots lost that are not."""
     if not hasattr(tree, "checkpoint") or int(getattr(tree, "page_size", 1)) != 1:
         return "the tree wire records sglang 0.5.22+ with page size 1 only"
-    parts = [getattr(c, "name", str(c)) for c in getattr(tree, "tree_components", ())]
-    if _windowed(tree):
+    parts = _parts(tree)
+    if _stateful(tree):
+        why = _states_not_recorded(tree)
+        if why:
+            return why
+    elif _windowed(tree):
         alloc = tree.token_to_kv_pool_allocator
         if not hasattr(alloc, "_free_swa_pages_none_cuda") or getattr(alloc, "_swa_req_ring", None):
             return "its sliding-window allocator is not one the tree wire speaks (0.5.23's, without a ring)"
     elif any(p != "FULL" for p in parts):
-        return (f"its components are {', '.join(parts)}; the tree wire records full attention, with or without "
-                "a sliding window (state components are not recorded yet)")
+        return (f"its components are {', '.join(parts)}; the tree wire records full attention alone, with a "
+                "sliding window, or with Mamba states")
     if getattr(tree, "cache_controller", None) is not None:
         return "it has a hierarchical (host) tier, which the tree wire does not record"
     return ""

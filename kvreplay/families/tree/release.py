@@ -23,6 +23,7 @@ import itertools
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ class BehindTheWire:
     tree: Any
     kv: WireSlots
     swa: WindowSlots | None = None  # a sliding-window tree's window side
+    state: StateSlots | None = None  # a Mamba tree's state slots
     page_size = 1
     _page_ids: dict[int, int]
 
@@ -163,6 +165,7 @@ class ReleaseTree(BehindTheWire):
                           "need_sort": bool(ctor.get("need_sort", True))}
         kinds = self._sg["unified_cache.components"].ComponentType
         window = int(ctor.get("sliding_window") or 0)
+        states = int(ctor.get("state_size") or 0)
         extra: dict[str, Any] = {}
         if window:
             # a sliding-window tree: its full and window sides over the composite allocator
@@ -172,11 +175,17 @@ class ReleaseTree(BehindTheWire):
         else:
             token = self._sg["allocator.token"].TokenToKVPoolAllocator
             self.allocator = token(size, torch.int64, "cpu", None, self.ctor_args["need_sort"])
-            components = (kinds.FULL,)
-        self.rows = ReleaseRows()
-        self.tree = self._make_tree(cls, dict(
-            disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
-            page_size=self.page_size, tree_components=components, **extra))
+            components = (kinds.FULL, kinds.MAMBA) if states else (kinds.FULL,)
+        self.rows = self._state_rows(states) if states else ReleaseRows()
+        params = dict(disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.allocator,
+                      page_size=self.page_size, tree_components=components, **extra)
+        if states:
+            self.ctor_args.update({k: int(ctor[k]) for k in ("state_size", "state_grid", "state_path_cap")})
+            with _state_context(int(ctor["state_grid"]), int(ctor["state_path_cap"])):
+                self.tree = self._make_tree(cls, params)
+            self.state = StateSlots(self.rows.mamba_allocator)
+        else:
+            self.tree = self._make_tree(cls, params)
         self.kv = WireSlots(self.allocator.full_attn_allocator if window else self.allocator, self.allocator)
         if window:
             self.swa = WindowSlots(self.allocator)
@@ -214,6 +223,23 @@ class ReleaseTree(BehindTheWire):
                   head_dim=1, swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu")
         return composite(size, swa_size, page_size=self.page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv,
                          need_sort=self.ctor_args["need_sort"])
+
+    def _state_rows(self, size: int) -> Any:
+        """The request pool of a Mamba tree: the release's own request pool class (the tree
+        asks for it) over this module's rows, with the release's state slot allocator and
+        a state store of no bytes (the tree copies states; the copies are not the books)."""
+        try:
+            hybrid = importlib.import_module("sglang.srt.mem_cache.memory_pool").HybridReqToTokenPool
+            slots = importlib.import_module("sglang.srt.mem_cache.allocator.mamba").MambaSlotAllocator
+        except (ModuleNotFoundError, AttributeError) as exc:
+            raise BuildUnsupported(f"this release has no {getattr(exc, 'name', None) or exc}: no Mamba tree "
+                                   "the wire speaks") from None
+        rows = type("StateRows", (ReleaseRows, hybrid), {"__init__": ReleaseRows.__init__})()
+        rows.mamba_allocator = slots(size, "cpu")
+        rows.mamba_pool = SimpleNamespace(copy_from=lambda src, dst: None, replayssm_write_pos=None,
+                                          replayssm_spec_write_pos=None)
+        rows.enable_mamba_extra_buffer = False
+        return rows
 
     def _check_era(self, cls: type, batch: Any) -> None:
         if not hasattr(cls, "checkpoint") or not hasattr(batch, "ReqKvInfo"):
@@ -267,7 +293,8 @@ class ReleaseTree(BehindTheWire):
         self._learn(req, pages, int(length))
         sg = self._sg
         key = sg["radix_cache"].RadixKey(req.full_untruncated_fill_ids, limit=int(length))
-        got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req))
+        cow = {"cow_mamba": True} if self.state is not None else {}  # the scheduler's, for a Mamba tree
+        got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req, **cow))
         matched = int(got.device_prefix_len)
         req.last_node = got.last_device_node
         req.swa_branching_seqlen = getattr(got, "swa_branching_seqlen", None)  # as the scheduler's match keeps it
@@ -327,11 +354,43 @@ class ReleaseTree(BehindTheWire):
         if req is not None and req.kv.req_pool_idx is not None:
             self.rows.rows.pop(req.kv.req_pool_idx, None)
 
-    def evict(self, num_tokens: int, swa_num_tokens: int | None = None) -> int:
-        window = {} if swa_num_tokens is None else {"swa_num_tokens": int(swa_num_tokens)}
+    def evict(self, num_tokens: int, swa_num_tokens: int | None = None, state_num: int | None = None) -> int:
+        more = {} if swa_num_tokens is None else {"swa_num_tokens": int(swa_num_tokens)}
+        if state_num is not None:
+            more["mamba_num"] = int(state_num)
         got = self.tree.evict_for_alloc(self._sg["base_prefix_cache"].EvictParams(num_tokens=int(num_tokens),
-                                                                                   **window))
+                                                                                   **more))
         return int(got.num_tokens_evicted)
+
+    def hold_state(self, request: int) -> None:
+        """The request pool gives an admitted request its state slot."""
+        req = self._request(int(request))
+        if self.state is None:
+            raise ValueError("this tree has no Mamba states")
+        self.state.alloc(1)
+        got = self.state.got
+        if got is None:
+            raise RuntimeError("no state slot is free")
+        req.kv.mamba_pool_idx = got[0]
+
+    def drop_state(self, request: int) -> None:
+        """The request's state slot goes back outside the tree's calls."""
+        req = self._request(int(request))
+        if self.state is None or req.kv.mamba_pool_idx is None:
+            raise ValueError(f"request {request} holds no state slot")
+        self.state.allocator.free(req.kv.mamba_pool_idx.reshape(1))
+        req.kv.mamba_pool_idx = None
+
+    def group_states(self, need_size: int) -> None:
+        """A scheduling round takes ``need_size`` state slots at once, if it can."""
+        if self.state is None:
+            raise ValueError("this tree has no Mamba states")
+        self.state.group(int(need_size))
+
+    def ungroup_states(self) -> None:
+        if self.state is None:
+            raise ValueError("this tree has no Mamba states")
+        self.state.allocator.alloc_group_end()
 
     def slide(self, request: int, pre_len: int, interval: int = 1) -> None:
         req = self._request(int(request))
@@ -460,9 +519,90 @@ class WindowSlots:
         """The composite resolved these through its map; its window allocator frees them."""
 
 
+class StateSlots:
+    """A Mamba tree's state slots in the wire's form (target ``state``): the release's
+    state allocator, its allocations and frees logged here wherever the tree or the
+    wire's calls make them."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+        self._alloc, self._free = allocator.alloc, allocator.free
+        self._take = self._alloc
+        self.got: Any = None
+        allocator.alloc, allocator.free = self._tree_alloc, self._tree_free
+
+    def _tree_alloc(self, need_size: int, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self._alloc(need_size, *args, **kwargs)
+        self.got = None
+        self.alloc(int(need_size))
+        return self.got
+
+    def _tree_free(self, index: torch.Tensor) -> None:
+        slots = [int(s) for s in index.reshape(-1).tolist()]
+        if slots:
+            self.free(to_runs(slots))
+
+    def group(self, need_size: int) -> None:
+        """The allocator's group: the slots it takes are logged as one allocation."""
+        before = self.allocator.free_slots
+        self.allocator.alloc_group_begin(need_size)
+        taken = int(before.numel()) - int(self.allocator.free_slots.numel())
+        if taken > 0:
+            self._take = lambda n: before[:taken]
+            try:
+                self.alloc(taken)
+            finally:
+                self._take = self._alloc
+
+    def alloc(self, need_size: int) -> tuple[int, ...] | None:
+        self.got = got = self._take(int(need_size))
+        return None if got is None else to_runs([int(s) for s in got.reshape(-1).tolist()])
+
+    def free(self, runs: tuple[int, ...]) -> None:
+        slots = from_runs(runs)
+        if slots:
+            self._free(torch.tensor(slots, dtype=torch.int64))
+
+
+@contextmanager
+def _state_context(grid: int, path_cap: int) -> Iterator[None]:
+    """What a release's Mamba component reads of the server's settings when it is built
+    (its checkpoint grid, the states a path keeps), as the recording's server had them:
+    no server runs behind a replay."""
+    module = importlib.import_module("sglang.srt.mem_cache.unified_cache.components.mamba")
+    settings = SimpleNamespace(mamba=SimpleNamespace(mamba_max_states_per_path=path_cap,
+                                                     enable_mamba_extra_buffer_lazy=False))
+    saved = {name: getattr(module, name) for name in ("get_exec", "mamba_cache_chunk_size", "mamba_checkpoint_grid")}
+    module.get_exec = lambda: settings
+    module.mamba_cache_chunk_size = lambda: grid
+    module.mamba_checkpoint_grid = lambda page: grid
+    try:
+        yield
+    finally:
+        module.mamba_cache_chunk_size = saved["mamba_cache_chunk_size"]
+        module.mamba_checkpoint_grid = saved["mamba_checkpoint_grid"]
+        # a tree that cannot allocate a state asks again later: without a server, the lazy
+        # extra buffer is off
+        module.get_exec = _or_settings(saved["get_exec"], settings)
+
+
+def _or_settings(real: Any, settings: Any) -> Any:
+    if getattr(real, "_kvreplay_fallback", False):
+        return real
+
+    def get_exec() -> Any:
+        try:
+            return real()
+        except Exception:
+            return settings
+    get_exec._kvreplay_fallback = True  # type: ignore[attr-defined]
+    return get_exec
+
+
 def release_tree(cls: type, ctor: dict[str, Any]) -> ReleaseTree:
     return ReleaseTree(cls, ctor)
 
 
 __all__ = ["ERAS", "PARTIAL", "ROOT", "TREE_CLASS", "UNNAMED", "BehindTheWire", "ReleaseRows", "ReleaseTree",
-           "WindowSlots", "WireSlots", "prompt_length", "release_tree"]
+           "StateSlots", "WindowSlots", "WireSlots", "prompt_length", "release_tree"]

@@ -27,7 +27,10 @@ from kvreplay.trace.reader import TraceReader
 
 KV = "kv"  # the allocator's target in a trace
 SWA = "swa"  # a sliding-window tree's window side
+STATE = "state"  # a Mamba tree's state slots
+SIDES = {SWA: "swa.", STATE: "state."}  # a side's calls in the log, by their prefix
 TREE_METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict", "slide",
+                "hold_state", "drop_state", "group_states", "ungroup_states",
                 "available_size", "evictable_size", "protected_size")
 KV_METHODS = ("alloc", "free")
 # the trace's counter columns, as the tree's reads fill them
@@ -44,11 +47,12 @@ class TreeReplayer(ReplayLoop):
                    checked=checked, whole="tree")
         self.pool = self._build(build, "cpu")
         self.size = int(self.meta.ctor_args["size"])
-        self._slots = max(self.size, int(self.meta.ctor_args.get("swa_size") or 0))  # the larger side's slots
-        self._log: list[tuple[str, list[int]]] = []  # (method, slots); a window side's as "swa.METHOD"
+        self._slots = max(self.size, *(int(self.meta.ctor_args.get(k) or 0) for k in ("swa_size", "state_size")))
+        self._log: list[tuple[str, list[int]]] = []  # (method, slots); another side's as "swa.METHOD", "state.METHOD"
         self._listen(self.pool.kv)
-        if getattr(self.pool, SWA, None) is not None:
-            self._listen(self.pool.swa, "swa.")
+        for target, prefix in SIDES.items():
+            if getattr(self.pool, target, None) is not None:
+                self._listen(getattr(self.pool, target), prefix)
         # recorded -> build's: slots, nodes and lock handles (remap mode)
         self.maps: dict[str, dict[int, int]] | None = ({"slot": {}, "node": {}, "handle": {}}
                                                        if self.mode == "remap" else None)
@@ -77,8 +81,9 @@ class TreeReplayer(ReplayLoop):
         return self.reader.top_calls(device="cpu", nested_args=self.nested_args)
 
     def _fn(self, target: str, method: str) -> Callable[..., Any] | None:
-        if target == KV:
-            return getattr(self.pool.kv, method, None) if method in KV_METHODS else None
+        if target in (KV, STATE):  # the scheduler's own calls on an allocator
+            side = getattr(self.pool, target, None)
+            return getattr(side, method, None) if method in KV_METHODS and side is not None else None
         return getattr(self.pool, method, None) if method in TREE_METHODS else None
 
     def step(self, tc: TopCall) -> tuple[Any, BaseException | None]:
@@ -115,7 +120,7 @@ class TreeReplayer(ReplayLoop):
             return result, raised
         # the checker first: a counter divergence says whose books broke, the build's or the recording's
         if self.checker is not None:
-            method = c.method if c.target != KV else f"kv.{c.method}"
+            method = c.method if c.target not in (KV, STATE) else f"{c.target}.{c.method}"
             self.checker.after(n, method, args, result, list(self._log), counters)
         if self.maps is None:
             self._compare(tc, result, counters)
@@ -169,20 +174,20 @@ class TreeReplayer(ReplayLoop):
         if all(w is not None for w in want) and want != got:
             self._diverge(n, c.method, "counter", want, got,
                           _books_gap(want, got, self.checker.gap if self.checker is not None else 0))
-        if c.target == KV:
+        if c.target in (KV, STATE):
             return
-        rec = [(("swa." if x.target == SWA else "") + x.method,
+        rec = [(SIDES.get(x.target, "") + x.method,
                 tuple(plain(x.result if x.method == "alloc" else x.args.get("runs")) or ())) for x in tc.nested]
         got = [(m, to_runs(s)) for m, s in self._log]
         # Side by side: each allocator's own calls in order (a window tree's full and window
         # frees of one node may come in either order, and leave both allocators the same)
-        for side in ("", "swa."):
-            want = _one_free_per_run([x for x in rec if x[0].startswith("swa.") == bool(side)])
-            have = _one_free_per_run([x for x in got if x[0].startswith("swa.") == bool(side)])
+        for side in ("", *SIDES.values()):
+            want = _one_free_per_run([x for x in rec if _side(x[0]) == side])
+            have = _one_free_per_run([x for x in got if _side(x[0]) == side])
             if want != have:
                 first = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b),
                              min(len(want), len(have)))
-                name = "swa." if side else "kv."
+                name = side or "kv."
                 said = [[f"{name}{m.removeprefix(side)} -> {r}" for m, r in calls[first:first + 3]]
                         for calls in (want, have)]
                 self._diverge(n, c.method, "nested", said[0], said[1],
@@ -208,7 +213,7 @@ class TreeReplayer(ReplayLoop):
             self._diverge(n, c.method, "result", rec, result, "the build answered where the recording refused, "
                                                               "or the reverse")
             return
-        allocs = [x.result for x in tc.nested if x.method == "alloc" and x.target != SWA]
+        allocs = [x.result for x in tc.nested if x.method == "alloc" and x.target not in SIDES]
         if c.target == KV and c.method == "alloc":
             allocs.insert(0, rec)
         got = [s for k, s in self._log if k == "alloc"]
@@ -219,6 +224,11 @@ class TreeReplayer(ReplayLoop):
                 and rec[0] != result[0]:
             self._diverge(n, c.method, "result", rec[0], result[0], _result_gap(c.method, rec, result))
         _learn_names(c.method, rec, result, m)
+
+
+def _side(method: str) -> str:
+    """The prefix of the allocator a logged call was made on ("" for the KV allocator)."""
+    return next((p for p in SIDES.values() if method.startswith(p)), "")
 
 
 def _renamed(args: dict[str, Any], names: dict[str, dict[int, int]]) -> dict[str, Any]:

@@ -84,6 +84,7 @@ class PrefixTree:
 
     prefix_tree = True
     swa: Any = None  # a sliding-window tree's window side (target ``swa``): this tree has none
+    state: Any = None  # a Mamba tree's state slots (target ``state``): this tree has none
 
     def __init__(self, size: int, page_size: int = 1, device: Any = "cpu") -> None:
         self.ctor_args = {"size": int(size), "page_size": int(page_size), "device": "cpu"}
@@ -351,10 +352,12 @@ def _common(a: tuple[int, ...], key: tuple[int, ...], at: int) -> int:
 
 def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
     windowed = bool(ctor.get("sliding_window"))
+    stateful = bool(ctor.get("state_size"))
     if cls.__module__.split(".")[0] == "sglang":  # a release's tree, behind the wire
         if not hasattr(cls, "checkpoint") and (hasattr(cls, "cache_finished_req") or hasattr(cls, "insert_req")):
-            if windowed:
-                raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: a sliding-window tree replays on the "
+            if windowed or stateful:
+                kind = "sliding-window" if windowed else "Mamba"
+                raise BuildUnsupported(f"{cls.__module__}.{cls.__name__}: a {kind} tree replays on the "
                                        "wire's own era (0.5.22 and later) only")
             from kvreplay.families.tree.release_radix import RadixRelease, plain_model_ran_radix
 
@@ -366,8 +369,9 @@ def construct(family: Any, cls: type, ctor: dict[str, Any], device: Any) -> Any:
         from kvreplay.families.tree.release import release_tree
 
         return release_tree(cls, ctor)
-    if windowed:
-        raise BuildUnsupported(f"{cls.__name__} has no sliding-window component: a trace of a sliding-window "
+    if windowed or stateful:
+        kind = "sliding-window" if windowed else "Mamba state"
+        raise BuildUnsupported(f"{cls.__name__} has no {kind} component: a trace of a {kind} "
                                "tree replays on sglang's own (--build sglang, sglang==0.5.22 and later)")
     return cls(int(ctor["size"]), int(ctor.get("page_size") or 1), "cpu")
 
