@@ -115,6 +115,64 @@ def test_a_sliding_window_servers_tree_replays_strict_clean_on_the_release_that_
         replay(trace, "builtin:tree", device="cpu")
 
 
+def test_a_mamba_hybrids_tree_replays_strict_clean_on_the_release_that_recorded_it(tmp_path):
+    """A hybrid LFM2 (a convolution layer and a full-attention layer) on sglang's own
+    model code, at page size 1 without the extra buffer (what sglang allows on a CPU): its
+    tree has components full and Mamba, each request a state slot of a pool of 48. The
+    wire records the state slots (target ``state``) where the tree moves them (a hit's
+    copy-on-write, a chunk's copy, a finished request's donation, eviction for states)
+    and where the scheduler does (admission, a round's group, a copy given back); the
+    trace replays strict-clean on the release, and kvreplay's own tree says it has no
+    state component."""
+    import sys
+
+    from servers import RecordedServer
+    from test_live_server import MOONCAKE, START_S
+
+    from kvreplay.workload.drive import DriveConfig, drive
+    from kvreplay.workload.requests import Request, load_requests
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        from tiny_model import make
+    finally:
+        sys.path.pop(0)
+    model = make(tmp_path / "lfm2", conv=True)
+    out = tmp_path / "out"
+    server = RecordedServer(out, lambda port: [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
+        "--device", "cpu", "--page-size", "1", "--disable-overlap-schedule", "--disable-cuda-graph",
+        "--mem-fraction-static", "0.05", "--max-total-tokens", "4096", "--max-mamba-cache-size", "48",
+        "--chunked-prefill-size", "64", "--port", str(port), "--log-level", "warning"],
+        start_s=START_S, record_args=("--cpu-compat", *TREE, "--watch"))
+    # Families of requests sharing 192 tokens (three chunks): a family's first caches its
+    # chunks' states and the others' matches copy one; then Mooncake's, whose long prompts
+    # fill the state pool with chunks' states and make the tree evict them
+    shared = [Request(1000 + k, 0.0, 200, 16, tuple(100 * (k % 6) + b for b in range(12)) + (10_000 + k,))
+              for k in range(24)]
+    try:
+        reqs = load_requests(MOONCAKE, count=24, seed=0, block_tokens=16, length_scale=0.05, output_scale=0.5)
+        served = drive(DriveConfig(url=server.url, concurrency=8), shared + reqs)
+    finally:
+        server.stop(signal.SIGINT)
+    assert served.ok == 48, served.error_kinds
+    assert not (out / "kvreplay-watch.jsonl").exists(), (out / "kvreplay-watch.jsonl").read_text()
+    trace = _tree_trace(out)
+    meta = TraceReader(trace).meta
+    assert meta.ctor_args["state_size"] == 48 and meta.ctor_args["page_size"] == 1, meta.ctor_args
+    counts = _methods(trace)
+    for method in ("hold_state", "group_states", "ungroup_states", "checkpoint", "evict"):
+        assert counts.get(method, 0) > 0, (method, counts)
+    nested = {(tc.call.method, x.method) for tc in TraceReader(trace).top_calls() for x in tc.nested
+              if x.target == "state"}
+    # a hit's copy-on-write, a chunk's copy into a slot of the tree's, eviction for states
+    assert {("match_prefix", "alloc"), ("checkpoint", "alloc"), ("evict", "free")} <= nested, nested
+    r = replay(trace, "sglang", mode="strict", device="cpu")
+    assert r.status == "clean", (r.first_divergence, r.first_violation, r.message)
+    with pytest.raises(BuildUnsupported, match="no Mamba state component"):
+        replay(trace, "builtin:tree", device="cpu")
+
+
 def _methods(trace: Path) -> dict[str, int]:
     from collections import Counter
 

@@ -337,6 +337,22 @@ def test_a_sliding_window_servers_tree_replays_on_the_wires_era_and_before_it_sa
     assert before.status == "unsupported" and "sliding-window tree replays on the wire's own era" in before.message
 
 
+MAMBA_TREE = CORPUS / "live-sglang-0.5.23-tree-mamba48.parquet"
+
+
+def test_a_mamba_hybrids_tree_replays_on_the_wires_era_and_before_it_says_why_not():
+    """The live Mamba hybrid's tree (full and Mamba components): 0.5.22 and 0.5.23 build the
+    same tree over their own request pool class and state slot allocator, and answer it
+    call for call, the state side's rows included; 0.5.21's adapter has no state side
+    the wire speaks, and says so in one line."""
+    reports = _held_to_the_manifest(MAMBA_TREE)
+    assert {k for k in reports} == {("sglang==0.5.23", "strict"), ("sglang==0.5.23", "remap"),
+                                    ("sglang==0.5.22", "strict")}
+    assert all(r.calls_replayed > 5000 for r in reports.values())
+    before = replay(MAMBA_TREE, "sglang==0.5.21", device="cpu")
+    assert before.status == "unsupported" and "Mamba tree replays on the wire's own era" in before.message
+
+
 PARTIAL_PAGE = CORPUS / "sglang-0.5.5-tree-partial-page-leak.parquet"
 
 

@@ -30,10 +30,10 @@ MAX_NUMBER = (1 << 48) - 1  # requests, nodes and lock handles are counted from 
 MAX_HASH = (1 << 63) - 1
 
 METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict", "slide",
-           "hold_state", "drop_state", "group_states", "ungroup_states",
+           "hold_state", "drop_state", "group_states", "ungroup_states", "touch",
            "alloc", "free", "available_size", "evictable_size", "protected_size")
 VOID_METHODS = frozenset({"unlock", "extend", "free_kv_row", "release", "free", "slide",
-                          "hold_state", "drop_state", "group_states", "ungroup_states"})
+                          "hold_state", "drop_state", "group_states", "ungroup_states", "touch"})
 STATE_ARGS = ("state_size", "state_grid", "state_path_cap")  # a Mamba tree's (all or none)
 
 
@@ -79,6 +79,7 @@ def _value_bounds(ctor: dict[str, Any]) -> dict[str, Bound]:
         "num_tokens": Bound(0, MAX_POOL_SLOTS, what="tokens to evict"),
         "swa_num_tokens": Bound(0, MAX_POOL_SLOTS, what="window tokens to evict"),
         "state_num": Bound(0, MAX_POOL_SLOTS, what="state slots to evict"),
+        "cow": Bound(0, 1, what="a copy-on-write flag"),
         "pre_len": tokens, "interval": tokens,
     }
 

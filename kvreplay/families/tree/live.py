@@ -152,7 +152,8 @@ class LiveTreeWire:
         self._alloc_got: Any = None
         self._free_given: Any = None
         names = ("match_prefix", "lock", "unlock", "checkpoint", "free_kv_row", "evict_for_alloc",
-                 *(("evict_sliding_windows",) if self.windowed else ()))
+                 *(("evict_sliding_windows",) if self.windowed else ()),
+                 *(("touch_prefix",) if hasattr(tree, "touch_prefix") else ()))
         real = {name: getattr(tree, name) for name in names}
         self._real = real
         self._alloc_real, self._free_real = alloc.alloc, full.free
@@ -166,6 +167,8 @@ class LiveTreeWire:
         tree.evict_for_alloc = self._shim("evict", self._evict_args, real="evict_for_alloc")
         if self.windowed:
             tree.evict_sliding_windows = self._shim("slide", self._slide_args, real="evict_sliding_windows")
+        if "touch_prefix" in real:
+            tree.touch_prefix = self._shim("touch", self._touch_args, real="touch_prefix")
         alloc.alloc, alloc.free_group_end = self._alloc_shim, self._group_end_shim
         full.free = self._free_shim
         self.rows.write, self.rows.free, self.rows.alloc = self._write_shim, self._release_shim, self._rows_shim
@@ -250,7 +253,19 @@ class LiveTreeWire:
             return None
         n = self._request(req)
         length = len(params.key)
-        return {"request": n, "pages": self._pages(n, params.key.token_ids, length), "length": length}
+        out = {"request": n, "pages": self._pages(n, params.key.token_ids, length), "length": length}
+        if self.stateful:  # the scheduler's own match copies the node's state; a policy's look does not
+            out["cow"] = int(bool(getattr(params, "cow_mamba", False)))
+        return out
+
+    def _touch_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        key = args[0] if args else kwargs["key"]
+        req = _caller_request(sys._getframe(2))
+        if req is None:
+            return None
+        n = self._request(req)
+        length = len(key)
+        return {"request": n, "pages": self._pages(n, key.token_ids, length), "length": length}
 
     def _lock_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         node = args[0] if args else kwargs["node_id"]
@@ -460,10 +475,16 @@ class LiveTreeWire:
         self._result = self._real[name](*args, **kwargs)
         return self._result
 
-    def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
+    def match_prefix(self, request: int, pages: tuple[int, ...], length: int, cow: int | None = None
+                     ) -> tuple[int, int]:
         got = self._pass("match_prefix")
         self._row_len[request] = int(got.device_prefix_len)
         return (int(got.device_prefix_len), self._node(got.last_device_node))
+
+    def touch(self, request: int, pages: tuple[int, ...], length: int) -> None:
+        """The scheduler refreshes a waiting request's cached prefix in the tree's LRU (the
+        walk also splits the node the key ends inside)."""
+        self._pass("touch_prefix")
 
     def lock(self, request: int, node: int) -> int:
         lock = self._pass("lock")

@@ -134,6 +134,11 @@ class BehindTheWire:
             out.extend([PARTIAL] * (n - len(out)))
         return out
 
+    def touch(self, request: int, pages: tuple[int, ...], length: int) -> None:
+        """The scheduler refreshing a waiting request's prefix (0.5.22 and later): a release
+        before it had no such refresh, so here the request only learns its pages."""
+        self._request(int(request)).pages.extend(int(p) for p in pages)
+
     def finished_release(self, row: list[int], up_to: int) -> Any:
         """Around a release's ``cache_finished_req``: the slots of the request's partial last
         page, which those releases free themselves, are left to the wire's ``free_kv_row``
@@ -286,14 +291,16 @@ class ReleaseTree(BehindTheWire):
         return self.rows.rows[req.kv.req_pool_idx]
 
     # -- the wire's calls -------------------------------------------------------------------------
-    def match_prefix(self, request: int, pages: tuple[int, ...], length: int) -> tuple[int, int]:
+    def match_prefix(self, request: int, pages: tuple[int, ...], length: int, cow: int | None = None
+                     ) -> tuple[int, int]:
         req = self._request(int(request))
         if not req.prompt:
             req.prompt = int(length) + 1
         self._learn(req, pages, int(length))
         sg = self._sg
         key = sg["radix_cache"].RadixKey(req.full_untruncated_fill_ids, limit=int(length))
-        cow = {"cow_mamba": True} if self.state is not None else {}  # the scheduler's, for a Mamba tree
+        # a Mamba tree copies the matched node's state for the scheduler's own match (cow), not a policy's look
+        cow = {"cow_mamba": bool(cow)} if self.state is not None and cow is not None else {}
         got = self.tree.match_prefix(sg["base_prefix_cache"].MatchPrefixParams(key=key, req=req, **cow))
         matched = int(got.device_prefix_len)
         req.last_node = got.last_device_node
@@ -302,6 +309,15 @@ class ReleaseTree(BehindTheWire):
         row = self._row(req)
         row[:] = self.tree.path_device_indices(got.last_device_node).tolist()[:matched]
         return (matched, self._number(got.last_device_node))
+
+    def touch(self, request: int, pages: tuple[int, ...], length: int) -> None:
+        """The scheduler refreshes a waiting request's cached prefix: the tree walks its key
+        (bumping the nodes' recency, splitting the node it ends inside) and keeps nothing."""
+        req = self._request(int(request))
+        self._learn(req, pages, int(length))
+        if hasattr(self.tree, "touch_prefix"):
+            self.tree.touch_prefix(self._sg["radix_cache"].RadixKey(req.full_untruncated_fill_ids,
+                                                                    limit=int(length)))
 
     def lock(self, request: int, node: int) -> int:
         node_id = self._node_id.get(int(node))

@@ -30,7 +30,7 @@ SWA = "swa"  # a sliding-window tree's window side
 STATE = "state"  # a Mamba tree's state slots
 SIDES = {SWA: "swa.", STATE: "state."}  # a side's calls in the log, by their prefix
 TREE_METHODS = ("match_prefix", "lock", "unlock", "extend", "checkpoint", "free_kv_row", "release", "evict", "slide",
-                "hold_state", "drop_state", "group_states", "ungroup_states",
+                "hold_state", "drop_state", "group_states", "ungroup_states", "touch",
                 "available_size", "evictable_size", "protected_size")
 KV_METHODS = ("alloc", "free")
 # the trace's counter columns, as the tree's reads fill them

@@ -98,6 +98,7 @@ class PrefixTree:
         self.names: dict[int, int] = {ROOT: ROOT}  # node id -> its number on the wire
         self.by_name: dict[int, Node] = {ROOT: self.root}
         self.requests: dict[int, Held] = {}
+        self.waiting: dict[int, list[int]] = {}  # pages of requests touched before their first match
         self.handles: dict[int, int] = {}  # lock handle -> node id
         self.locked: set[Node] = set()  # nodes whose lock count is above zero
         self._next_node = 1
@@ -124,12 +125,20 @@ class PrefixTree:
         ``(tokens matched, last node)``. The request's row starts as that prefix, all of
         it the tree's (``path_slots(node)``)."""
         r = int(request)
-        known = self.requests[r].pages if r in self.requests else []
+        known = self.requests[r].pages if r in self.requests else self.waiting.pop(r, [])
         known.extend(pages)
         node, slots = self._match(tuple(known[: int(length) // self.page_size]))
         name = self._name(node)
         self.requests[r] = Held(row=list(slots), pages=known, protected=len(slots), last_node=name)
         return (len(slots), name)
+
+    def touch(self, request: int, pages: tuple[int, ...], length: int) -> None:
+        """The scheduler refreshes a waiting request's cached prefix: the walk bumps the
+        recency of the nodes on it and splits the node it ends inside; nothing is held."""
+        r = int(request)
+        known = self.requests[r].pages if r in self.requests else self.waiting.setdefault(r, [])
+        known.extend(pages)
+        self._walk(tuple(known[: int(length) // self.page_size]))
 
     def lock(self, request: int, node: int) -> int:
         """Protect ``node`` and its path from eviction for ``request``: a lock handle."""
@@ -187,6 +196,7 @@ class PrefixTree:
         """The request gives its row back (the request pool's free): whatever it still
         holds and did not free or cache is lost to the pool."""
         self.requests.pop(int(request), None)
+        self.waiting.pop(int(request), None)
 
     def evict(self, num_tokens: int) -> int:
         """Free least recently used unlocked leaves until ``num_tokens`` are freed."""
