@@ -184,7 +184,7 @@ def test_a_mamba_tree_hands_state_slots_as_the_server_does_and_the_wire_records_
     t.state.alloc = lambda n: states.append(("alloc", alloc(n))) or states[-1][1]
     t.state.free = lambda runs: states.append(("free", tuple(runs))) or free(runs)
     pages = (11, 12, 13, 14)
-    assert t.match_prefix(1, pages, 4) == (0, 0)
+    assert t.match_prefix(1, pages, 4, cow=1) == (0, 0)
     t.group_states(2)
     t.hold_state(1)
     t.lock(1, 0)
@@ -196,7 +196,7 @@ def test_a_mamba_tree_hands_state_slots_as_the_server_does_and_the_wire_records_
     t.ungroup_states()
     assert states == [("alloc", (1, 2)), ("alloc", (1, 1)), ("free", (2, 1))], states
     assert t.tree.mamba_evictable_size() == 1  # the node holds the finished request's state slot
-    assert t.match_prefix(2, (*pages, 15, 16), 6)[0] == 5  # a hit: its state copied on write
+    assert t.match_prefix(2, (*pages, 15, 16), 6, cow=1)[0] == 5  # a hit: its state copied on write
     assert states[-1] == ("alloc", (3, 1)) and int(t.requests[2].kv.mamba_pool_idx) == 3
     t.evict(0, state_num=1)
     assert states[-1] == ("free", (1, 1)) and t.tree.mamba_evictable_size() == 0
@@ -211,6 +211,31 @@ def test_a_mamba_tree_hands_state_slots_as_the_server_does_and_the_wire_records_
     assert wire_for(buffered) is None
     said = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("kvreplay:")]
     assert len(said) == 1 and "extra (ping-pong) buffer" in said[0], said
+
+
+def test_a_mamba_tree_that_keeps_a_finished_requests_state_slot_unfreed_is_named_at_the_checkpoint(monkeypatch):
+    """The live Mamba trace on sglang's own tree made to forget one thing: a finished
+    request whose node already has a state must free its own slot, and this tree does
+    not. The slot is neither freed nor the node's: the checker names it at that
+    checkpoint, on the state side, where the unpatched tree replays clean."""
+    from sglang.srt.mem_cache.unified_cache.components import mamba
+
+    from kvreplay.replay.dispatch import replay
+
+    trace = Path(__file__).resolve().parents[1] / "traces" / "live-sglang-0.5.23-tree-mamba48.parquet"
+    real = mamba.MambaComponent.cleanup_after_caching_req
+
+    def forgets(self, req, is_finished, insert_result=None, insert_params=None):
+        if is_finished and insert_result is not None and insert_result.mamba_exist:
+            return None  # the request's slot stays named by nothing
+        return real(self, req, is_finished, insert_result=insert_result, insert_params=insert_params)
+
+    monkeypatch.setattr(mamba.MambaComponent, "cleanup_after_caching_req", forgets)
+    r = replay(trace, "sglang", mode="strict", device="cpu")
+    v = r.first_violation
+    assert v is not None and (v.invariant, v.rule, v.method, v.sub_pool) == \
+        ("tree-owner", "row-leak", "checkpoint", "state"), (v, r.first_divergence)
+    assert "neither freed its state slot" in v.message, v.message
 
 
 def test_the_tree_wire_records_plain_and_sliding_window_token_trees_and_says_in_a_line_why_not_others(capfd):

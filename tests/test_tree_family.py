@@ -163,26 +163,37 @@ def test_a_window_slot_freed_twice_or_handed_out_while_held_is_named_on_the_wind
     assert (held.call, held.indices, held.sub_pool) == (5, [10], "swa"), held
 
 
-def test_a_state_slot_is_books_of_its_own_and_a_rounds_group_holds_what_it_took() -> None:
+def test_a_state_slot_has_one_owner_and_a_request_that_leaves_holding_one_has_lost_it() -> None:
     """A Mamba tree's state slots (logged ``state.alloc`` and ``state.free``): a round's
-    group takes slots at once and hands them out one by one or gives them back, neither a
-    double hand-out nor a double free; a slot freed while free, or handed out while a
-    request or node holds it, is named on the state side."""
+    group takes slots at once and hands them out one by one or gives them back; the
+    request pool's slot and a match's copy are the request's, a finished request's
+    checkpoint gives its slot to the tree. A slot freed while free, handed out while
+    held, or still held by a request that gives its row back is named on the state side."""
     checker = TreeChecker(PrefixTree(64), keep=50)
     sizes = {"available": None, "evictable": None, "protected": None}
     checker.after(1, "group_states", {"need_size": 3}, None, [("state.alloc", [1, 2, 3])], sizes)
     checker.after(2, "hold_state", {"request": 1}, None, [("state.alloc", [1])], sizes)
-    checker.after(3, "match_prefix", {"request": 2, "pages": (), "length": 4}, (0, 0),
+    checker.after(3, "match_prefix", {"request": 2, "pages": (), "length": 4, "cow": 1}, (0, 0),
                   [("state.alloc", [2])], sizes)
     checker.after(4, "ungroup_states", {}, None, [("state.free", [3])], sizes)
+    checker.after(5, "checkpoint", {"request": 1, "pages": (), "up_to": 0, "outputs": 1}, (0, 0, 7), [], sizes)
+    checker.after(6, "unlock", {"request": 1, "handle": 7}, None, [], sizes)
+    checker.after(6, "release", {"request": 1}, None, [], sizes)
+    checker.after(7, "drop_state", {"request": 2}, None, [("state.free", [2])], sizes)
+    checker.after(8, "release", {"request": 2}, None, [], sizes)
     assert checker.log.kept == []
-    checker.after(5, "drop_state", {"request": 2}, None, [("state.free", [2])], sizes)
-    checker.after(6, "evict", {"num_tokens": 0, "state_num": 1}, 0, [("state.free", [2])], sizes)
-    checker.after(7, "hold_state", {"request": 3}, None, [("state.alloc", [1])], sizes)
+    checker.after(9, "evict", {"num_tokens": 0, "state_num": 1}, 0, [("state.free", [1])], sizes)  # the node's
+    checker.after(10, "evict", {"num_tokens": 0, "state_num": 1}, 0, [("state.free", [1])], sizes)
+    checker.after(11, "hold_state", {"request": 3}, None, [("state.alloc", [4])], sizes)
+    checker.after(12, "hold_state", {"request": 4}, None, [("state.alloc", [4])], sizes)
+    checker.after(13, "hold_state", {"request": 5}, None, [("state.alloc", [6])], sizes)
+    checker.after(14, "release", {"request": 5}, None, [], sizes)
     (twice,) = [v for v in checker.log.kept if v.rule == "double-free"]
-    assert (twice.call, twice.method, twice.indices, twice.sub_pool) == (6, "evict", [2], "state"), twice
+    assert (twice.call, twice.method, twice.indices, twice.sub_pool) == (10, "evict", [1], "state"), twice
     (held,) = [v for v in checker.log.kept if v.rule == "handout-while-owned"]
-    assert (held.call, held.indices, held.sub_pool) == (7, [1], "state"), held
+    assert (held.call, held.indices, held.sub_pool) == (12, [4], "state") and "request 3" in held.message, held
+    (leak,) = [v for v in checker.log.kept if v.rule == "row-leak"]
+    assert (leak.call, leak.method, leak.indices, leak.sub_pool) == (14, "release", [6], "state"), leak
 
 
 def test_a_checkpoint_that_finds_no_state_slot_free_evicts_and_is_not_flagged_for_it() -> None:

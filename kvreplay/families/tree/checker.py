@@ -32,7 +32,8 @@ from typing import Any
 from kvreplay.check.rules import RULES, Violation, ViolationLog
 from kvreplay.families.tree.runs import from_runs
 
-PENDING, TREE = -1, -2  # owners that are not a request's number
+# owners that are not a request's number: GROUP a round's state slots, LOST a state slot let go of unfreed
+PENDING, TREE, GROUP, LOST = -1, -2, -3, -4
 SUB = "kv"
 SIDES = ("swa.", "state.")  # a sliding-window tree's window side, a Mamba tree's state slots (nested calls' names)
 _WATCH_MOST = 64  # orphaned nodes read again at each call; the rest count with the size they had
@@ -63,7 +64,7 @@ class TreeChecker:
         self._flagged: set[tuple[str, int]] = set()
         self._size_gap = (0, 0)
         self._side_held: dict[str, set[int]] = {p: set() for p in SIDES}  # another side's slots handed out
-        self._grouped: set[int] = set()  # state slots a scheduling round took at once, not handed out yet
+        self._states: dict[int, int] = {}  # a Mamba tree's state slot -> its owner (a request, TREE, GROUP)
 
     # -- findings -----------------------------------------------------------------------------------
     def _flag(self, call: int, method: str, rule_id: str, slots: Sequence[int], message: str,
@@ -115,12 +116,16 @@ class TreeChecker:
         evicting = method == "evict"
         for m, slots in nested:
             side = next((p for p in SIDES if m.startswith(p)), None)
-            if side is not None:
-                self._side(call, method, side, m.removeprefix(side), slots)
+            if side == "state.":
+                self._state(call, method, request, m.removeprefix(side), slots)
                 # no state slot free: the tree evicts (nodes' states and, with a leaf, its KV)
-                evicting = evicting or (side == "state." and m == "state.alloc" and not slots)
+                evicting = evicting or (m == "state.alloc" and not slots)
+            elif side is not None:
+                self._side(call, method, side, m.removeprefix(side), slots)
             else:
                 self._allocator(call, method, request, m, slots, evicting)
+        if method == "checkpoint" and "outputs" in args and self._states:
+            self._donate(call, method, int(request), result)
         handler = getattr(self, f"_on_{method}", None)
         if handler is not None:
             handler(call, method, args, result)
@@ -156,36 +161,72 @@ class TreeChecker:
                 self._drop(s)
 
     def _side(self, call: int, method: str, side: str, m: str, slots: list[int]) -> None:
-        """A window side's or a state side's slots, as its allocator's own books: it hands
-        out only free slots and takes back only held ones. Whose a held one is (a node's
-        value, a request's) waits for those sides' counters. A scheduling round's group of
-        state slots is held by the round until it hands them out or gives them back."""
-        held, sub = self._side_held[side], side.rstrip(".")
-        what = "window" if sub == "swa" else "state"
+        """A sliding-window tree's window side, as its allocator's own books: it hands out
+        only free slots and takes back only held ones. Whose a held one is (a node's
+        window value, a request's live window) waits for the window's counters."""
+        held = self._side_held[side]
         if m == "alloc":
-            if method == "group_states":
-                twice = [s for s in slots if s in held or s in self._grouped]
-                self._grouped.update(slots)
-            else:
-                twice = [s for s in slots if s in held]
-                drawn = self._grouped.intersection(slots)
-                self._grouped.difference_update(drawn)
+            twice = [s for s in slots if s in held]
             if twice:
                 self._flag(call, method, "tree-owner/handout-while-owned", twice,
-                           f"the {what} allocator handed out {len(twice)} {what} slot(s) still held", sub=sub)
-            if method != "group_states":
-                held.update(slots)
+                           f"the window allocator handed out {len(twice)} window slot(s) still held", sub="swa")
+            held.update(slots)
             return
-        back = self._grouped.intersection(slots)
-        self._grouped.difference_update(back)
-        free = [s for s in slots if s not in held and s not in back]
+        free = [s for s in slots if s not in held]
         if free:
-            self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} {what} slot(s) freed while free",
-                       sub=sub)
+            self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} window slot(s) freed while free",
+                       sub="swa")
         held.difference_update(slots)
 
+    def _state(self, call: int, method: str, request: Any, m: str, slots: list[int]) -> None:
+        """A Mamba tree's state slots and their owners, from the calls: a round's group
+        holds what it took until it hands it out or gives it back; the request pool's
+        slot (``hold_state``) and a match's copy on write are the request's; a
+        checkpoint's copy is the tree's, and so is a finished request's own slot unless
+        the checkpoint freed it (``_donate``). A slot is handed out only while free and
+        freed only while held; a request that gives its row back still holding one has
+        lost it (``_on_release``)."""
+        owners = self._states
+        if m == "alloc":
+            who = (GROUP if method == "group_states" else int(request) if method in ("hold_state", "match_prefix")
+                   else TREE if method in ("checkpoint", "evict") else PENDING)
+            twice = [s for s in slots if s in owners and not (owners[s] == GROUP and who != GROUP)]
+            if twice:
+                self._flag(call, method, "tree-owner/handout-while-owned", twice,
+                           f"the state allocator handed out {len(twice)} state slot(s) still held by "
+                           f"{self._who(owners[twice[0]])}", sub="state")
+            for s in slots:
+                owners[s] = who
+            return
+        free = [s for s in slots if s not in owners]
+        if free:
+            self._flag(call, method, "tree-owner/double-free", free, f"{len(free)} state slot(s) freed while free",
+                       sub="state")
+        for s in slots:
+            owners.pop(s, None)
+
+    def _donate(self, call: int, method: str, r: int, result: Any) -> None:
+        """A finished request's checkpoint: the state slot it still holds is the new last
+        node's now. A build that names the node's state (``state_of``) is held to it: where
+        the node keeps another state (it had one), the request's slot should have been
+        freed, and is lost here."""
+        kept = [s for s, who in self._states.items() if who == r]
+        state_of = getattr(self.tree, "state_of", None)
+        node = result[1] if isinstance(result, (tuple, list)) and len(result) >= 2 else None
+        there = state_of(node) if state_of is not None and node is not None else None
+        for s in kept:
+            if state_of is None or there == s:
+                self._states[s] = TREE
+            else:
+                self._flag(call, method, "tree-owner/row-leak", [s],
+                           f"request {r}'s checkpoint neither freed its state slot {s} nor gave it to the tree "
+                           f"(node {node} keeps {'no state' if there is None else f'state slot {there}'})",
+                           sub="state")
+                self._states[s] = LOST
+
     def _who(self, owner: int) -> str:
-        return {PENDING: "an allocation not yet in a row", TREE: "the tree"}.get(owner, f"request {owner}")
+        return {PENDING: "an allocation not yet in a row", TREE: "the tree",
+                GROUP: "a scheduling round's group", LOST: "no one (lost)"}.get(owner, f"request {owner}")
 
     def _on_match_prefix(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
         r = int(args["request"])
@@ -276,6 +317,13 @@ class TreeChecker:
     def _on_release(self, call: int, method: str, args: dict[str, Any], result: Any) -> None:
         r = int(args["request"])
         self._let_go(call, method, r, "gave its row back")
+        kept = [s for s, who in self._states.items() if who == r]
+        if kept:  # neither freed (drop_state) nor given to the tree (a finished checkpoint)
+            self._flag(call, method, "tree-owner/row-leak", kept,
+                       f"request {r} gave its row back still holding {len(kept)} state slot(s) it neither freed "
+                       "nor gave to the tree", sub="state")
+            for s in kept:
+                self._states[s] = LOST
         if r in self.locks:
             self._flag(call, method, "tree-lock/held-at-release", [],
                        f"request {r} gave its row back still holding lock {self.locks[r]}")

@@ -442,6 +442,14 @@ class ReleaseTree(BehindTheWire):
             n = n.parent
         return out
 
+    def state_of(self, node: int) -> int | None:
+        """The state slot a Mamba tree's node keeps (the state of the sequence ending there)."""
+        n = self._node(node)
+        if n is None or self.state is None:
+            return None
+        value = n.component_data[self._sg["unified_cache.components"].ComponentType.MAMBA].value
+        return None if value is None else int(value.reshape(-1)[0])
+
     def path_slots(self, node: int) -> list[int]:
         node_id = self._node_id.get(int(node))
         return [] if node_id is None else self.tree.path_device_indices(node_id).tolist()
