@@ -7,19 +7,23 @@ Run by scripts/sglang-tier.sh (marker ``live``) in the sglang venv."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from servers import finished_traces, sitecustomize_patching
-from test_live_server import Server, _tiny
+from servers import RecordedServer, finished_traces, sitecustomize_patching
+from test_live_server import MOONCAKE, START_S, Server, _tiny
 
 pytest.importorskip("sglang.srt.mem_cache.unified_radix_cache", reason="sglang not installed")
 
 from kvreplay.errors import BuildUnsupported  # noqa: E402
 from kvreplay.replay.dispatch import replay  # noqa: E402
 from kvreplay.trace.reader import TraceReader  # noqa: E402
+from kvreplay.workload.drive import DriveConfig, drive  # noqa: E402
+from kvreplay.workload.requests import Request, load_requests  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.live]
 TREE = ("--class", "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache")
@@ -115,44 +119,49 @@ def test_a_sliding_window_servers_tree_replays_strict_clean_on_the_release_that_
         replay(trace, "builtin:tree", device="cpu")
 
 
+class Lfm2Server(RecordedServer):
+    """A recorded tiny LFM2 (a convolution layer and a full-attention layer) on sglang's own
+    model code on CPU (``--cpu-compat``): page size 1, no overlap, no extra buffer (what
+    sglang allows a state pool on a CPU), 48 state slots, a 4,096-token pool, chunks of 64."""
+
+    def __init__(self, tmp_path: Path, out: Path, record_args: tuple[str, ...], env: dict[str, str] | None = None
+                 ) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+        try:
+            from tiny_model import make
+        finally:
+            sys.path.pop(0)
+        model = make(tmp_path / "lfm2", conv=True)
+        super().__init__(out, lambda port: [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
+            "--device", "cpu", "--page-size", "1", "--disable-overlap-schedule", "--disable-cuda-graph",
+            "--mem-fraction-static", "0.05", "--max-total-tokens", "4096", "--max-mamba-cache-size", "48",
+            "--chunked-prefill-size", "64", "--port", str(port), "--log-level", "warning"],
+            start_s=START_S, record_args=("--cpu-compat", *TREE, *record_args), env=env)
+
+    def drive(self, n: int, families: int = 0, **kw) -> object:
+        """``families`` groups of requests sharing 192 tokens (three chunks: a family's first
+        caches its chunks' states, the others' matches copy one), then ``n`` of Mooncake's."""
+        shared = [Request(1000 + k, 0.0, 200, 16, tuple(100 * (k % 6) + b for b in range(12)) + (10_000 + k,))
+                  for k in range(4 * families)]
+        reqs = load_requests(MOONCAKE, count=n, seed=0, block_tokens=16, length_scale=0.05, output_scale=0.5) \
+            if n else []
+        return drive(DriveConfig(url=self.url, concurrency=kw.pop("concurrency", 8), **kw), shared + reqs)
+
+
 def test_a_mamba_hybrids_tree_replays_strict_clean_on_the_release_that_recorded_it(tmp_path):
-    """A hybrid LFM2 (a convolution layer and a full-attention layer) on sglang's own
-    model code, at page size 1 without the extra buffer (what sglang allows on a CPU): its
-    tree has components full and Mamba, each request a state slot of a pool of 48. The
-    wire records the state slots (target ``state``) where the tree moves them (a hit's
-    copy-on-write, a chunk's copy, a finished request's donation, eviction for states)
-    and where the scheduler does (admission, a round's group, a copy given back); the
-    trace replays strict-clean on the release, and kvreplay's own tree says it has no
-    state component."""
-    import sys
-
-    from servers import RecordedServer
-    from test_live_server import MOONCAKE, START_S
-
-    from kvreplay.workload.drive import DriveConfig, drive
-    from kvreplay.workload.requests import Request, load_requests
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    try:
-        from tiny_model import make
-    finally:
-        sys.path.pop(0)
-    model = make(tmp_path / "lfm2", conv=True)
+    """A hybrid LFM2 on sglang's own model code: its tree has components full and Mamba,
+    each request a state slot of a pool of 48. The wire records the state slots (target
+    ``state``) where the tree moves them (a hit's copy-on-write, a chunk's copy, a
+    finished request's donation, eviction for states) and where the scheduler does
+    (admission, a round's group, a copy given back); the trace replays strict-clean on
+    the release, and kvreplay's own tree says it has no state component."""
     out = tmp_path / "out"
-    server = RecordedServer(out, lambda port: [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
-        "--device", "cpu", "--page-size", "1", "--disable-overlap-schedule", "--disable-cuda-graph",
-        "--mem-fraction-static", "0.05", "--max-total-tokens", "4096", "--max-mamba-cache-size", "48",
-        "--chunked-prefill-size", "64", "--port", str(port), "--log-level", "warning"],
-        start_s=START_S, record_args=("--cpu-compat", *TREE, "--watch"))
-    # Families of requests sharing 192 tokens (three chunks): a family's first caches its
-    # chunks' states and the others' matches copy one; then Mooncake's, whose long prompts
-    # fill the state pool with chunks' states and make the tree evict them
-    shared = [Request(1000 + k, 0.0, 200, 16, tuple(100 * (k % 6) + b for b in range(12)) + (10_000 + k,))
-              for k in range(24)]
+    server = Lfm2Server(tmp_path, out, ("--watch",))
     try:
-        reqs = load_requests(MOONCAKE, count=24, seed=0, block_tokens=16, length_scale=0.05, output_scale=0.5)
-        served = drive(DriveConfig(url=server.url, concurrency=8), shared + reqs)
+        # Families first; then Mooncake's long prompts fill the state pool with chunks'
+        # states and make the tree evict them
+        served = server.drive(24, families=6)
     finally:
         server.stop(signal.SIGINT)
     assert served.ok == 48, served.error_kinds
@@ -171,6 +180,76 @@ def test_a_mamba_hybrids_tree_replays_strict_clean_on_the_release_that_recorded_
     assert r.status == "clean", (r.first_divergence, r.first_violation, r.message)
     with pytest.raises(BuildUnsupported, match="no Mamba state component"):
         replay(trace, "builtin:tree", device="cpu")
+
+
+# sglang's Mamba tree, made to lose a state slot once: after ARM exists, the first eviction
+# for KV tokens (the scheduler's, short of KV slots) that evicts a leaf with a state drops
+# that state instead of freeing it (in the cache layer's drain, which either tree core's
+# eviction goes through; an eviction for the one state slot a checkpoint needs is left
+# alone, as sglang asserts that it yields it).
+LOSES_EVICTED_STATE = sitecustomize_patching("sglang.srt.mem_cache.unified_radix_cache", '''
+import os
+
+def _patch(module):
+    cls = module.UnifiedRadixCache
+    free_values, evict_for_alloc = cls._free_values, cls.evict_for_alloc
+    state = {"lost": False, "for_kv": False}
+
+    def for_kv(self, params, *args, **kwargs):
+        state["for_kv"] = os.path.exists(ARM) and not state["lost"] and params.num_tokens > 0
+        try:
+            return evict_for_alloc(self, params, *args, **kwargs)
+        finally:
+            state["for_kv"] = False
+
+    def loses(self, device_frees, host_frees):
+        if state["for_kv"] and not state["lost"]:
+            for kind, values in device_frees.items():
+                if getattr(kind, "name", "") == "MAMBA" and values:
+                    state["lost"] = True
+                    values.pop(0)  # taken off the list (drained), never freed
+                    break
+        return free_values(self, device_frees, host_frees)
+    cls._free_values, cls.evict_for_alloc = loses, for_kv
+''')
+
+
+def test_watch_names_a_mamba_tree_that_loses_an_evicted_state_at_its_call_within_a_second(tmp_path):
+    """A Mamba tree that evicts a leaf for KV slots frees its state too. A tree that drops
+    one such state instead of freeing it loses a state slot: the watch names that eviction
+    within a second (the state books, free + the nodes' states + what requests hold, fall
+    one short there), and replay on the unpatched release names it too (the release frees
+    a state slot the recording did not)."""
+    bug = tmp_path / "bug"
+    bug.mkdir()
+    arm = tmp_path / "arm"
+    (bug / "sitecustomize.py").write_text(f"ARM = {str(arm)!r}\n" + LOSES_EVICTED_STATE)
+    out = tmp_path / "out"
+    path = os.pathsep.join(p for p in (str(bug), os.environ.get("PYTHONPATH", "")) if p)
+    server = Lfm2Server(tmp_path, out, ("--watch",), env={"PYTHONPATH": path})
+    try:
+        warm = _warm(server, out)
+        arm.touch()
+        served = server.drive(16)  # Mooncake's long prompts press on the KV pool: the tree evicts leaves
+        time.sleep(2)
+    finally:
+        server.stop(signal.SIGINT)
+    assert served.ok == 16, served.error_kinds
+    findings = [json.loads(line) for line in (out / "kvreplay-watch.jsonl").read_text().splitlines()]
+    assert findings and all(f["call"] > warm for f in findings), (warm, findings)
+    # the watch's build is the patched tree too (the writer runs the user's sitecustomize):
+    # it drops the state as the server did, and its own books say so at that eviction
+    first = findings[0]
+    trace = out / first["trace"]
+    calls = {tc.number: tc.call for tc in TraceReader(trace).top_calls() if tc.number}
+    assert first["rule"] == "tree-books/lost" and calls[first["call"]].method == "evict", first
+    assert "1 state slot(s) lost here" in first["message"], first
+    assert first["t"] - calls[first["call"]].t_end_ns / 1e9 < 1.0, first
+    # unpatched here: the release frees the state the recording dropped, at that call
+    offline = replay(trace, "sglang", device="cpu")
+    d = offline.first_divergence
+    assert d is not None and (d.call, d.kind) == (first["call"], "nested"), d
+    assert "did not free 1 state slot(s)" in d.message and "lost in the recording" in d.message, d
 
 
 def _methods(trace: Path) -> dict[str, int]:

@@ -65,6 +65,10 @@ class TreeChecker:
         self._size_gap = (0, 0)
         self._side_held: dict[str, set[int]] = {p: set() for p in SIDES}  # another side's slots handed out
         self._states: dict[int, int] = {}  # a Mamba tree's state slot -> its owner (a request, TREE, GROUP)
+        # a Mamba tree's state books as the build keeps them (free, evictable, protected), where it says
+        self._state_books = getattr(tree, "state_books", None) if getattr(tree, "state", None) is not None else None
+        self._state_total = int(tree.ctor_args.get("state_size") or 0)
+        self._state_gap = 0
 
     # -- findings -----------------------------------------------------------------------------------
     def _flag(self, call: int, method: str, rule_id: str, slots: Sequence[int], message: str,
@@ -132,6 +136,8 @@ class TreeChecker:
         if method in _TREE_CALLS:
             self._nodes(call, method, counters)
         self._books(call, method, counters)
+        if self._state_books is not None:
+            self._state_books_after(call, method)
 
     def _allocator(self, call: int, method: str, request: Any, m: str, slots: list[int],
                    evicting: bool = False) -> None:
@@ -360,6 +366,29 @@ class TreeChecker:
             self._flag(call, method, "tree-books/counted-twice", [],
                        f"{change} slot(s) counted twice here: free {avail} + evictable {evictable} + protected "
                        f"{protected} + held by requests {self.held} = {self.total + gap} of {self.total}")
+
+    def _state_books_after(self, call: int, method: str) -> None:
+        """sglang's ``[mamba]`` idle check at every call: the build's free state slots, its
+        nodes' states (evictable and protected) and what requests and a round's group hold,
+        by the calls, make the pool. The trace has no counter columns for them; the build
+        says its own, so a tree that lets a state go without freeing it (or counts one
+        twice) is named at that call."""
+        books = self._state_books()
+        if books is None:
+            return
+        avail, evictable, protected = books
+        held = sum(1 for who in self._states.values() if who not in (TREE, LOST))
+        gap = avail + evictable + protected + held - self._state_total
+        if gap == self._state_gap:
+            return
+        change, self._state_gap = gap - self._state_gap, gap
+        said = (f"free {avail} + evictable {evictable} + protected {protected} + held by requests {held} = "
+                f"{self._state_total + gap} of {self._state_total} state slots")
+        if change < 0:
+            self._flag(call, method, "tree-books/lost", [], f"{-change} state slot(s) lost here: {said}", sub="state")
+        else:
+            self._flag(call, method, "tree-books/counted-twice", [], f"{change} state slot(s) counted twice here: "
+                                                                   f"{said}", sub="state")
 
     def _nodes(self, call: int, method: str, counters: dict[str, int | None]) -> None:
         seen: dict[int, tuple[int, int]] = {}  # node -> (lock count, slots), along the paths read

@@ -442,6 +442,14 @@ class ReleaseTree(BehindTheWire):
             n = n.parent
         return out
 
+    def state_books(self) -> tuple[int, int, int] | None:
+        """A Mamba tree's state books: free state slots, and the states its nodes keep,
+        evictable and protected (what sglang's idle check adds up as ``[mamba]``)."""
+        if self.state is None:
+            return None
+        return (int(self.state.allocator.available_size()), int(self.tree.mamba_evictable_size()),
+                int(self.tree.mamba_protected_size()))
+
     def state_of(self, node: int) -> int | None:
         """The state slot a Mamba tree's node keeps (the state of the sequence ending there)."""
         n = self._node(node)

@@ -190,8 +190,7 @@ class TreeReplayer(ReplayLoop):
                 name = side or "kv."
                 said = [[f"{name}{m.removeprefix(side)} -> {r}" for m, r in calls[first:first + 3]]
                         for calls in (want, have)]
-                self._diverge(n, c.method, "nested", said[0], said[1],
-                              "the build's allocator calls differ from the recording")
+                self._diverge(n, c.method, "nested", said[0], said[1], _frees_gap(name, want, have))
                 return
 
     # -- remap --------------------------------------------------------------------------------------
@@ -224,6 +223,24 @@ class TreeReplayer(ReplayLoop):
                 and rec[0] != result[0]:
             self._diverge(n, c.method, "result", rec[0], result[0], _result_gap(c.method, rec, result))
         _learn_names(c.method, rec, result, m)
+
+
+def _frees_gap(name: str, want: list[tuple[str, tuple[int, ...]]], have: list[tuple[str, tuple[int, ...]]]) -> str:
+    """What a nested divergence says: where one side freed slots the other did not (a
+    free the recording lacks is its leak here, unless a later call frees them), or else
+    that the calls differ in order or in what they handed out."""
+    def freed(calls: list[tuple[str, tuple[int, ...]]]) -> set[int]:
+        return {s for m, runs in calls if m.endswith("free") for s in from_runs(runs)}
+
+    kept, extra = freed(have) - freed(want), freed(want) - freed(have)
+    what = {"kv.": "", "swa.": "window ", "state.": "state "}.get(name, "")
+    if kept and not extra:
+        return (f"the recording did not free {len(kept)} {what}slot(s) this build frees here "
+                f"({', '.join(map(str, sorted(kept)[:8]))}): lost in the recording, unless a later call frees them")
+    if extra and not kept:
+        return (f"the recording freed {len(extra)} {what}slot(s) this build keeps here "
+                f"({', '.join(map(str, sorted(extra)[:8]))})")
+    return f"the build's {name.rstrip('.')} allocator calls differ from the recording"
 
 
 def _side(method: str) -> str:
