@@ -38,9 +38,11 @@ import os
 import struct
 import sys
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from kvreplay.families.tree.release import TREE_CLASS
+from kvreplay.families.tree.release import TREE_CLASS, group_taken
 from kvreplay.families.tree.runs import to_runs
 from kvreplay.families.tree.tree import ROOT
 
@@ -226,6 +228,15 @@ class LiveTreeWire:
         return tuple(new)
 
     # -- the shims: the server's calls, recorded as the wire's ------------------------------------
+    @contextmanager
+    def _wire_call(self) -> Iterator[None]:
+        """Inside: a wire call is running, and the tree's calls on itself are its own."""
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
+
     def _shim(self, wire_name: str, wire_args: Any, real: str | None = None) -> Any:
         original = self._real[real or wire_name]
 
@@ -236,11 +247,8 @@ class LiveTreeWire:
             if wire is None:  # not a call the wire records (a match for no request, an unlock of None)
                 return original(*args, **kwargs)
             self._call, self._result = (args, kwargs), None
-            self._inside = True
-            try:
+            with self._wire_call():
                 getattr(self, wire_name)(**wire)  # looked up per call: the recorder wraps it
-            finally:
-                self._inside = False
             return self._result
 
         live.__wrapped__ = original  # type: ignore[attr-defined]
@@ -324,11 +332,8 @@ class LiveTreeWire:
             return original(kv, ranges)
         for start, end in ranges:
             self._call = ((kv, [(start, end)]), {})
-            self._inside = True
-            try:
+            with self._wire_call():
                 self.free_kv_row(request=n, start=int(start), end=int(end))
-            finally:
-                self._inside = False
         return None
 
     def _alloc_shim(self, need_size: int, *args: Any, **kwargs: Any) -> Any:
@@ -368,11 +373,8 @@ class LiveTreeWire:
             self.state.alloc(need_size=int(need_size))
             return self._state_got
         self._call = ((), {})
-        self._inside = True
-        try:
+        with self._wire_call():
             self.hold_state(request=self._request(held))
-        finally:
-            self._inside = False
         return self._state_got
 
     def _state_free_shim(self, index: Any) -> Any:
@@ -385,11 +387,8 @@ class LiveTreeWire:
             if holder is None:
                 self.state.free(runs=to_runs(slots))
                 return None
-            self._inside = True
-            try:
+            with self._wire_call():
                 self.drop_state(request=holder)
-            finally:
-                self._inside = False
         finally:
             self._state_given = None
         return None
@@ -407,21 +406,15 @@ class LiveTreeWire:
         if int(num_reqs) <= 0 or self._inside:
             return self._group_begin_real(num_reqs)
         self._call = ((num_reqs,), {})
-        self._inside = True
-        try:
+        with self._wire_call():
             self.group_states(need_size=int(num_reqs))
-        finally:
-            self._inside = False
         return None
 
     def _group_end_states_shim(self) -> Any:
         if self._states._alloc_iter is None or self._inside:
             return self._group_end_real()
-        self._inside = True
-        try:
+        with self._wire_call():
             self.ungroup_states()
-        finally:
-            self._inside = False
         return None
 
     def _rows_shim(self, reqs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -542,13 +535,11 @@ class LiveTreeWire:
     def group_states(self, need_size: int) -> None:
         """A scheduling round takes ``need_size`` state slots at once, if it can; the round's
         allocations draw on them (nested ``state.alloc``: the slots the group took)."""
-        before = self._states.free_slots
-        self._group_begin_real(need_size)
-        taken = int(before.numel()) - int(self._states.free_slots.numel())
-        if taken > 0:
-            self._state_take = lambda need: before[:taken]
+        taken = group_taken(self._states, self._group_begin_real, need_size)
+        if taken is not None:
+            self._state_take = lambda need: taken
             try:
-                self.state.alloc(need_size=taken)
+                self.state.alloc(need_size=int(taken.numel()))
             finally:
                 self._state_take = self._state_alloc_real
 

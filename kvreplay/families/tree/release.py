@@ -577,13 +577,11 @@ class StateSlots:
 
     def group(self, need_size: int) -> None:
         """The allocator's group: the slots it takes are logged as one allocation."""
-        before = self.allocator.free_slots
-        self.allocator.alloc_group_begin(need_size)
-        taken = int(before.numel()) - int(self.allocator.free_slots.numel())
-        if taken > 0:
-            self._take = lambda n: before[:taken]
+        taken = group_taken(self.allocator, self.allocator.alloc_group_begin, need_size)
+        if taken is not None:
+            self._take = lambda n: taken
             try:
-                self.alloc(taken)
+                self.alloc(int(taken.numel()))
             finally:
                 self._take = self._alloc
 
@@ -595,6 +593,16 @@ class StateSlots:
         slots = from_runs(runs)
         if slots:
             self._free(torch.tensor(slots, dtype=torch.int64))
+
+
+def group_taken(allocator: Any, begin: Any, need_size: int) -> Any:
+    """Begin a state slot allocator's group (``begin``: its ``alloc_group_begin``, or the
+    real one behind a shim) and say which slots it took off the free list (the head of
+    it), or None: the group takes them without an ``alloc`` that could be logged."""
+    before = allocator.free_slots
+    begin(need_size)
+    taken = int(before.numel()) - int(allocator.free_slots.numel())
+    return before[:taken] if taken > 0 else None
 
 
 @contextmanager
@@ -637,4 +645,4 @@ def release_tree(cls: type, ctor: dict[str, Any]) -> ReleaseTree:
 
 
 __all__ = ["ERAS", "PARTIAL", "ROOT", "TREE_CLASS", "UNNAMED", "BehindTheWire", "ReleaseRows", "ReleaseTree",
-           "StateSlots", "WindowSlots", "WireSlots", "prompt_length", "release_tree"]
+           "StateSlots", "WindowSlots", "WireSlots", "group_taken", "prompt_length", "release_tree"]
